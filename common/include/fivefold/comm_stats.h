@@ -1,0 +1,49 @@
+#pragma once
+/// @file comm_stats.h
+/// @brief Counts of every Communicator operation on this rank, per communicator name and op,
+/// so tests and notes can compare measured communication with the formulas.
+///
+/// Two byte counts are kept per operation:
+/// - `bytes`: the payload this rank hands to the operation: the tensor reduced (all_reduce,
+///   reduce_scatter input), the full gathered result (all_gather output), the tensor broadcast,
+///   sent (send, send_recv's send side) or received (recv), all_to_all's input.
+/// - `wire_bytes`: what this rank sends over the network. Exact for send, send_recv and all_to_all
+///   (rows addressed to other ranks). For the library collectives, whose internal algorithm is the
+///   backend's, the bandwidth-optimal (ring) volume per rank, as nccl-tests' bus bandwidth assumes,
+///   with S = payload and N = ranks: all_reduce 2(N-1)/N S, all_gather and reduce_scatter (N-1)/N S,
+///   broadcast (N-1)/N S, recv and barrier 0.
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "fivefold/dist.h"
+
+namespace fivefold::dist {
+
+/// Totals for one (communicator, op) pair.
+struct OpCounts {
+  int64_t calls = 0;       ///< operations issued
+  int64_t bytes = 0;       ///< payload bytes (see file comment)
+  double wire_bytes = 0;   ///< bytes sent by this rank (see file comment)
+};
+
+/// communicator name -> op -> counts.
+using CommStats = std::map<std::string, std::map<Op, OpCounts>>;
+
+/// A copy of this rank's counts so far.
+CommStats comm_stats();
+
+/// Sets every count to zero (e.g. after set-up, before the part a test measures).
+void reset_comm_stats();
+
+/// Counts for one communicator and op (zero if never used).
+OpCounts comm_counts(const std::string& communicator, Op op);
+
+/// Adds one operation to the counts; called by Communicator for every operation it issues.
+void record_comm(const std::string& communicator, Op op, int64_t bytes, double wire_bytes);
+
+/// A readable table of the counts (one row per communicator and op).
+std::string format_comm_stats(const CommStats& stats);
+
+}  // namespace fivefold::dist

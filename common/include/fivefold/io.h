@@ -1,0 +1,51 @@
+#pragma once
+/// @file io.h
+/// @brief Checkpoint files: safetensors (Hugging Face's tensor format) and config.json.
+///
+/// safetensors layout: an 8-byte little-endian header length N, then N bytes of JSON mapping each
+/// tensor name to {"dtype", "shape", "data_offsets": [begin, end)} (offsets relative to the data
+/// section; an optional "__metadata__" maps strings to strings), then the raw little-endian data.
+/// Readers reject truncated files, offsets outside the data, overlapping or unused bytes, unknown
+/// dtypes and shape/size mismatches, with a message naming the file and the problem.
+///
+/// Every write is atomic: the file is written to `<path>.tmp.<pid>`, flushed, then renamed over
+/// `<path>`, so a crash never leaves a half-written file where a good one was.
+
+#include <torch/torch.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace fivefold::io {
+
+/// Named tensors in a stable (sorted) order.
+using TensorMap = std::map<std::string, torch::Tensor>;
+
+/// Writes `tensors` (CPU; any of F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL) and optional string
+/// metadata to `path` atomically.
+void save_safetensors(const std::string& path, const TensorMap& tensors,
+                      const std::map<std::string, std::string>& metadata = {});
+
+/// Reads every tensor of a safetensors file. Throws fivefold::Error on a malformed file.
+TensorMap load_safetensors(const std::string& path);
+
+/// Reads the "__metadata__" entry of a safetensors file (empty if absent).
+std::map<std::string, std::string> load_safetensors_metadata(const std::string& path);
+
+/// Parses safetensors bytes already in memory (`what` names them in errors).
+TensorMap parse_safetensors(const std::string& bytes, const std::string& what);
+
+/// Reads a JSON file (e.g. config.json). Throws fivefold::Error naming the file on a parse error.
+nlohmann::json read_json(const std::string& path);
+
+/// Writes JSON, indented, atomically.
+void write_json(const std::string& path, const nlohmann::json& value);
+
+/// Writes `contents` to `path` atomically (temporary file + rename).
+void write_file_atomic(const std::string& path, const std::string& contents);
+
+/// Reads a whole file. Throws fivefold::Error if it cannot be opened.
+std::string read_file(const std::string& path);
+
+}  // namespace fivefold::io

@@ -1,0 +1,72 @@
+#pragma once
+/// @file runtime.h
+/// @brief What every fivefold program does first: read the launcher's environment, start the
+/// communication backend, give each rank its share of the cores, and check the BLAS library.
+///
+/// ```
+/// int main(int argc, char** argv) {
+///   fivefold::Runtime runtime;               // MPI under mpirun/srun, Gloo under torchrun
+///   auto world = runtime.world();
+///   ...
+/// }
+/// ```
+
+#include <memory>
+#include <string>
+
+#include "fivefold/dist.h"
+
+namespace fivefold {
+
+/// Who started this process, read from the environment before any backend starts.
+struct LaunchInfo {
+  std::string launcher;  ///< "mpirun", "srun", "torchrun" or "single"
+  int rank = 0;          ///< global rank
+  int size = 1;          ///< number of processes
+  int local_rank = 0;    ///< rank among the processes on this machine
+  int local_size = 1;    ///< processes on this machine
+  std::string master_addr;  ///< torchrun's MASTER_ADDR (empty if unset)
+  int master_port = 0;      ///< torchrun's MASTER_PORT (0 if unset)
+  std::string job_id;       ///< unique per job and shared by its ranks (for rendezvous names)
+};
+
+/// Reads OpenMPI (OMPI_COMM_WORLD_*), SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) and
+/// torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) variables.
+/// Throws fivefold::Error for inconsistent values (e.g. RANK >= WORLD_SIZE).
+LaunchInfo read_launch_environment();
+
+/// Options of the runtime; defaults come from the environment.
+struct RuntimeOptions {
+  /// "auto" (MPI under mpirun/srun or alone, Gloo under torchrun), "mpi" or "gloo".
+  /// Default: env FIVEFOLD_BACKEND, else "auto".
+  std::string backend;
+  /// Intra-op threads per rank; 0 = cores / ranks on this machine (at least 1), or
+  /// env FIVEFOLD_THREADS.
+  int threads = 0;
+  /// Skip the reference-BLAS check (benchmarks that measure it themselves).
+  bool check_blas = true;
+};
+
+/// The process-wide runtime. Exactly one may exist at a time; it is torn down (communicators
+/// closed, MPI finalised) when it goes out of scope.
+class Runtime {
+ public:
+  /// Starts the backend chosen by `options` (see RuntimeOptions) and sets up logging.
+  explicit Runtime(RuntimeOptions options = {});
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  /// The communicator of all ranks, named "world".
+  dist::CommunicatorPtr world() const { return world_; }
+  /// The launcher's view of this process.
+  const LaunchInfo& launch() const { return launch_; }
+  /// The backend in use.
+  dist::Backend backend() const { return world_->backend(); }
+
+ private:
+  LaunchInfo launch_;
+  dist::CommunicatorPtr world_;
+};
+
+}  // namespace fivefold

@@ -1,0 +1,60 @@
+#include "fivefold/comm_stats.h"
+
+#include <iomanip>
+#include <mutex>
+#include <sstream>
+
+namespace fivefold::dist {
+namespace {
+std::mutex& stats_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+CommStats& stats_table() {
+  static CommStats table;
+  return table;
+}
+}  // namespace
+
+void record_comm(const std::string& communicator, Op op, int64_t bytes, double wire_bytes) {
+  std::lock_guard<std::mutex> lock(stats_mutex());
+  OpCounts& counts = stats_table()[communicator][op];
+  counts.calls += 1;
+  counts.bytes += bytes;
+  counts.wire_bytes += wire_bytes;
+}
+
+CommStats comm_stats() {
+  std::lock_guard<std::mutex> lock(stats_mutex());
+  return stats_table();
+}
+
+void reset_comm_stats() {
+  std::lock_guard<std::mutex> lock(stats_mutex());
+  stats_table().clear();
+}
+
+OpCounts comm_counts(const std::string& communicator, Op op) {
+  std::lock_guard<std::mutex> lock(stats_mutex());
+  auto comm = stats_table().find(communicator);
+  if (comm == stats_table().end()) return {};
+  auto entry = comm->second.find(op);
+  return entry == comm->second.end() ? OpCounts{} : entry->second;
+}
+
+std::string format_comm_stats(const CommStats& stats) {
+  std::ostringstream out;
+  out << std::left << std::setw(16) << "communicator" << std::setw(16) << "op" << std::right
+      << std::setw(10) << "calls" << std::setw(16) << "bytes" << std::setw(16) << "wire bytes"
+      << "\n";
+  for (const auto& [comm, ops] : stats) {
+    for (const auto& [op, counts] : ops) {
+      out << std::left << std::setw(16) << comm << std::setw(16) << op_name(op) << std::right
+          << std::setw(10) << counts.calls << std::setw(16) << counts.bytes << std::setw(16)
+          << std::fixed << std::setprecision(0) << counts.wire_bytes << "\n";
+    }
+  }
+  return out.str();
+}
+
+}  // namespace fivefold::dist

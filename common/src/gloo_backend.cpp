@@ -1,0 +1,182 @@
+// The c10d/Gloo backend: each operation is one call on a c10d::ProcessGroupGloo, waited for.
+// Gloo in LibTorch 1.13 has no reduce-scatter and gathers only equal-sized tensors, so:
+// - reduce_scatter = all-reduce, then keep this rank's part (2x the traffic of a real one;
+//   chapter 08 builds the ring version from send/recv that fills the gap properly);
+// - all_gather of unequal parts pads every part to the largest, then drops the padding.
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <filesystem>
+
+#include "fivefold/dist.h"
+#include "fivefold/error.h"
+#include "internal.h"
+
+namespace fivefold::dist {
+namespace {
+
+c10d::ReduceOp gloo_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return c10d::ReduceOp::SUM;
+    case ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case ReduceOp::Average: break;
+  }
+  throw Error("Gloo backend: unexpected reduce op");
+}
+
+std::chrono::milliseconds gloo_timeout() {
+  return std::chrono::milliseconds(static_cast<int64_t>(comm_timeout_seconds() * 1000));
+}
+
+class GlooCommunicator final : public Communicator {
+ public:
+  GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int size,
+                   std::shared_ptr<::gloo::transport::Device> device, std::string name)
+      : Communicator(rank, size, std::move(name), Backend::Gloo),
+        store_(std::move(store)),
+        prefix_(std::move(prefix)),
+        device_(std::move(device)) {
+    auto options = c10d::ProcessGroupGloo::Options::create(gloo_timeout());
+    options->devices.push_back(device_);
+    options->threads = 1;  // every operation is waited for at once: one thread is enough
+    auto scoped = c10::make_intrusive<c10d::PrefixStore>(prefix_, store_);
+    group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, size, options);
+  }
+
+ protected:
+  void do_all_reduce(torch::Tensor& tensor, ReduceOp op) override {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = gloo_op(op);
+    group_->allreduce(tensors, options)->wait();
+  }
+
+  void do_all_gather(const torch::Tensor& in, torch::Tensor& out,
+                     const std::vector<int64_t>& dim0_sizes) override {
+    const int64_t largest = *std::max_element(dim0_sizes.begin(), dim0_sizes.end());
+    if (largest == 0) return;
+    auto shape = out.sizes().vec();
+    shape[0] = largest;
+    torch::Tensor padded = torch::zeros(shape, in.options());
+    padded.narrow(0, 0, in.size(0)).copy_(in);
+    std::vector<at::Tensor> inputs{padded};
+    std::vector<std::vector<at::Tensor>> outputs(1);
+    for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty(shape, in.options()));
+    group_->allgather(outputs, inputs)->wait();
+    int64_t offset = 0;
+    for (int i = 0; i < size(); ++i) {
+      out.narrow(0, offset, dim0_sizes[i]).copy_(outputs[0][i].narrow(0, 0, dim0_sizes[i]));
+      offset += dim0_sizes[i];
+    }
+  }
+
+  void do_reduce_scatter(const torch::Tensor& in, torch::Tensor& out,
+                         const std::vector<int64_t>& dim0_sizes, ReduceOp op) override {
+    if (in.numel() == 0) return;
+    torch::Tensor reduced = in.clone();
+    do_all_reduce(reduced, op);
+    int64_t offset = 0;
+    for (int i = 0; i < rank(); ++i) offset += dim0_sizes[i];
+    out.copy_(reduced.narrow(0, offset, dim0_sizes[rank()]));
+  }
+
+  void do_all_to_all(const torch::Tensor& in, torch::Tensor& out,
+                     const std::vector<int64_t>& send_sizes,
+                     const std::vector<int64_t>& recv_sizes) override {
+    at::Tensor input = in;
+    std::vector<int64_t> in_splits = send_sizes, out_splits = recv_sizes;
+    group_->alltoall_base(out, input, out_splits, in_splits)->wait();
+  }
+
+  void do_broadcast(torch::Tensor& tensor, int root) override {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    group_->broadcast(tensors, options)->wait();
+  }
+
+  void do_send(const torch::Tensor& tensor, int dst, int tag) override {
+    std::vector<at::Tensor> tensors{tensor};
+    group_->send(tensors, dst, tag)->wait();
+  }
+
+  void do_recv(torch::Tensor& tensor, int src, int tag) override {
+    std::vector<at::Tensor> tensors{tensor};
+    group_->recv(tensors, src, tag)->wait();
+  }
+
+  void do_send_recv(const torch::Tensor& send_tensor, int dst, torch::Tensor& recv_tensor, int src,
+                    int tag) override {
+    std::vector<at::Tensor> outgoing{send_tensor}, incoming{recv_tensor};
+    auto sent = group_->send(outgoing, dst, tag);
+    auto received = group_->recv(incoming, src, tag);
+    sent->wait();
+    received->wait();
+  }
+
+  void do_barrier() override { group_->barrier()->wait(); }
+
+  std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int color,
+                                         const std::string& name) override {
+    const int new_rank =
+        static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+    // Each split gets its own key space in the store: "<parent>/split<k>/color<c>/".
+    const std::string prefix =
+        prefix_ + "split" + std::to_string(splits_++) + "/color" + std::to_string(color) + "/";
+    return std::make_shared<GlooCommunicator>(store_, prefix, new_rank,
+                                              static_cast<int>(members.size()), device_, name);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string prefix_;
+  std::shared_ptr<::gloo::transport::Device> device_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  int splits_ = 0;
+};
+
+}  // namespace
+
+namespace detail {
+
+CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
+  c10::intrusive_ptr<c10d::Store> store;
+  if (!launch.master_addr.empty() && launch.master_port > 0) {
+    // torchrun: rank 0 serves a TCPStore at MASTER_ADDR:MASTER_PORT (the launcher chose the port).
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<uint16_t>(launch.master_port);
+    options.isServer = launch.rank == 0;
+    options.numWorkers = launch.size;
+    options.timeout = gloo_timeout();
+    store = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, options);
+  } else if (!launch.job_id.empty()) {
+    // mpirun/srun without MASTER_ADDR: a store in a file named after the job, so two jobs on one
+    // machine never meet (no port to collide on). Single machine only.
+    const auto dir = std::filesystem::temp_directory_path();
+    const std::string path = (dir / ("fivefold-rendezvous-" + launch.job_id)).string();
+    store = c10::make_intrusive<c10d::FileStore>(path, launch.size);
+  } else if (launch.size == 1) {
+    store = c10::make_intrusive<c10d::HashStore>();
+  } else {
+    throw Error("Gloo backend: no rendezvous. Set MASTER_ADDR and MASTER_PORT (torchrun does), "
+                "or launch with mpirun/srun");
+  }
+  std::shared_ptr<::gloo::transport::Device> device;
+  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
+    device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  } else if (launch.local_size == launch.size) {
+    device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");  // all on this machine
+  } else {
+    device = c10d::ProcessGroupGloo::createDefaultDevice();
+  }
+  return std::make_shared<GlooCommunicator>(store, "world/", launch.rank, launch.size, device, "world");
+}
+
+}  // namespace detail
+}  // namespace fivefold::dist

@@ -1,0 +1,33 @@
+#pragma once
+// Declarations shared by the files of fivefold_common, not part of its public interface.
+
+#include <memory>
+#include <string>
+
+#include "fivefold/dist.h"
+#include "fivefold/runtime.h"
+
+namespace fivefold::dist::detail {
+
+/// This process's rank in the world (0 before the runtime starts), for messages.
+int global_rank();
+/// Records the world's rank once known.
+void set_global_rank(int rank);
+
+/// Backend-specific part of abort_job: MPI_Abort when MPI is running; nothing otherwise.
+void abort_backend(int code);
+
+/// Starts / stops the thread that aborts the job when an operation exceeds the timeout.
+void start_watchdog();
+void stop_watchdog();
+
+/// MPI: initialises MPI (MPI_THREAD_MULTIPLE) and returns MPI_COMM_WORLD as "world".
+CommunicatorPtr start_mpi_world();
+/// MPI: finalises MPI (after every communicator is gone).
+void stop_mpi();
+
+/// Gloo: rendezvous (TCPStore at MASTER_ADDR:MASTER_PORT, or a FileStore named after the job id
+/// when the launcher is mpirun/srun) and the world process group.
+CommunicatorPtr start_gloo_world(const LaunchInfo& launch);
+
+}  // namespace fivefold::dist::detail

@@ -1,0 +1,1 @@
+// Compiles the precompiled header that every fivefold target reuses (see cmake/Fivefold.cmake).

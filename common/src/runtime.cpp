@@ -1,0 +1,126 @@
+#include "fivefold/runtime.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+
+#include "fivefold/blas.h"
+#include "fivefold/error.h"
+#include "fivefold/log.h"
+#include "internal.h"
+
+namespace fivefold {
+namespace {
+
+std::atomic<int> g_rank{0};
+std::atomic<bool> g_runtime_alive{false};
+
+const char* env(const char* name) {
+  const char* value = std::getenv(name);
+  return (value != nullptr && *value != '\0') ? value : nullptr;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* text = env(name);
+  if (text == nullptr) return fallback;
+  char* end = nullptr;
+  long value = std::strtol(text, &end, 10);
+  FIVEFOLD_CHECK(end != text && *end == '\0', "environment variable ", name,
+                 " must be an integer, got '", text, "'");
+  return static_cast<int>(value);
+}
+
+}  // namespace
+
+namespace dist::detail {
+int global_rank() { return g_rank.load(); }
+void set_global_rank(int rank) { g_rank.store(rank); }
+}  // namespace dist::detail
+
+LaunchInfo read_launch_environment() {
+  LaunchInfo info;
+  if (env("OMPI_COMM_WORLD_SIZE")) {
+    info.launcher = "mpirun";
+    info.rank = env_int("OMPI_COMM_WORLD_RANK", 0);
+    info.size = env_int("OMPI_COMM_WORLD_SIZE", 1);
+    info.local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    info.local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", info.size);
+    if (const char* job = env("OMPI_MCA_ess_base_jobid")) info.job_id = std::string("ompi-") + job;
+  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    info.launcher = "srun";
+    info.rank = env_int("SLURM_PROCID", 0);
+    info.size = env_int("SLURM_NTASKS", 1);
+    info.local_rank = env_int("SLURM_LOCALID", 0);
+    info.local_size = env_int("SLURM_NTASKS_PER_NODE", env("SLURM_NNODES") && env_int("SLURM_NNODES", 1) > 1 ? 1 : info.size);
+    if (const char* job = env("SLURM_JOB_ID")) {
+      info.job_id = std::string("slurm-") + job + "." + (env("SLURM_STEP_ID") ? env("SLURM_STEP_ID") : "0");
+    }
+  } else if (env("WORLD_SIZE") && env("RANK")) {
+    info.launcher = "torchrun";
+    info.rank = env_int("RANK", 0);
+    info.size = env_int("WORLD_SIZE", 1);
+    info.local_rank = env_int("LOCAL_RANK", 0);
+    info.local_size = env_int("LOCAL_WORLD_SIZE", info.size);
+  } else {
+    info.launcher = "single";
+  }
+  if (const char* addr = env("MASTER_ADDR")) info.master_addr = addr;
+  info.master_port = env_int("MASTER_PORT", 0);
+  FIVEFOLD_CHECK(info.size >= 1, info.launcher, ": world size must be >= 1, got ", info.size);
+  FIVEFOLD_CHECK(info.rank >= 0 && info.rank < info.size, info.launcher, ": rank ", info.rank,
+                 " is outside 0..", info.size - 1);
+  FIVEFOLD_CHECK(info.local_size >= 1 && info.local_rank >= 0 && info.local_rank < info.local_size,
+                 info.launcher, ": local rank ", info.local_rank, " / local size ", info.local_size,
+                 " are inconsistent");
+  FIVEFOLD_CHECK(info.master_port >= 0 && info.master_port < 65536, "MASTER_PORT ", info.master_port,
+                 " is not a port number");
+  return info;
+}
+
+Runtime::Runtime(RuntimeOptions options) {
+  FIVEFOLD_CHECK(!g_runtime_alive.exchange(true), "only one fivefold::Runtime may exist at a time");
+  try {
+    launch_ = read_launch_environment();
+    std::string backend = options.backend;
+    if (backend.empty()) backend = env("FIVEFOLD_BACKEND") ? env("FIVEFOLD_BACKEND") : "auto";
+    if (backend == "auto") backend = launch_.launcher == "torchrun" ? "gloo" : "mpi";
+    FIVEFOLD_CHECK(backend == "mpi" || backend == "gloo", "unknown backend '", backend,
+                   "': choose mpi, gloo or auto (FIVEFOLD_BACKEND)");
+    FIVEFOLD_CHECK(!(backend == "mpi" && launch_.launcher == "torchrun"),
+                   "the MPI backend needs mpirun or srun as launcher; under torchrun use "
+                   "FIVEFOLD_BACKEND=gloo");
+
+    world_ = backend == "mpi" ? dist::detail::start_mpi_world() : dist::detail::start_gloo_world(launch_);
+    FIVEFOLD_CHECK(world_->size() == launch_.size || launch_.launcher == "single", "backend sees ",
+                   world_->size(), " ranks but the launcher started ", launch_.size);
+    launch_.rank = world_->rank();
+    launch_.size = world_->size();
+    dist::detail::set_global_rank(world_->rank());
+    set_log_rank(world_->rank(), world_->size());
+
+    // Each rank gets its share of this machine's cores (more would oversubscribe them).
+    int threads = options.threads > 0 ? options.threads : env_int("FIVEFOLD_THREADS", 0);
+    if (threads <= 0) {
+      const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+      threads = std::max(1, cores / launch_.local_size);
+    }
+    torch::set_num_threads(threads);
+
+    dist::detail::start_watchdog();
+    if (options.check_blas) warn_if_reference_blas();
+  } catch (...) {
+    world_.reset();
+    g_runtime_alive = false;
+    throw;
+  }
+}
+
+Runtime::~Runtime() {
+  dist::detail::stop_watchdog();
+  const bool mpi = world_ && world_->backend() == dist::Backend::Mpi;
+  world_.reset();
+  if (mpi) dist::detail::stop_mpi();
+  g_runtime_alive = false;
+}
+
+}  // namespace fivefold

@@ -1,0 +1,191 @@
+// The small things of fivefold_common: argument parsing, per-name seeding and shards, tensor
+// comparison reports, reading the launcher's environment, and the BLAS check.
+
+#include <cstdlib>
+
+#include "fivefold/blas.h"
+#include "fivefold/cli.h"
+#include "fivefold/error.h"
+#include "fivefold/runtime.h"
+#include "fivefold/seed.h"
+#include "testing.h"
+
+using fivefold::Error;
+
+namespace {
+fivefold::ArgParser make_parser() {
+  fivefold::ArgParser parser("prog", "test program");
+  parser.option("steps", "10", "optimizer steps").option("lr", "3e-4", "learning rate");
+  parser.option("ranks", "2,4", "rank counts").option("name", "", "a name").flag("json", "print JSON");
+  return parser;
+}
+
+bool parse(fivefold::ArgParser& parser, std::vector<const char*> args) {
+  args.insert(args.begin(), "prog");
+  return parser.parse(static_cast<int>(args.size()), args.data());
+}
+}  // namespace
+
+TEST(ArgParser, DefaultsValuesAndFlags) {
+  auto parser = make_parser();
+  ASSERT_TRUE(parse(parser, {"--steps", "25", "--lr=0.01", "--json"}));
+  EXPECT_EQ(parser.integer("steps"), 25);
+  EXPECT_DOUBLE_EQ(parser.real("lr"), 0.01);
+  EXPECT_TRUE(parser.on("json"));
+  EXPECT_EQ(parser.integers("ranks"), (std::vector<int64_t>{2, 4}));
+  EXPECT_TRUE(parser.given("steps"));
+  EXPECT_FALSE(parser.given("ranks"));
+  EXPECT_NE(parser.help().find("--steps VALUE"), std::string::npos);
+  EXPECT_NE(parser.help().find("(default: 10)"), std::string::npos);
+}
+
+TEST(ArgParser, BadInputIsAClearError) {
+  auto unknown = make_parser();
+  EXPECT_THROW(parse(unknown, {"--stpes", "3"}), Error);
+  auto missing = make_parser();
+  EXPECT_THROW(parse(missing, {"--steps"}), Error);
+  auto stray = make_parser();
+  EXPECT_THROW(parse(stray, {"oops"}), Error);
+  auto flag_value = make_parser();
+  EXPECT_THROW(parse(flag_value, {"--json=1"}), Error);
+  auto not_int = make_parser();
+  ASSERT_TRUE(parse(not_int, {"--steps", "12x", "--ranks", "2,x"}));
+  try {
+    not_int.integer("steps");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--steps expects an integer, got '12x'"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(not_int.integers("ranks"), Error);
+  EXPECT_THROW(not_int.str("undeclared"), Error);
+}
+
+TEST(Seeding, DependsOnSeedAndNameOnly) {
+  EXPECT_EQ(fivefold::seed_for(1, "model.layers.0.mlp.up_proj.weight"),
+            fivefold::seed_for(1, "model.layers.0.mlp.up_proj.weight"));
+  EXPECT_NE(fivefold::seed_for(1, "a"), fivefold::seed_for(2, "a"));
+  EXPECT_NE(fivefold::seed_for(1, "model.layers.0.mlp.up_proj.weight"),
+            fivefold::seed_for(1, "model.layers.1.mlp.up_proj.weight"));
+  auto a = torch::randn({8, 8}, fivefold::generator_for(7, "w"));
+  auto b = torch::randn({8, 8}, fivefold::generator_for(7, "w"));
+  auto c = torch::randn({8, 8}, fivefold::generator_for(7, "v"));
+  EXPECT_TENSOR_EQ(a, b);
+  EXPECT_FALSE(torch::equal(a, c));
+}
+
+TEST(Seeding, ShardsAreSlicesOfTheFullTensor) {
+  auto full = torch::randn({12, 8}, fivefold::generator_for(3, "w"));
+  for (int64_t parts : {1, 2, 3, 4}) {
+    std::vector<torch::Tensor> rows;
+    for (int64_t i = 0; i < parts; ++i) rows.push_back(fivefold::shard(full, 0, i, parts));
+    EXPECT_TENSOR_EQ(torch::cat(rows, 0), full);
+  }
+  EXPECT_TENSOR_EQ(fivefold::shard(full, -1, 1, 2), full.narrow(1, 4, 4));
+  EXPECT_THROW(fivefold::shard(full, 0, 0, 5), Error);  // 12 rows do not split into 5
+  EXPECT_THROW(fivefold::shard(full, 2, 0, 2), Error);  // no dimension 2
+  EXPECT_THROW(fivefold::shard(full, 0, 4, 4), Error);  // no part 4 of 4
+}
+
+TEST(CompareTensors, ReportsTheWorstElement) {
+  auto expected = torch::zeros({2, 3});
+  auto actual = expected.clone();
+  actual[1][2] = 0.5;
+  auto diff = fivefold::compare_tensors(actual, expected, 1e-3, 0);
+  EXPECT_FALSE(diff.close);
+  EXPECT_EQ(diff.bad_count, 1);
+  EXPECT_EQ(diff.where, "[1, 2]");
+  EXPECT_DOUBLE_EQ(diff.max_abs_error, 0.5);
+  EXPECT_NE(diff.report().find("[1, 2]"), std::string::npos);
+  EXPECT_TRUE(fivefold::compare_tensors(actual, expected, 0.6, 0).close);
+  EXPECT_TRUE(fivefold::compare_tensors(actual, actual, 0, 0).close);
+  EXPECT_TRUE(fivefold::compare_tensors(torch::full({2}, NAN), torch::full({2}, NAN), 0, 0).close);
+  EXPECT_FALSE(fivefold::compare_tensors(torch::full({2}, NAN), torch::zeros({2}), 1, 1).close);
+  EXPECT_TRUE(fivefold::compare_tensors(torch::zeros({3}), torch::zeros({2}), 1, 1).shape_mismatch);
+}
+
+namespace {
+// Sets environment variables for one test and restores them afterwards.
+class ScopedEnv {
+ public:
+  explicit ScopedEnv(std::vector<std::pair<std::string, std::string>> vars) {
+    for (const char* name : kLauncherVars) {
+      if (const char* old = std::getenv(name)) saved_.emplace_back(name, old);
+      unsetenv(name);
+    }
+    for (const auto& [k, v] : vars) setenv(k.c_str(), v.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    for (const char* name : kLauncherVars) unsetenv(name);
+    for (const auto& [k, v] : saved_) setenv(k.c_str(), v.c_str(), 1);
+  }
+
+ private:
+  static constexpr const char* kLauncherVars[] = {
+      "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
+      "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid", "SLURM_PROCID", "SLURM_NTASKS",
+      "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
+      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+  std::vector<std::pair<std::string, std::string>> saved_;
+};
+}  // namespace
+
+TEST(LaunchEnvironment, ReadsEachLauncher) {
+  {
+    ScopedEnv env({{"OMPI_COMM_WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_RANK", "5"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+                   {"OMPI_MCA_ess_base_jobid", "123"}});
+    auto info = fivefold::read_launch_environment();
+    EXPECT_EQ(info.launcher, "mpirun");
+    EXPECT_EQ(info.rank, 5);
+    EXPECT_EQ(info.size, 8);
+    EXPECT_EQ(info.local_rank, 1);
+    EXPECT_EQ(info.local_size, 4);
+    EXPECT_EQ(info.job_id, "ompi-123");
+  }
+  {
+    ScopedEnv env({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "3"}, {"SLURM_JOB_ID", "77"}});
+    auto info = fivefold::read_launch_environment();
+    EXPECT_EQ(info.launcher, "srun");
+    EXPECT_EQ(info.rank, 3);
+    EXPECT_EQ(info.size, 4);
+    EXPECT_EQ(info.job_id, "slurm-77.0");
+  }
+  {
+    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29511"}});
+    auto info = fivefold::read_launch_environment();
+    EXPECT_EQ(info.launcher, "torchrun");
+    EXPECT_EQ(info.rank, 1);
+    EXPECT_EQ(info.master_addr, "127.0.0.1");
+    EXPECT_EQ(info.master_port, 29511);
+  }
+  {
+    ScopedEnv env({});
+    auto info = fivefold::read_launch_environment();
+    EXPECT_EQ(info.launcher, "single");
+    EXPECT_EQ(info.size, 1);
+  }
+}
+
+TEST(LaunchEnvironment, InconsistentValuesAreErrors) {
+  {
+    ScopedEnv env({{"RANK", "2"}, {"WORLD_SIZE", "2"}});
+    EXPECT_THROW(fivefold::read_launch_environment(), Error);
+  }
+  {
+    ScopedEnv env({{"RANK", "one"}, {"WORLD_SIZE", "2"}});
+    EXPECT_THROW(fivefold::read_launch_environment(), Error);
+  }
+  {
+    ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}});
+    EXPECT_THROW(fivefold::read_launch_environment(), Error);
+  }
+}
+
+TEST(Blas, OpenBlasIsInUse) {
+  // scripts/setup.sh installs libopenblas0-openmp; without it matmul is ~15x slower.
+  const auto info = fivefold::detect_blas();
+  EXPECT_FALSE(info.library.empty()) << "no BLAS library mapped";
+  EXPECT_FALSE(info.reference) << "reference BLAS in use: " << info.library;
+  EXPECT_GT(fivefold::measure_matmul_gflops(128), 0.0);
+}
