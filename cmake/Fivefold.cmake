@@ -65,6 +65,10 @@ function(fivefold_chapter chapter)
     fivefold_use_pch(${target}_demo)
   endif()
 
+  # The chapter's tests, if any, live in tests/<NN_topic>/ (labelled ch<NN> there).
+  if(EXISTS ${FIVEFOLD_ROOT}/tests/${chapter}/CMakeLists.txt)
+    add_subdirectory(${FIVEFOLD_ROOT}/tests/${chapter} ${CMAKE_BINARY_DIR}/tests/${chapter})
+  endif()
   set(FIVEFOLD_ALL_CHAPTERS ${FIVEFOLD_ALL_CHAPTERS} ${chapter} CACHE INTERNAL "")
 endfunction()
 
@@ -124,4 +128,6 @@ endfunction()
 # mpirun as the tests use it: root is allowed (CI runs as root), more ranks than cores are
 # allowed, and ranks yield the core while they wait (2 cores often run 8-16 ranks).
 set(FIVEFOLD_MPIRUN ${MPIEXEC_EXECUTABLE} --oversubscribe --mca mpi_yield_when_idle 1 CACHE INTERNAL "")
-set(FIVEFOLD_MPI_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1" CACHE INTERNAL "")
+# OMP_WAIT_POLICY=passive: idle OpenMP threads sleep instead of spinning; with several processes
+# on 2 cores, spinning threads made a 1 s test take 15 s (measured, see notes/00_foundation.md).
+set(FIVEFOLD_MPI_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMP_WAIT_POLICY=passive" CACHE INTERNAL "")

@@ -105,6 +105,12 @@ Runtime::Runtime(RuntimeOptions options) {
       threads = std::max(1, cores / launch_.local_size);
     }
     torch::set_num_threads(threads);
+    // OpenMP reads its wait policy when the library loads, before main: too late to set it here.
+    if (launch_.local_size > 1 && env("OMP_WAIT_POLICY") == nullptr) {
+      log0(LogLevel::Warn) << launch_.local_size << " ranks share this machine but OMP_WAIT_POLICY is "
+                           << "unset: idle OpenMP threads spin and slow the other ranks (measured "
+                           << "up to 7x). Launch with OMP_WAIT_POLICY=passive (mpirun -x ...).";
+    }
 
     dist::detail::start_watchdog();
     if (options.check_blas) warn_if_reference_blas();

@@ -200,6 +200,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   std::thread worker_;
 };
 
+/// Shared handle to a communicator (communicators are shared by the mesh, layers and tests).
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 
 /// Ends every process of the job at once with `code` (MPI_Abort under MPI, otherwise _exit).

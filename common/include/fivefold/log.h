@@ -16,7 +16,9 @@ class LogLine {
  public:
   /// @param level severity; @param enabled false drops the line (another rank's log0()).
   LogLine(LogLevel level, bool enabled);
+  /// Moves a line that is being built (returned by log()).
   LogLine(LogLine&&) = default;
+  /// Writes the line.
   ~LogLine();
   /// Appends anything printable to the line.
   template <typename T>

@@ -28,6 +28,7 @@ class DeviceMesh {
   /// Builds the mesh over `world` (its size must equal the product of the sizes). Collective over
   /// `world`: every rank constructs the same mesh. All 2^d - 1 sub-communicators are created here,
   /// in one fixed order, so that later lookups never need a collective.
+  /// @param world the communicator of all ranks.
   /// @param dims (name, size) pairs, slowest first, e.g. {{"pp",2},{"dp",2},{"cp",1},{"tp",2}}.
   DeviceMesh(CommunicatorPtr world, std::vector<std::pair<std::string, int>> dims);
 
