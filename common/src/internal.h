@@ -3,6 +3,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "fivefold/dist.h"
 #include "fivefold/runtime.h"
@@ -23,6 +24,8 @@ void stop_watchdog();
 
 /// MPI: initialises MPI (MPI_THREAD_MULTIPLE) and returns MPI_COMM_WORLD as "world".
 CommunicatorPtr start_mpi_world();
+/// MPI: this rank's index among the ranks on its machine, and their number.
+std::pair<int, int> mpi_node_rank_and_size();
 /// MPI: finalises MPI (after every communicator is gone).
 void stop_mpi();
 

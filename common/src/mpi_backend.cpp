@@ -203,6 +203,18 @@ CommunicatorPtr start_mpi_world() {
   return world;
 }
 
+std::pair<int, int> mpi_node_rank_and_size() {
+  // The ranks that share this machine's memory: exact whatever the launcher said.
+  MPI_Comm node;
+  check_mpi(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node),
+            "MPI_Comm_split_type");
+  int rank = 0, size = 1;
+  MPI_Comm_rank(node, &rank);
+  MPI_Comm_size(node, &size);
+  MPI_Comm_free(&node);
+  return {rank, size};
+}
+
 void stop_mpi() {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <thread>
+#include <tuple>
 
 #include "fivefold/blas.h"
 #include "fivefold/error.h"
@@ -51,7 +52,9 @@ LaunchInfo read_launch_environment() {
     info.rank = env_int("SLURM_PROCID", 0);
     info.size = env_int("SLURM_NTASKS", 1);
     info.local_rank = env_int("SLURM_LOCALID", 0);
-    info.local_size = env_int("SLURM_NTASKS_PER_NODE", env("SLURM_NNODES") && env_int("SLURM_NNODES", 1) > 1 ? 1 : info.size);
+    // Exact per-node counts come from MPI once it starts (Runtime); this is a first guess.
+    info.local_size = env_int("SLURM_NTASKS_PER_NODE", env_int("SLURM_NNODES", 1) == 1 ? info.size : 1);
+    info.local_rank = std::min(info.local_rank, info.local_size - 1);
     if (const char* job = env("SLURM_JOB_ID")) {
       info.job_id = std::string("slurm-") + job + "." + (env("SLURM_STEP_ID") ? env("SLURM_STEP_ID") : "0");
     }
@@ -95,6 +98,9 @@ Runtime::Runtime(RuntimeOptions options) {
                    world_->size(), " ranks but the launcher started ", launch_.size);
     launch_.rank = world_->rank();
     launch_.size = world_->size();
+    if (world_->backend() == dist::Backend::Mpi) {
+      std::tie(launch_.local_rank, launch_.local_size) = dist::detail::mpi_node_rank_and_size();
+    }
     dist::detail::set_global_rank(world_->rank());
     set_log_rank(world_->rank(), world_->size());
 
