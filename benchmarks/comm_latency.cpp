@@ -3,8 +3,8 @@
 // (FIVEFOLD_BACKEND=mpi|gloo). Under MPI it also times the raw MPI calls on the same buffers, so
 // the table shows what the interface (queue, checks, statistics) costs on top of MPI.
 //
-//   mpirun -np 4 -x OMP_WAIT_POLICY=passive build/bench_comm_latency [--sizes 1024,262144] [--iters 50]
-//   benchmarks/run_comm_latency.sh      (2/4/8/16 ranks, both backends)
+//   mpirun -np 4 -x OMP_WAIT_POLICY=passive build/bench_comm_latency [--sizes 1024,262144] [--iters
+//   50] benchmarks/run_comm_latency.sh      (2/4/8/16 ranks, both backends)
 //
 // Each figure is the mean over --iters operations after --warmup, taking the slowest rank's time.
 
@@ -36,10 +36,12 @@ double time_op(Communicator& world, int warmup, int iters, const std::function<v
 }  // namespace
 
 int main(int argc, char** argv) {
-  fivefold::ArgParser args("bench_comm_latency",
-                           "All-reduce and send/recv latency and bandwidth through the Communicator.");
+  fivefold::ArgParser args(
+      "bench_comm_latency",
+      "All-reduce and send/recv latency and bandwidth through the Communicator.");
   args.option("sizes", "1,1024,65536,262144,1048576", "message sizes in float32 elements");
-  args.option("iters", "50", "timed operations per size").option("warmup", "5", "untimed operations first");
+  args.option("iters", "50", "timed operations per size")
+      .option("warmup", "5", "untimed operations first");
   args.flag("header", "print the table header");
   try {
     if (!args.parse(argc, argv)) return 0;
@@ -51,8 +53,8 @@ int main(int argc, char** argv) {
     FIVEFOLD_CHECK(iters >= 1 && warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
     const bool mpi = world->backend() == fivefold::dist::Backend::Mpi;
     if (world->rank() == 0 && args.on("header")) {
-      std::printf("%-7s %5s %-11s %10s %12s %10s %10s %12s %9s\n", "backend", "ranks", "op", "bytes",
-                  "latency_us", "algbw_GB/s", "busbw_GB/s", "raw_mpi_us", "overhead");
+      std::printf("%-7s %5s %-11s %10s %12s %10s %10s %12s %9s\n", "backend", "ranks", "op",
+                  "bytes", "latency_us", "algbw_GB/s", "busbw_GB/s", "raw_mpi_us", "overhead");
     }
     for (int64_t elements : args.integers("sizes")) {
       FIVEFOLD_CHECK(elements >= 1, "--sizes must be positive");
@@ -64,16 +66,18 @@ int main(int argc, char** argv) {
       double raw = 0;
       if (mpi) {
         raw = time_op(*world, warmup, iters, [&] {
-          MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT, MPI_SUM,
-                        MPI_COMM_WORLD);
+          MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT,
+                        MPI_SUM, MPI_COMM_WORLD);
         });
       }
       if (world->rank() == 0) {
         const double algbw = bytes / t / 1e9;
-        std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10.3f", mpi ? "mpi" : "gloo", n, "all_reduce",
-                    bytes, t * 1e6, algbw, algbw * 2.0 * (n - 1) / n);
-        if (mpi) std::printf(" %12.2f %8.1f%%\n", raw * 1e6, 100.0 * (t - raw) / raw);
-        else std::printf(" %12s %9s\n", "-", "-");
+        std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10.3f", mpi ? "mpi" : "gloo", n,
+                    "all_reduce", bytes, t * 1e6, algbw, algbw * 2.0 * (n - 1) / n);
+        if (mpi)
+          std::printf(" %12.2f %8.1f%%\n", raw * 1e6, 100.0 * (t - raw) / raw);
+        else
+          std::printf(" %12s %9s\n", "-", "-");
       }
 
       // Ping-pong between ranks 0 and 1: latency = half the round trip.
@@ -94,20 +98,27 @@ int main(int argc, char** argv) {
           raw_round = time_op(*world, warmup, iters, [&] {
             const int r = world->rank();
             if (r == 0) {
-              MPI_Send(buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 1, 0, MPI_COMM_WORLD);
-              MPI_Recv(incoming.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 1, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+              MPI_Send(buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 1, 0,
+                       MPI_COMM_WORLD);
+              MPI_Recv(incoming.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 1, 0,
+                       MPI_COMM_WORLD, MPI_STATUS_IGNORE);
             } else if (r == 1) {
-              MPI_Recv(incoming.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-              MPI_Send(buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 0, 0, MPI_COMM_WORLD);
+              MPI_Recv(incoming.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 0, 0,
+                       MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+              MPI_Send(buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 0, 0,
+                       MPI_COMM_WORLD);
             }
           });
         }
         if (world->rank() == 0) {
           const double one_way = round / 2;
-          std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10s", mpi ? "mpi" : "gloo", n, "send_recv",
-                      bytes, one_way * 1e6, bytes / one_way / 1e9, "-");
-          if (mpi) std::printf(" %12.2f %8.1f%%\n", raw_round / 2 * 1e6, 100.0 * (round - raw_round) / raw_round);
-          else std::printf(" %12s %9s\n", "-", "-");
+          std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10s", mpi ? "mpi" : "gloo", n,
+                      "send_recv", bytes, one_way * 1e6, bytes / one_way / 1e9, "-");
+          if (mpi)
+            std::printf(" %12.2f %8.1f%%\n", raw_round / 2 * 1e6,
+                        100.0 * (round - raw_round) / raw_round);
+          else
+            std::printf(" %12s %9s\n", "-", "-");
         }
       }
     }

@@ -15,17 +15,18 @@
 namespace {
 
 int info(int argc, char** argv) {
-  fivefold::ArgParser args("fivefold info", "Prints what this process sees of the job and the machine.");
+  fivefold::ArgParser args("fivefold info",
+                           "Prints what this process sees of the job and the machine.");
   if (!args.parse(argc, argv)) return 0;
   fivefold::Runtime runtime;
   auto world = runtime.world();
   const auto& launch = runtime.launch();
   const auto blas = fivefold::detect_blas();
-  fivefold::log() << "launcher " << launch.launcher << ", backend " << backend_name(world->backend())
-                  << ", rank " << world->rank() << "/" << world->size() << ", local rank "
-                  << launch.local_rank << "/" << launch.local_size << ", torch threads "
-                  << torch::get_num_threads() << ", BLAS " << blas.library
-                  << (blas.reference ? " (REFERENCE: slow)" : "");
+  fivefold::log() << "launcher " << launch.launcher << ", backend "
+                  << backend_name(world->backend()) << ", rank " << world->rank() << "/"
+                  << world->size() << ", local rank " << launch.local_rank << "/"
+                  << launch.local_size << ", torch threads " << torch::get_num_threads()
+                  << ", BLAS " << blas.library << (blas.reference ? " (REFERENCE: slow)" : "");
   auto check = torch::ones({1});
   world->all_reduce(check);
   fivefold::log0() << "all-reduce over " << world->size() << " ranks: " << check.item<float>()

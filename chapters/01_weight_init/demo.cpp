@@ -15,15 +15,18 @@
 using namespace fivefold::ch01;
 
 int main(int argc, char** argv) {
-  fivefold::ArgParser args("ch01_weight_init_demo", "Activation and gradient scale with depth, per init scheme.");
+  fivefold::ArgParser args("ch01_weight_init_demo",
+                           "Activation and gradient scale with depth, per init scheme.");
   args.option("depth", "48", "layers").option("width", "256", "features per layer");
   args.option("batch", "512", "inputs").option("seed", "0", "global seed");
   try {
     if (!args.parse(argc, argv)) return 0;
     fivefold::Runtime runtime;
-    const int64_t depth = args.integer("depth"), width = args.integer("width"), batch = args.integer("batch");
+    const int64_t depth = args.integer("depth"), width = args.integer("width"),
+                  batch = args.integer("batch");
     const auto seed = static_cast<uint64_t>(args.integer("seed"));
-    FIVEFOLD_CHECK(depth >= 2 && width >= 1 && batch >= 2, "need --depth >= 2, --width >= 1, --batch >= 2");
+    FIVEFOLD_CHECK(depth >= 2 && width >= 1 && batch >= 2,
+                   "need --depth >= 2, --width >= 1, --batch >= 2");
 
     struct Row {
       const char* label;
@@ -40,8 +43,11 @@ int main(int argc, char** argv) {
         {"Kaiming, linear (no activation)", {Scheme::Kaiming, Activation::Linear}},
     };
     const int64_t marks[] = {1, depth / 4, depth / 2, depth};
-    std::printf("Deep MLP: %lld layers of %lld, batch %lld; std of layer outputs (a) and of weight gradients (g)\n\n",
-                static_cast<long long>(depth), static_cast<long long>(width), static_cast<long long>(batch));
+    std::printf(
+        "Deep MLP: %lld layers of %lld, batch %lld; std of layer outputs (a) and of weight "
+        "gradients (g)\n\n",
+        static_cast<long long>(depth), static_cast<long long>(width),
+        static_cast<long long>(batch));
     std::printf("%-40s", "scheme");
     for (int64_t m : marks) std::printf("  a@%-8lld", static_cast<long long>(m));
     std::printf("  g@1        g@%-8lld\n", static_cast<long long>(depth));
@@ -54,8 +60,8 @@ int main(int argc, char** argv) {
     std::printf("\nE[f(y)^2] for y ~ N(0,1) and the gains: derived 1/sqrt(E[f^2]) vs LibTorch's\n");
     for (auto a : {Activation::Linear, Activation::ReLU, Activation::Tanh, Activation::SiLU}) {
       const double m = activation_second_moment(a);
-      std::printf("  %-7s E[f^2] = %.4f   gain %.4f   LibTorch gain %.4f\n", activation_name(a).c_str(), m,
-                  1.0 / std::sqrt(m), libtorch_gain(a));
+      std::printf("  %-7s E[f^2] = %.4f   gain %.4f   LibTorch gain %.4f\n",
+                  activation_name(a).c_str(), m, 1.0 / std::sqrt(m), libtorch_gain(a));
     }
 
     // Residual stream: each of `depth` branches adds variance 2·w²·σ_in²·σ_out² (notes/01).
@@ -64,8 +70,10 @@ int main(int argc, char** argv) {
     scaled_out.residual_projection = true;
     const auto plain = residual_profile(depth, width, batch, in_spec, plain_out, seed);
     const auto scaled = residual_profile(depth, width, batch, in_spec, scaled_out, seed);
-    std::printf("\nPre-norm residual stack, %lld branches, GPT-2 init N(0, 0.02^2): std of the residual stream\n",
-                static_cast<long long>(depth));
+    std::printf(
+        "\nPre-norm residual stack, %lld branches, GPT-2 init N(0, 0.02^2): std of the residual "
+        "stream\n",
+        static_cast<long long>(depth));
     std::printf("%-40s", "output projections");
     for (int64_t m : marks) std::printf("  h@%-8lld", static_cast<long long>(m));
     std::printf("\n%-40s", "std 0.02 (no scaling)");

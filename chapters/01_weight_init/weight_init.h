@@ -44,11 +44,11 @@ enum class Scheme {
 
 /// How to initialise one weight.
 struct InitSpec {
-  Scheme scheme = Scheme::Kaiming;          ///< which scheme
+  Scheme scheme = Scheme::Kaiming;             ///< which scheme
   Activation activation = Activation::Linear;  ///< the nonlinearity after the layer (Kaiming)
-  double std = 0.02;                        ///< for Gpt2 (base std) and FixedStd
-  int64_t n_layer = 1;                      ///< transformer blocks, for Gpt2's residual scaling
-  bool residual_projection = false;         ///< a layer that writes into the residual stream
+  double std = 0.02;                           ///< for Gpt2 (base std) and FixedStd
+  int64_t n_layer = 1;                         ///< transformer blocks, for Gpt2's residual scaling
+  bool residual_projection = false;            ///< a layer that writes into the residual stream
 };
 
 /// The standard deviation `spec` gives a weight [fan_out, fan_in].

@@ -20,14 +20,14 @@ BlasInfo detect_blas() {
     if (slash == std::string::npos) continue;
     const std::string path = line.substr(slash);
     const std::string file = std::filesystem::path(path).filename().string();
-    const bool blas_like = file.find("blas") != std::string::npos || file.find("mkl") != std::string::npos;
+    const bool blas_like =
+        file.find("blas") != std::string::npos || file.find("mkl") != std::string::npos;
     if (!blas_like || file.find("cublas") != std::string::npos) continue;
     info.library = path;
     // Debian's reference BLAS lives in .../blas/libblas.so.3; OpenBLAS in .../openblas-*/.
-    const bool optimised = path.find("openblas") != std::string::npos ||
-                           path.find("mkl") != std::string::npos ||
-                           path.find("blis") != std::string::npos ||
-                           path.find("atlas") != std::string::npos;
+    const bool optimised =
+        path.find("openblas") != std::string::npos || path.find("mkl") != std::string::npos ||
+        path.find("blis") != std::string::npos || path.find("atlas") != std::string::npos;
     info.reference = !optimised;
     if (optimised) break;  // prefer reporting the optimised one if several are mapped
   }

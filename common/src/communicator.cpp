@@ -177,7 +177,8 @@ Communicator::~Communicator() {
 void Communicator::worker_loop() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    changed_.wait(lock, [&] { return (!queue_.empty() && !busy_) || (stopping_ && queue_.empty()); });
+    changed_.wait(lock,
+                  [&] { return (!queue_.empty() && !busy_) || (stopping_ && queue_.empty()); });
     if (queue_.empty()) return;  // stopping and drained
     auto task = queue_.front();
     busy_ = true;
@@ -245,7 +246,9 @@ void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
 // ------------------------------------------------------------------------------------------------
 namespace {
 
-int64_t nbytes(const torch::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+int64_t nbytes(const torch::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
 
 void check_cpu(const torch::Tensor& t, const char* op) {
   FIVEFOLD_CHECK(t.defined(), op, ": tensor is undefined");
@@ -300,7 +303,8 @@ struct InlineScope {
 
 Work Communicator::issue(Op op, int64_t bytes, double wire_bytes, torch::Tensor result,
                          std::function<void()> body, const std::string& what) {
-  if (!t_issue_inline) return enqueue(op, bytes, wire_bytes, std::move(result), std::move(body), what);
+  if (!t_issue_inline)
+    return enqueue(op, bytes, wire_bytes, std::move(result), std::move(body), what);
   t_issue_inline = false;  // nested operations (split's all_gather) decide for themselves
   run_inline(op, bytes, wire_bytes, body, what);
   auto state = std::make_shared<Work::State>();
@@ -327,8 +331,8 @@ Work Communicator::all_gather_async(torch::Tensor tensor, std::vector<int64_t> d
   check_cpu(tensor, "all_gather");
   FIVEFOLD_CHECK(tensor.dim() >= 1, "all_gather on '", name_, "': needs at least one dimension");
   if (dim0_sizes.empty()) dim0_sizes.assign(size_, tensor.size(0));
-  FIVEFOLD_CHECK(static_cast<int>(dim0_sizes.size()) == size_, "all_gather on '", name_, "': ",
-                 dim0_sizes.size(), " sizes given for ", size_, " ranks");
+  FIVEFOLD_CHECK(static_cast<int>(dim0_sizes.size()) == size_, "all_gather on '", name_,
+                 "': ", dim0_sizes.size(), " sizes given for ", size_, " ranks");
   FIVEFOLD_CHECK(dim0_sizes[rank_] == tensor.size(0), "all_gather on '", name_, "': rank ", rank_,
                  " holds ", tensor.size(0), " rows but dim0_sizes says ", dim0_sizes[rank_]);
   const int64_t rows = std::accumulate(dim0_sizes.begin(), dim0_sizes.end(), int64_t{0});
@@ -343,7 +347,8 @@ Work Communicator::all_gather_async(torch::Tensor tensor, std::vector<int64_t> d
 
 Work Communicator::reduce_scatter_async(torch::Tensor tensor, ReduceOp op) {
   check_cpu(tensor, "reduce_scatter");
-  FIVEFOLD_CHECK(tensor.dim() >= 1, "reduce_scatter on '", name_, "': needs at least one dimension");
+  FIVEFOLD_CHECK(tensor.dim() >= 1, "reduce_scatter on '", name_,
+                 "': needs at least one dimension");
   auto sizes = split_sizes(tensor.size(0), size_);
   torch::Tensor out = rows_like(tensor, sizes[rank_]);
   const double n = size_;
@@ -363,10 +368,10 @@ Work Communicator::all_to_all_async(torch::Tensor tensor, std::vector<int64_t> s
                                     std::vector<int64_t> recv_sizes) {
   check_cpu(tensor, "all_to_all");
   FIVEFOLD_CHECK(tensor.dim() >= 1, "all_to_all on '", name_, "': needs at least one dimension");
-  FIVEFOLD_CHECK(static_cast<int>(send_sizes.size()) == size_ &&
-                     static_cast<int>(recv_sizes.size()) == size_,
-                 "all_to_all on '", name_, "': need ", size_, " send and receive sizes, got ",
-                 send_sizes.size(), " and ", recv_sizes.size());
+  FIVEFOLD_CHECK(
+      static_cast<int>(send_sizes.size()) == size_ && static_cast<int>(recv_sizes.size()) == size_,
+      "all_to_all on '", name_, "': need ", size_, " send and receive sizes, got ",
+      send_sizes.size(), " and ", recv_sizes.size());
   int64_t sent = 0, received = 0;
   for (int i = 0; i < size_; ++i) {
     FIVEFOLD_CHECK(send_sizes[i] >= 0 && recv_sizes[i] >= 0, "all_to_all on '", name_,
@@ -374,8 +379,8 @@ Work Communicator::all_to_all_async(torch::Tensor tensor, std::vector<int64_t> s
     sent += send_sizes[i];
     received += recv_sizes[i];
   }
-  FIVEFOLD_CHECK(sent == tensor.size(0), "all_to_all on '", name_, "': send sizes add up to ",
-                 sent, " rows but the tensor has ", tensor.size(0));
+  FIVEFOLD_CHECK(sent == tensor.size(0), "all_to_all on '", name_, "': send sizes add up to ", sent,
+                 " rows but the tensor has ", tensor.size(0));
   const int64_t row_bytes = row_numel(tensor) * static_cast<int64_t>(tensor.element_size());
   const double wire = static_cast<double>((sent - send_sizes[rank_]) * row_bytes);
   torch::Tensor out = rows_like(tensor, received);
@@ -396,8 +401,8 @@ Work Communicator::broadcast_async(torch::Tensor tensor, int root) {
     do_broadcast(work, root);
     if (!work.is_same(tensor)) tensor.copy_(work);
   };
-  return issue(Op::Broadcast, nbytes(tensor), (n - 1) / n * nbytes(tensor), tensor,
-               std::move(body), describe("broadcast", name_, tensor));
+  return issue(Op::Broadcast, nbytes(tensor), (n - 1) / n * nbytes(tensor), tensor, std::move(body),
+               describe("broadcast", name_, tensor));
 }
 
 Work Communicator::send_async(torch::Tensor tensor, int dst, int tag) {
@@ -406,13 +411,15 @@ Work Communicator::send_async(torch::Tensor tensor, int dst, int tag) {
   FIVEFOLD_CHECK(dst != rank_, "send on '", name_, "': rank ", rank_, " cannot send to itself");
   auto body = [this, tensor, dst, tag] { do_send(tensor.contiguous(), dst, tag); };
   return issue(Op::Send, nbytes(tensor), static_cast<double>(nbytes(tensor)), torch::Tensor(),
-               std::move(body), describe("send", name_, tensor) + " to rank " + std::to_string(dst));
+               std::move(body),
+               describe("send", name_, tensor) + " to rank " + std::to_string(dst));
 }
 
 Work Communicator::recv_async(torch::Tensor tensor, int src, int tag) {
   check_cpu(tensor, "recv");
   check_peer(src, "recv");
-  FIVEFOLD_CHECK(src != rank_, "recv on '", name_, "': rank ", rank_, " cannot receive from itself");
+  FIVEFOLD_CHECK(src != rank_, "recv on '", name_, "': rank ", rank_,
+                 " cannot receive from itself");
   auto body = [this, tensor, src, tag]() mutable {
     torch::Tensor work = tensor.is_contiguous() ? tensor : tensor.contiguous();
     do_recv(work, src, tag);
@@ -499,15 +506,16 @@ void Communicator::send_recv(const torch::Tensor& send_tensor, int dst, torch::T
 
 void Communicator::barrier() {
   InlineScope now;
-  issue(Op::Barrier, 0, 0.0, torch::Tensor(), [this] { do_barrier(); },
-        "barrier on '" + name_ + "'");
+  issue(
+      Op::Barrier, 0, 0.0, torch::Tensor(), [this] { do_barrier(); }, "barrier on '" + name_ + "'");
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
   FIVEFOLD_CHECK(color >= 0, "split on '", name_, "': color must be >= 0, got ", color);
   // Everyone learns everyone's (color, key); then each rank knows its group's members in order.
-  torch::Tensor mine = torch::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)},
-                                     torch::kInt64).view({1, 2});
+  torch::Tensor mine =
+      torch::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, torch::kInt64)
+          .view({1, 2});
   torch::Tensor all = all_gather(mine);
   auto table = all.accessor<int64_t, 2>();
   std::vector<std::tuple<int64_t, int, int>> group;  // (key, old rank, old rank)

@@ -164,8 +164,9 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
   } else if (launch.size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
   } else {
-    throw Error("Gloo backend: no rendezvous. Set MASTER_ADDR and MASTER_PORT (torchrun does), "
-                "or launch with mpirun/srun");
+    throw Error(
+        "Gloo backend: no rendezvous. Set MASTER_ADDR and MASTER_PORT (torchrun does), "
+        "or launch with mpirun/srun");
   }
   std::shared_ptr<::gloo::transport::Device> device;
   if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
@@ -175,7 +176,8 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
   } else {
     device = c10d::ProcessGroupGloo::createDefaultDevice();
   }
-  return std::make_shared<GlooCommunicator>(store, "world/", launch.rank, launch.size, device, "world");
+  return std::make_shared<GlooCommunicator>(store, "world/", launch.rank, launch.size, device,
+                                            "world");
 }
 
 }  // namespace detail

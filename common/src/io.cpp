@@ -19,9 +19,10 @@ struct DtypeName {
 };
 
 constexpr DtypeName kDtypes[] = {
-    {torch::kDouble, "F64"}, {torch::kFloat, "F32"}, {torch::kHalf, "F16"},  {torch::kBFloat16, "BF16"},
-    {torch::kLong, "I64"},   {torch::kInt, "I32"},   {torch::kShort, "I16"}, {torch::kChar, "I8"},
-    {torch::kByte, "U8"},    {torch::kBool, "BOOL"},
+    {torch::kDouble, "F64"},    {torch::kFloat, "F32"}, {torch::kHalf, "F16"},
+    {torch::kBFloat16, "BF16"}, {torch::kLong, "I64"},  {torch::kInt, "I32"},
+    {torch::kShort, "I16"},     {torch::kChar, "I8"},   {torch::kByte, "U8"},
+    {torch::kBool, "BOOL"},
 };
 
 const char* dtype_name(torch::ScalarType type, const std::string& tensor) {
@@ -117,7 +118,8 @@ Header parse_header(const std::string& bytes, const std::string& what) {
   Header header;
   header.data_start = 8 + length;
   try {
-    header.json = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<long>(length));
+    header.json =
+        nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<long>(length));
   } catch (const nlohmann::json::exception& e) {
     throw Error(what + ": header is not valid JSON: " + e.what());
   }
@@ -142,7 +144,8 @@ TensorMap parse_safetensors(const std::string& bytes, const std::string& what) {
     if (name == "__metadata__") {
       FIVEFOLD_CHECK(info.is_object(), what, ": __metadata__ must be an object of strings");
       for (const auto& [key, value] : info.items()) {
-        FIVEFOLD_CHECK(value.is_string(), what, ": __metadata__ value for '", key, "' is not a string");
+        FIVEFOLD_CHECK(value.is_string(), what, ": __metadata__ value for '", key,
+                       "' is not a string");
       }
       continue;
     }
@@ -161,7 +164,8 @@ TensorMap parse_safetensors(const std::string& bytes, const std::string& what) {
     std::vector<int64_t> shape;
     uint64_t numel = 1;
     for (const auto& dim : info["shape"]) {
-      FIVEFOLD_CHECK(dim.is_number_unsigned(), where, ": shape entries must be non-negative integers");
+      FIVEFOLD_CHECK(dim.is_number_unsigned(), where,
+                     ": shape entries must be non-negative integers");
       shape.push_back(dim.get<int64_t>());
       numel *= dim.get<uint64_t>();
     }
@@ -177,13 +181,15 @@ TensorMap parse_safetensors(const std::string& bytes, const std::string& what) {
     FIVEFOLD_CHECK(end - begin == numel * element, where, ": shape and ", dtype, " need ",
                    numel * element, " bytes but data_offsets span ", end - begin);
     torch::Tensor tensor = torch::empty(shape, torch::TensorOptions().dtype(found->type));
-    if (end > begin) std::memcpy(tensor.data_ptr(), bytes.data() + header.data_start + begin, end - begin);
+    if (end > begin)
+      std::memcpy(tensor.data_ptr(), bytes.data() + header.data_start + begin, end - begin);
     tensors[name] = tensor;
     entries.push_back({begin, end, name});
   }
   // The tensors must tile the data section exactly: no overlap, no unused bytes.
-  std::sort(entries.begin(), entries.end(),
-            [](const Entry& a, const Entry& b) { return std::tie(a.begin, a.end) < std::tie(b.begin, b.end); });
+  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return std::tie(a.begin, a.end) < std::tie(b.begin, b.end);
+  });
   uint64_t covered = 0;
   for (const auto& e : entries) {
     FIVEFOLD_CHECK(e.begin == covered, what, ": tensor '", e.name, "' starts at byte ", e.begin,
@@ -195,14 +201,17 @@ TensorMap parse_safetensors(const std::string& bytes, const std::string& what) {
   return tensors;
 }
 
-TensorMap load_safetensors(const std::string& path) { return parse_safetensors(read_file(path), path); }
+TensorMap load_safetensors(const std::string& path) {
+  return parse_safetensors(read_file(path), path);
+}
 
 std::map<std::string, std::string> load_safetensors_metadata(const std::string& path) {
   const Header header = parse_header(read_file(path), path);
   std::map<std::string, std::string> metadata;
   if (header.json.contains("__metadata__")) {
     for (const auto& [key, value] : header.json["__metadata__"].items()) {
-      FIVEFOLD_CHECK(value.is_string(), path, ": __metadata__ value for '", key, "' is not a string");
+      FIVEFOLD_CHECK(value.is_string(), path, ": __metadata__ value for '", key,
+                     "' is not a string");
       metadata[key] = value.get<std::string>();
     }
   }

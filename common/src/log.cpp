@@ -33,7 +33,8 @@ const char* level_tag(LogLevel level) {
 }
 }  // namespace
 
-LogLine::LogLine(LogLevel level, bool enabled) : level_(level), enabled_(enabled && level >= threshold()) {}
+LogLine::LogLine(LogLevel level, bool enabled)
+    : level_(level), enabled_(enabled && level >= threshold()) {}
 
 LogLine::~LogLine() {
   if (!enabled_) return;

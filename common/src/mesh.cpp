@@ -16,8 +16,8 @@ DeviceMesh::DeviceMesh(CommunicatorPtr world, std::vector<std::pair<std::string,
   std::set<std::string> seen;
   std::ostringstream layout;
   for (const auto& [name, size] : dims) {
-    FIVEFOLD_CHECK(!name.empty() && name.find('+') == std::string::npos, "DeviceMesh: bad dimension name '",
-                   name, "'");
+    FIVEFOLD_CHECK(!name.empty() && name.find('+') == std::string::npos,
+                   "DeviceMesh: bad dimension name '", name, "'");
     FIVEFOLD_CHECK(seen.insert(name).second, "DeviceMesh: dimension '", name, "' appears twice");
     FIVEFOLD_CHECK(size >= 1, "DeviceMesh: dimension '", name, "' has size ", size);
     names_.push_back(name);
@@ -36,8 +36,9 @@ DeviceMesh::DeviceMesh(CommunicatorPtr world, std::vector<std::pair<std::string,
       comms_[mask] = world_;
       continue;
     }
-    // color: row-major index over the dimensions NOT in the set (ranks sharing them group together);
-    // key: row-major index over the dimensions in the set (the rank order inside the group).
+    // color: row-major index over the dimensions NOT in the set (ranks sharing them group
+    // together); key: row-major index over the dimensions in the set (the rank order inside the
+    // group).
     int color = 0, key = 0;
     std::string name;
     for (size_t d = 0; d < names_.size(); ++d) {
@@ -52,11 +53,14 @@ DeviceMesh::DeviceMesh(CommunicatorPtr world, std::vector<std::pair<std::string,
   }
 }
 
-int DeviceMesh::size(const std::string& dim) const { return sizes_.at(__builtin_ctz(mask_of(dim))); }
+int DeviceMesh::size(const std::string& dim) const {
+  return sizes_.at(__builtin_ctz(mask_of(dim)));
+}
 
 int DeviceMesh::coord(const std::string& dim) const {
   const unsigned mask = mask_of(dim);
-  FIVEFOLD_CHECK((mask & (mask - 1)) == 0, "DeviceMesh::coord takes one dimension, got '", dim, "'");
+  FIVEFOLD_CHECK((mask & (mask - 1)) == 0, "DeviceMesh::coord takes one dimension, got '", dim,
+                 "'");
   return coords_[__builtin_ctz(mask)];
 }
 

@@ -51,7 +51,9 @@ MPI_Datatype mpi_type(torch::ScalarType dtype) {
   }
 }
 
-int64_t nbytes(const torch::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+int64_t nbytes(const torch::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
 
 int64_t row_bytes(const torch::Tensor& t) {
   int64_t n = t.element_size();
@@ -108,7 +110,8 @@ class MpiCommunicator final : public Communicator {
     if (in.numel() == 0) return;
     const int64_t row_elements = in.numel() / in.size(0);
     std::vector<int> counts;
-    for (int64_t rows : dim0_sizes) counts.push_back(as_count(rows * row_elements, "reduce_scatter"));
+    for (int64_t rows : dim0_sizes)
+      counts.push_back(as_count(rows * row_elements, "reduce_scatter"));
     check_mpi(MPI_Reduce_scatter(in.data_ptr(), out.data_ptr(), counts.data(),
                                  mpi_type(in.scalar_type()), mpi_op(op), comm_),
               "MPI_Reduce_scatter");
@@ -120,25 +123,29 @@ class MpiCommunicator final : public Communicator {
     std::vector<int> send_counts, send_offsets, recv_counts, recv_offsets;
     byte_layout(send_sizes, row_bytes(in), send_counts, send_offsets, "all_to_all");
     byte_layout(recv_sizes, row_bytes(out), recv_counts, recv_offsets, "all_to_all");
-    check_mpi(MPI_Alltoallv(in.data_ptr(), send_counts.data(), send_offsets.data(), MPI_BYTE,
-                            out.data_ptr(), recv_counts.data(), recv_offsets.data(), MPI_BYTE, comm_),
-              "MPI_Alltoallv");
+    check_mpi(
+        MPI_Alltoallv(in.data_ptr(), send_counts.data(), send_offsets.data(), MPI_BYTE,
+                      out.data_ptr(), recv_counts.data(), recv_offsets.data(), MPI_BYTE, comm_),
+        "MPI_Alltoallv");
   }
 
   void do_broadcast(torch::Tensor& tensor, int root) override {
-    check_mpi(MPI_Bcast(tensor.data_ptr(), as_count(nbytes(tensor), "broadcast"), MPI_BYTE, root, comm_),
-              "MPI_Bcast");
+    check_mpi(
+        MPI_Bcast(tensor.data_ptr(), as_count(nbytes(tensor), "broadcast"), MPI_BYTE, root, comm_),
+        "MPI_Bcast");
   }
 
   void do_send(const torch::Tensor& tensor, int dst, int tag) override {
-    check_mpi(MPI_Send(tensor.data_ptr(), as_count(nbytes(tensor), "send"), MPI_BYTE, dst, tag, comm_),
-              "MPI_Send");
+    check_mpi(
+        MPI_Send(tensor.data_ptr(), as_count(nbytes(tensor), "send"), MPI_BYTE, dst, tag, comm_),
+        "MPI_Send");
   }
 
   void do_recv(torch::Tensor& tensor, int src, int tag) override {
     MPI_Status status;
     const int expected = as_count(nbytes(tensor), "recv");
-    check_mpi(MPI_Recv(tensor.data_ptr(), expected, MPI_BYTE, src, tag, comm_, &status), "MPI_Recv");
+    check_mpi(MPI_Recv(tensor.data_ptr(), expected, MPI_BYTE, src, tag, comm_, &status),
+              "MPI_Recv");
     check_received(status, expected, src);
   }
 
@@ -146,9 +153,9 @@ class MpiCommunicator final : public Communicator {
                     int tag) override {
     MPI_Status status;
     const int expected = as_count(nbytes(recv_tensor), "send_recv");
-    check_mpi(MPI_Sendrecv(send_tensor.data_ptr(), as_count(nbytes(send_tensor), "send_recv"), MPI_BYTE,
-                           dst, tag, recv_tensor.data_ptr(), expected, MPI_BYTE, src, tag, comm_,
-                           &status),
+    check_mpi(MPI_Sendrecv(send_tensor.data_ptr(), as_count(nbytes(send_tensor), "send_recv"),
+                           MPI_BYTE, dst, tag, recv_tensor.data_ptr(), expected, MPI_BYTE, src, tag,
+                           comm_, &status),
               "MPI_Sendrecv");
     check_received(status, expected, src);
   }
@@ -157,7 +164,8 @@ class MpiCommunicator final : public Communicator {
 
   std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int color,
                                          const std::string& name) override {
-    const int key = static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
+    const int key =
+        static_cast<int>(std::find(members.begin(), members.end(), rank()) - members.begin());
     MPI_Comm child;
     check_mpi(MPI_Comm_split(comm_, color, key, &child), "MPI_Comm_split");
     return std::make_shared<MpiCommunicator>(child, name, true);

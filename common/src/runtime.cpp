@@ -53,10 +53,12 @@ LaunchInfo read_launch_environment() {
     info.size = env_int("SLURM_NTASKS", 1);
     info.local_rank = env_int("SLURM_LOCALID", 0);
     // Exact per-node counts come from MPI once it starts (Runtime); this is a first guess.
-    info.local_size = env_int("SLURM_NTASKS_PER_NODE", env_int("SLURM_NNODES", 1) == 1 ? info.size : 1);
+    info.local_size =
+        env_int("SLURM_NTASKS_PER_NODE", env_int("SLURM_NNODES", 1) == 1 ? info.size : 1);
     info.local_rank = std::min(info.local_rank, info.local_size - 1);
     if (const char* job = env("SLURM_JOB_ID")) {
-      info.job_id = std::string("slurm-") + job + "." + (env("SLURM_STEP_ID") ? env("SLURM_STEP_ID") : "0");
+      info.job_id =
+          std::string("slurm-") + job + "." + (env("SLURM_STEP_ID") ? env("SLURM_STEP_ID") : "0");
     }
   } else if (env("WORLD_SIZE") && env("RANK")) {
     info.launcher = "torchrun";
@@ -75,8 +77,8 @@ LaunchInfo read_launch_environment() {
   FIVEFOLD_CHECK(info.local_size >= 1 && info.local_rank >= 0 && info.local_rank < info.local_size,
                  info.launcher, ": local rank ", info.local_rank, " / local size ", info.local_size,
                  " are inconsistent");
-  FIVEFOLD_CHECK(info.master_port >= 0 && info.master_port < 65536, "MASTER_PORT ", info.master_port,
-                 " is not a port number");
+  FIVEFOLD_CHECK(info.master_port >= 0 && info.master_port < 65536, "MASTER_PORT ",
+                 info.master_port, " is not a port number");
   return info;
 }
 
@@ -93,7 +95,8 @@ Runtime::Runtime(RuntimeOptions options) {
                    "the MPI backend needs mpirun or srun as launcher; under torchrun use "
                    "FIVEFOLD_BACKEND=gloo");
 
-    world_ = backend == "mpi" ? dist::detail::start_mpi_world() : dist::detail::start_gloo_world(launch_);
+    world_ = backend == "mpi" ? dist::detail::start_mpi_world()
+                              : dist::detail::start_gloo_world(launch_);
     FIVEFOLD_CHECK(world_->size() == launch_.size || launch_.launcher == "single", "backend sees ",
                    world_->size(), " ranks but the launcher started ", launch_.size);
     launch_.rank = world_->rank();
@@ -113,7 +116,8 @@ Runtime::Runtime(RuntimeOptions options) {
     torch::set_num_threads(threads);
     // OpenMP reads its wait policy when the library loads, before main: too late to set it here.
     if (launch_.local_size > 1 && env("OMP_WAIT_POLICY") == nullptr) {
-      log0(LogLevel::Warn) << launch_.local_size << " ranks share this machine but OMP_WAIT_POLICY is "
+      log0(LogLevel::Warn) << launch_.local_size
+                           << " ranks share this machine but OMP_WAIT_POLICY is "
                            << "unset: idle OpenMP threads spin and slow the other ranks (measured "
                            << "up to 7x). Launch with OMP_WAIT_POLICY=passive (mpirun -x ...).";
     }

@@ -12,7 +12,8 @@ uint64_t seed_for(uint64_t global_seed, const std::string& name) {
     hash ^= c;
     hash *= 1099511628211ull;
   }
-  uint64_t z = hash ^ (global_seed + 0x9e3779b97f4a7c15ull);  // SplitMix64 finaliser mixes in the seed
+  uint64_t z =
+      hash ^ (global_seed + 0x9e3779b97f4a7c15ull);  // SplitMix64 finaliser mixes in the seed
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);

@@ -53,8 +53,10 @@ TEST(ResidualStream, VarianceGrowsAsDerivedAndGpt2ScalingContainsIt) {
       EXPECT_NEAR(measured, predicted, 0.03 * predicted) << "after " << l << " branches";
     }
   }
-  const double plain_final = residual_profile(depth, width, batch, in_spec, in_spec, 13).activation_std.back();
-  const double scaled_final = residual_profile(depth, width, batch, in_spec, scaled, 13).activation_std.back();
+  const double plain_final =
+      residual_profile(depth, width, batch, in_spec, in_spec, 13).activation_std.back();
+  const double scaled_final =
+      residual_profile(depth, width, batch, in_spec, scaled, 13).activation_std.back();
   EXPECT_LT(scaled_final, plain_final);
 }
 
@@ -65,13 +67,16 @@ TEST(LayoutIndependence, ShardsAreSlicesOfTheFullTensor) {
     for (int64_t count : {1, 2, 4, 8}) {
       std::vector<torch::Tensor> parts;
       for (int64_t i = 0; i < count; ++i) {
-        parts.push_back(init_weight_shard("model.layers.0.mlp.down_proj.weight", 64, 96, spec, 42, dim, i, count));
+        parts.push_back(init_weight_shard("model.layers.0.mlp.down_proj.weight", 64, 96, spec, 42,
+                                          dim, i, count));
       }
       EXPECT_TENSOR_EQ(torch::cat(parts, dim), full);
     }
   }
   // Another name or seed gives other numbers; the same ones give the same numbers.
-  EXPECT_FALSE(torch::equal(full, init_weight("model.layers.1.mlp.down_proj.weight", 64, 96, spec, 42)));
-  EXPECT_FALSE(torch::equal(full, init_weight("model.layers.0.mlp.down_proj.weight", 64, 96, spec, 43)));
+  EXPECT_FALSE(
+      torch::equal(full, init_weight("model.layers.1.mlp.down_proj.weight", 64, 96, spec, 42)));
+  EXPECT_FALSE(
+      torch::equal(full, init_weight("model.layers.0.mlp.down_proj.weight", 64, 96, spec, 43)));
   EXPECT_THROW(init_weight_shard("w", 64, 96, spec, 42, 0, 0, 5), fivefold::Error);
 }

@@ -1,5 +1,6 @@
 // Chapter 01, the exercise: E[f(y)²], the variance-preserving std, and the measured variance of
-// layer outputs against the derivation Var[y] = fan_in · Var[w] · E[f(x)²] (notes/01_weight_init.md).
+// layer outputs against the derivation Var[y] = fan_in · Var[w] · E[f(x)²]
+// (notes/01_weight_init.md).
 
 #include <cmath>
 
@@ -76,7 +77,8 @@ TEST(DeepNetwork, PerLayerGrowthMatchesTheDerivation) {
                                             activation_second_moment(c.spec.activation));
     const double measured =
         std::log(profile.activation_std.back() / profile.activation_std.front()) / (depth - 1);
-    EXPECT_NEAR(measured, predicted, 0.02) << "log-growth per layer, scheme " << static_cast<int>(c.spec.scheme);
+    EXPECT_NEAR(measured, predicted, 0.02)
+        << "log-growth per layer, scheme " << static_cast<int>(c.spec.scheme);
     EXPECT_GE(profile.activation_std.back(), c.min_final);
     EXPECT_LE(profile.activation_std.back(), c.max_final);
   }

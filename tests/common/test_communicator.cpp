@@ -84,7 +84,8 @@ TEST(Communicator, AllGatherEqualAndUnequalParts) {
   const int n = comm->size();
   for (int64_t rows : row_counts(n)) {
     std::vector<torch::Tensor> parts;
-    for (int r = 0; r < n; ++r) parts.push_back(input_of(r, "gather" + std::to_string(rows), {rows, 2}));
+    for (int r = 0; r < n; ++r)
+      parts.push_back(input_of(r, "gather" + std::to_string(rows), {rows, 2}));
     EXPECT_TENSOR_EQ(comm->all_gather(parts[comm->rank()]), torch::cat(parts, 0));
   }
   // Unequal parts, some empty: the inverse of reduce_scatter's split.
@@ -107,11 +108,13 @@ TEST(Communicator, ReduceScatterEqualsSplitOfSerialSum) {
   const int n = comm->size();
   for (int64_t rows : row_counts(n)) {
     std::vector<torch::Tensor> inputs;
-    for (int r = 0; r < n; ++r) inputs.push_back(input_of(r, "rs" + std::to_string(rows), {rows, 5}));
+    for (int r = 0; r < n; ++r)
+      inputs.push_back(input_of(r, "rs" + std::to_string(rows), {rows, 5}));
     auto total = torch::stack(inputs).sum(0);
     auto expected = torch::tensor_split(total, n, 0)[comm->rank()];
     EXPECT_TENSOR_CLOSE(comm->reduce_scatter(inputs[comm->rank()]), expected, 1e-5, 1e-6);
-    EXPECT_TENSOR_CLOSE(comm->reduce_scatter(inputs[comm->rank()], ReduceOp::Average), expected / n, 1e-5, 1e-6);
+    EXPECT_TENSOR_CLOSE(comm->reduce_scatter(inputs[comm->rank()], ReduceOp::Average), expected / n,
+                        1e-5, 1e-6);
   }
   // reduce_scatter then all_gather with the same split sizes gives back the all-reduce.
   auto x = input_of(comm->rank(), "roundtrip", {2 * n + 1, 3});
@@ -172,7 +175,8 @@ TEST(Communicator, PointToPoint) {
     auto outgoing = input_of(me, "ring" + std::to_string(rows), {rows, 2});
     auto incoming = torch::empty({rows, 2});
     comm->send_recv(outgoing, (me + 1) % n, incoming, (me + n - 1) % n);
-    EXPECT_TENSOR_EQ(incoming, input_of((me + n - 1) % n, "ring" + std::to_string(rows), {rows, 2}));
+    EXPECT_TENSOR_EQ(incoming,
+                     input_of((me + n - 1) % n, "ring" + std::to_string(rows), {rows, 2}));
   }
   // Rank 0 sends a different tensor to each rank, with tags.
   if (me == 0) {
@@ -311,7 +315,8 @@ TEST(Communicator, BadArgumentsFailOnEveryRankBeforeCommunicating) {
   auto t = torch::ones({4});
   EXPECT_THROW(comm->broadcast(t, n), Error);
   EXPECT_THROW(comm->broadcast(t, -1), Error);
-  EXPECT_THROW(comm->all_to_all(t, std::vector<int64_t>(n + 1, 0), std::vector<int64_t>(n, 0)), Error);
+  EXPECT_THROW(comm->all_to_all(t, std::vector<int64_t>(n + 1, 0), std::vector<int64_t>(n, 0)),
+               Error);
   EXPECT_THROW(comm->all_to_all(t, std::vector<int64_t>(n, 0), std::vector<int64_t>(n, 0)), Error);
   EXPECT_THROW(comm->all_gather(t, std::vector<int64_t>(n, 3)), Error);
   EXPECT_THROW(comm->all_gather(torch::tensor(1.0f)), Error);

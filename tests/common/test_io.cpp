@@ -21,8 +21,9 @@ namespace {
 class IoTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("fivefold-io-" + std::to_string(getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("fivefold-io-" + std::to_string(getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -116,36 +117,51 @@ TEST_F(IoTest, ReadsAFileBuiltByHandFromTheSpecification) {
   const TensorMap loaded = load_safetensors(path("hand.safetensors"));
   ASSERT_EQ(loaded.size(), 2u);
   EXPECT_TENSOR_EQ(loaded.at("lm_head.weight"), torch::tensor({1.5f, -2.0f}).view({2, 1}));
-  EXPECT_TENSOR_EQ(loaded.at("model.embed_tokens.weight"), torch::tensor({int64_t{7}, int64_t{-9}}));
+  EXPECT_TENSOR_EQ(loaded.at("model.embed_tokens.weight"),
+                   torch::tensor({int64_t{7}, int64_t{-9}}));
   EXPECT_EQ(load_safetensors_metadata(path("hand.safetensors")).at("format"), "pt");
 }
 
 TEST_F(IoTest, RejectsMalformedFiles) {
-  const std::string good_header = R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
+  const std::string good_header =
+      R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})";
   const std::string good_data = raw<float>({1.0f, 2.0f});
   const std::string good = file_from(good_header, good_data);
   ASSERT_EQ(parse_safetensors(good, "good").size(), 1u);
 
   expect_rejected("", "shorter than the 8-byte header length");
   expect_rejected(good.substr(0, 5), "shorter than the 8-byte header length");
-  expect_rejected(good.substr(0, 20), "truncated");                 // header cut short
+  expect_rejected(good.substr(0, 20), "truncated");                  // header cut short
   expect_rejected(good.substr(0, good.size() - 3), "past the end");  // data cut short
   expect_rejected(le64(uint64_t{1} << 40) + "{}", "implausible");
   expect_rejected(file_from("{not json", ""), "not valid JSON");
   expect_rejected(file_from("[1, 2]", ""), "not a JSON object");
-  expect_rejected(file_from(R"({"w": {"dtype": "F32", "shape": [2]}})", good_data), "needs dtype, shape and data_offsets");
-  expect_rejected(file_from(R"({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}})", good_data), "unsupported dtype 'Q7'");
-  expect_rejected(file_from(R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})", good_data), "non-negative");
-  expect_rejected(file_from(R"({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", good_data), "need 12 bytes");
-  expect_rejected(file_from(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}})", good_data), "reversed");
-  expect_rejected(file_from(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}})", good_data), "past the end");
+  expect_rejected(file_from(R"({"w": {"dtype": "F32", "shape": [2]}})", good_data),
+                  "needs dtype, shape and data_offsets");
+  expect_rejected(
+      file_from(R"({"w": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}})", good_data),
+      "unsupported dtype 'Q7'");
+  expect_rejected(
+      file_from(R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})", good_data),
+      "non-negative");
+  expect_rejected(
+      file_from(R"({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", good_data),
+      "need 12 bytes");
+  expect_rejected(
+      file_from(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}})", good_data),
+      "reversed");
+  expect_rejected(
+      file_from(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 16]}})", good_data),
+      "past the end");
   expect_rejected(file_from(good_header, good_data + "junk"), "belong to none");
   // Two tensors sharing bytes, and a hole between two tensors.
   expect_rejected(file_from(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, )"
-                            R"("b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", good_data),
+                            R"("b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})",
+                            good_data),
                   "overlapping or unused");
   expect_rejected(file_from(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, )"
-                            R"("b": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}})", good_data),
+                            R"("b": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}})",
+                            good_data),
                   "overlapping or unused");
   expect_rejected(file_from(R"({"__metadata__": {"step": 3}})", ""), "not a string");
 }
@@ -174,7 +190,8 @@ TEST_F(IoTest, FailedWriteLeavesTheExistingFileIntact) {
 }
 
 TEST_F(IoTest, JsonRoundTripAndErrors) {
-  nlohmann::json config = {{"hidden_size", 64}, {"rope_scaling", nullptr}, {"architectures", {"LlamaForCausalLM"}}};
+  nlohmann::json config = {
+      {"hidden_size", 64}, {"rope_scaling", nullptr}, {"architectures", {"LlamaForCausalLM"}}};
   write_json(path("config.json"), config);
   EXPECT_EQ(read_json(path("config.json")), config);
   std::ofstream(path("bad.json")) << "{\"hidden_size\": ";

@@ -23,10 +23,12 @@ std::vector<int64_t> expected_members(const DeviceMesh& mesh, const std::vector<
   }
   std::vector<int64_t> members;
   const int total = std::accumulate(sizes.begin(), sizes.end(), 1, std::multiplies<int>());
-  for (int r = 0; r < total; ++r) {  // ascending world rank == row-major order of the group's coords
+  for (int r = 0; r < total;
+       ++r) {  // ascending world rank == row-major order of the group's coords
     auto c = mesh.coords_of(r);
     bool same = true;
-    for (size_t d = 0; d < names.size(); ++d) same = same && (in_group[d] || c[d] == mesh.coords()[d]);
+    for (size_t d = 0; d < names.size(); ++d)
+      same = same && (in_group[d] || c[d] == mesh.coords()[d]);
     if (same) members.push_back(r);
   }
   return members;

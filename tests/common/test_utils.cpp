@@ -16,7 +16,9 @@ namespace {
 fivefold::ArgParser make_parser() {
   fivefold::ArgParser parser("prog", "test program");
   parser.option("steps", "10", "optimizer steps").option("lr", "3e-4", "learning rate");
-  parser.option("ranks", "2,4", "rank counts").option("name", "", "a name").flag("json", "print JSON");
+  parser.option("ranks", "2,4", "rank counts")
+      .option("name", "", "a name")
+      .flag("json", "print JSON");
   return parser;
 }
 
@@ -54,7 +56,9 @@ TEST(ArgParser, BadInputIsAClearError) {
     not_int.integer("steps");
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("--steps expects an integer, got '12x'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("--steps expects an integer, got '12x'"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(not_int.integers("ranks"), Error);
   EXPECT_THROW(not_int.str("undeclared"), Error);
@@ -120,19 +124,34 @@ class ScopedEnv {
   }
 
  private:
-  static constexpr const char* kLauncherVars[] = {
-      "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK",
-      "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid", "SLURM_PROCID", "SLURM_NTASKS",
-      "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE",
-      "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+  static constexpr const char* kLauncherVars[] = {"OMPI_COMM_WORLD_SIZE",
+                                                  "OMPI_COMM_WORLD_RANK",
+                                                  "OMPI_COMM_WORLD_LOCAL_RANK",
+                                                  "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                                  "OMPI_MCA_ess_base_jobid",
+                                                  "SLURM_PROCID",
+                                                  "SLURM_NTASKS",
+                                                  "SLURM_LOCALID",
+                                                  "SLURM_JOB_ID",
+                                                  "SLURM_STEP_ID",
+                                                  "SLURM_NNODES",
+                                                  "SLURM_NTASKS_PER_NODE",
+                                                  "RANK",
+                                                  "WORLD_SIZE",
+                                                  "LOCAL_RANK",
+                                                  "LOCAL_WORLD_SIZE",
+                                                  "MASTER_ADDR",
+                                                  "MASTER_PORT"};
   std::vector<std::pair<std::string, std::string>> saved_;
 };
 }  // namespace
 
 TEST(LaunchEnvironment, ReadsEachLauncher) {
   {
-    ScopedEnv env({{"OMPI_COMM_WORLD_SIZE", "8"}, {"OMPI_COMM_WORLD_RANK", "5"},
-                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
+    ScopedEnv env({{"OMPI_COMM_WORLD_SIZE", "8"},
+                   {"OMPI_COMM_WORLD_RANK", "5"},
+                   {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                   {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"},
                    {"OMPI_MCA_ess_base_jobid", "123"}});
     auto info = fivefold::read_launch_environment();
     EXPECT_EQ(info.launcher, "mpirun");
@@ -143,7 +162,10 @@ TEST(LaunchEnvironment, ReadsEachLauncher) {
     EXPECT_EQ(info.job_id, "ompi-123");
   }
   {
-    ScopedEnv env({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "3"}, {"SLURM_JOB_ID", "77"}});
+    ScopedEnv env({{"SLURM_PROCID", "3"},
+                   {"SLURM_NTASKS", "4"},
+                   {"SLURM_LOCALID", "3"},
+                   {"SLURM_JOB_ID", "77"}});
     auto info = fivefold::read_launch_environment();
     EXPECT_EQ(info.launcher, "srun");
     EXPECT_EQ(info.rank, 3);
@@ -151,8 +173,12 @@ TEST(LaunchEnvironment, ReadsEachLauncher) {
     EXPECT_EQ(info.job_id, "slurm-77.0");
   }
   {
-    ScopedEnv env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-                   {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29511"}});
+    ScopedEnv env({{"RANK", "1"},
+                   {"WORLD_SIZE", "2"},
+                   {"LOCAL_RANK", "1"},
+                   {"LOCAL_WORLD_SIZE", "2"},
+                   {"MASTER_ADDR", "127.0.0.1"},
+                   {"MASTER_PORT", "29511"}});
     auto info = fivefold::read_launch_environment();
     EXPECT_EQ(info.launcher, "torchrun");
     EXPECT_EQ(info.rank, 1);

@@ -47,7 +47,8 @@ int main(int argc, char** argv) {
     fivefold::testing::g_world = runtime.world();
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     if (runtime.world()->size() > 1) {
-      if (runtime.world()->rank() != 0) delete listeners.Release(listeners.default_result_printer());
+      if (runtime.world()->rank() != 0)
+        delete listeners.Release(listeners.default_result_printer());
       listeners.Append(new fivefold::testing::AbortOnFailure());
     }
     status = RUN_ALL_TESTS();

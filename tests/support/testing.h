@@ -20,16 +20,16 @@ dist::CommunicatorPtr world();
 }  // namespace fivefold::testing
 
 /// Expects |actual - expected| <= atol + rtol * |expected| everywhere; reports the worst element.
-#define EXPECT_TENSOR_CLOSE(actual, expected, atol, rtol)                                   \
-  do {                                                                                      \
+#define EXPECT_TENSOR_CLOSE(actual, expected, atol, rtol)                                          \
+  do {                                                                                             \
     const auto fivefold_diff_ = ::fivefold::compare_tensors((actual), (expected), (atol), (rtol)); \
     EXPECT_TRUE(fivefold_diff_.close) << #actual " vs " #expected ": " << fivefold_diff_.report(); \
   } while (0)
 
 /// Expects bit-identical tensors (same shape, dtype and values).
-#define EXPECT_TENSOR_EQ(actual, expected)                                                    \
-  do {                                                                                        \
-    EXPECT_EQ((actual).scalar_type(), (expected).scalar_type());                              \
-    const auto fivefold_diff_ = ::fivefold::compare_tensors((actual), (expected), 0.0, 0.0);  \
+#define EXPECT_TENSOR_EQ(actual, expected)                                                         \
+  do {                                                                                             \
+    EXPECT_EQ((actual).scalar_type(), (expected).scalar_type());                                   \
+    const auto fivefold_diff_ = ::fivefold::compare_tensors((actual), (expected), 0.0, 0.0);       \
     EXPECT_TRUE(fivefold_diff_.close) << #actual " vs " #expected ": " << fivefold_diff_.report(); \
   } while (0)

@@ -10,8 +10,8 @@ namespace fivefold {
 
 /// Which BLAS library this process has loaded.
 struct BlasInfo {
-  std::string library;  ///< resolved path of the loaded libblas (empty if none found)
-  bool reference = false; ///< true when it is Netlib's reference BLAS
+  std::string library;     ///< resolved path of the loaded libblas (empty if none found)
+  bool reference = false;  ///< true when it is Netlib's reference BLAS
 };
 
 /// Reads /proc/self/maps to find the BLAS library in use (deterministic, unlike a timing).

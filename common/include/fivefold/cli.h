@@ -17,7 +17,8 @@ class ArgParser {
   ArgParser(std::string program, std::string description);
 
   /// Declares `--name VALUE` with a default (shown in --help).
-  ArgParser& option(const std::string& name, const std::string& default_value, const std::string& help);
+  ArgParser& option(const std::string& name, const std::string& default_value,
+                    const std::string& help);
   /// Declares a boolean `--name` (false unless given).
   ArgParser& flag(const std::string& name, const std::string& help);
 

@@ -10,8 +10,8 @@
 /// - `wire_bytes`: what this rank sends over the network. Exact for send, send_recv and all_to_all
 ///   (rows addressed to other ranks). For the library collectives, whose internal algorithm is the
 ///   backend's, the bandwidth-optimal (ring) volume per rank, as nccl-tests' bus bandwidth assumes,
-///   with S = payload and N = ranks: all_reduce 2(N-1)/N S, all_gather and reduce_scatter (N-1)/N S,
-///   broadcast (N-1)/N S, recv and barrier 0.
+///   with S = payload and N = ranks: all_reduce 2(N-1)/N S, all_gather and reduce_scatter (N-1)/N
+///   S, broadcast (N-1)/N S, recv and barrier 0.
 
 #include <cstdint>
 #include <map>
@@ -23,9 +23,9 @@ namespace fivefold::dist {
 
 /// Totals for one (communicator, op) pair.
 struct OpCounts {
-  int64_t calls = 0;       ///< operations issued
-  int64_t bytes = 0;       ///< payload bytes (see file comment)
-  double wire_bytes = 0;   ///< bytes sent by this rank (see file comment)
+  int64_t calls = 0;      ///< operations issued
+  int64_t bytes = 0;      ///< payload bytes (see file comment)
+  double wire_bytes = 0;  ///< bytes sent by this rank (see file comment)
 };
 
 /// communicator name -> op -> counts.

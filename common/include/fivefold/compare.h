@@ -10,14 +10,14 @@ namespace fivefold {
 
 /// Outcome of comparing `actual` with `expected` under |a - e| <= atol + rtol * |e|.
 struct TensorDiff {
-  bool close = false;          ///< every element within tolerance (and shapes equal)
-  bool shape_mismatch = false; ///< shapes differ; nothing else is meaningful
-  double max_abs_error = 0;    ///< max |a - e|
-  double max_rel_error = 0;    ///< max |a - e| / |e| over elements with e != 0
-  std::string where;           ///< index of the worst element, e.g. "[3, 17]"
-  double actual_value = 0;     ///< a at that index
-  double expected_value = 0;   ///< e at that index
-  int64_t bad_count = 0;       ///< elements outside tolerance
+  bool close = false;           ///< every element within tolerance (and shapes equal)
+  bool shape_mismatch = false;  ///< shapes differ; nothing else is meaningful
+  double max_abs_error = 0;     ///< max |a - e|
+  double max_rel_error = 0;     ///< max |a - e| / |e| over elements with e != 0
+  std::string where;            ///< index of the worst element, e.g. "[3, 17]"
+  double actual_value = 0;      ///< a at that index
+  double expected_value = 0;    ///< e at that index
+  int64_t bad_count = 0;        ///< elements outside tolerance
   /// One-paragraph description for test failures.
   std::string report() const;
 };

@@ -46,7 +46,17 @@ enum class Backend { Mpi, Gloo };
 const char* backend_name(Backend backend);
 
 /// The operations, as counted in the statistics.
-enum class Op { AllReduce, AllGather, ReduceScatter, AllToAll, Broadcast, Send, Recv, SendRecv, Barrier };
+enum class Op {
+  AllReduce,
+  AllGather,
+  ReduceScatter,
+  AllToAll,
+  Broadcast,
+  Send,
+  Recv,
+  SendRecv,
+  Barrier
+};
 
 /// "all_reduce", "all_gather", ... (snake case, as in the statistics tables).
 const char* op_name(Op op);
@@ -98,7 +108,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// `dim0_sizes[i]` rows (same list on every rank). The inverse of reduce_scatter's split.
   torch::Tensor all_gather(const torch::Tensor& tensor, const std::vector<int64_t>& dim0_sizes);
   /// Reduces `tensor` (same shape on every rank) and returns this rank's part of the result along
-  /// dim 0. Parts follow torch::tensor_split: for n rows, the first n % size ranks get one extra row.
+  /// dim 0. Parts follow torch::tensor_split: for n rows, the first n % size ranks get one extra
+  /// row.
   torch::Tensor reduce_scatter(const torch::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
   /// Sends rows [offset_j, offset_j + send_sizes[j]) of `tensor` (dim 0) to rank j and returns the
   /// rows received, concatenated in rank order; rank i sends this rank recv_sizes[i] rows.
@@ -164,13 +175,13 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
                                  const std::vector<int64_t>& dim0_sizes, ReduceOp op) = 0;
   virtual void do_all_to_all(const torch::Tensor& in, torch::Tensor& out,
                              const std::vector<int64_t>& send_sizes,
-                             const std::vector<int64_t>& recv_sizes) = 0;  ///< sizes in rows
-  virtual void do_broadcast(torch::Tensor& tensor, int root) = 0;          ///< in place
-  virtual void do_send(const torch::Tensor& tensor, int dst, int tag) = 0; ///< blocking send
-  virtual void do_recv(torch::Tensor& tensor, int src, int tag) = 0;       ///< blocking receive
+                             const std::vector<int64_t>& recv_sizes) = 0;   ///< sizes in rows
+  virtual void do_broadcast(torch::Tensor& tensor, int root) = 0;           ///< in place
+  virtual void do_send(const torch::Tensor& tensor, int dst, int tag) = 0;  ///< blocking send
+  virtual void do_recv(torch::Tensor& tensor, int src, int tag) = 0;        ///< blocking receive
   virtual void do_send_recv(const torch::Tensor& send_tensor, int dst, torch::Tensor& recv_tensor,
-                            int src, int tag) = 0;                         ///< simultaneous
-  virtual void do_barrier() = 0;                                           ///< barrier
+                            int src, int tag) = 0;  ///< simultaneous
+  virtual void do_barrier() = 0;                    ///< barrier
   /// New communicator for this rank's `members` (ranks of this communicator, in new-rank order).
   virtual std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int color,
                                                  const std::string& name) = 0;

@@ -20,8 +20,7 @@ class Error : public std::runtime_error {
 class NotImplemented : public std::logic_error {
  public:
   /// @param what e.g. "ch04: apply_rope (see chapters/04_rope/README.md, 'The rotation')".
-  explicit NotImplemented(const std::string& what)
-      : std::logic_error("NotImplemented: " + what) {}
+  explicit NotImplemented(const std::string& what) : std::logic_error("NotImplemented: " + what) {}
 };
 
 namespace detail {
@@ -37,7 +36,7 @@ std::string concat(const Parts&... parts) {
 }  // namespace fivefold
 
 /// Throws fivefold::Error with the concatenated message parts when `cond` is false.
-#define FIVEFOLD_CHECK(cond, ...)                                          \
-  do {                                                                     \
+#define FIVEFOLD_CHECK(cond, ...)                                                  \
+  do {                                                                             \
     if (!(cond)) throw ::fivefold::Error(::fivefold::detail::concat(__VA_ARGS__)); \
   } while (0)

@@ -13,7 +13,8 @@ namespace fivefold {
 /// Progress of `total` units of work, with rate and time left.
 class ProgressBar {
  public:
-  /// @param total units of work; @param label shown before the bar; @param enabled false silences it.
+  /// @param total units of work; @param label shown before the bar; @param enabled false silences
+  /// it.
   ProgressBar(int64_t total, std::string label, bool enabled = true);
   /// Sets the number of units done, with an optional status text (e.g. "loss 2.31").
   void update(int64_t done, const std::string& status = "");

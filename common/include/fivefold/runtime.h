@@ -20,11 +20,11 @@ namespace fivefold {
 
 /// Who started this process, read from the environment before any backend starts.
 struct LaunchInfo {
-  std::string launcher;  ///< "mpirun", "srun", "torchrun" or "single"
-  int rank = 0;          ///< global rank
-  int size = 1;          ///< number of processes
-  int local_rank = 0;    ///< rank among the processes on this machine
-  int local_size = 1;    ///< processes on this machine
+  std::string launcher;     ///< "mpirun", "srun", "torchrun" or "single"
+  int rank = 0;             ///< global rank
+  int size = 1;             ///< number of processes
+  int local_rank = 0;       ///< rank among the processes on this machine
+  int local_size = 1;       ///< processes on this machine
   std::string master_addr;  ///< torchrun's MASTER_ADDR (empty if unset)
   int master_port = 0;      ///< torchrun's MASTER_PORT (0 if unset)
   std::string job_id;       ///< unique per job and shared by its ranks (for rendezvous names)
