@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -40,10 +41,28 @@ const char* op_name(Op op) {
 // ------------------------------------------------------------------------------------------------
 namespace {
 
+// What an operation is, kept as fields: formatted only if the watchdog has to report it.
+struct OpLabel {
+  Op op;
+  const std::string* communicator;  // outlives the operation
+  int64_t bytes;
+  int dst;  // -1: none
+  int src;  // -1: none
+};
+
+std::string describe(const OpLabel& label) {
+  std::string text = std::string(op_name(label.op)) + " on '" + *label.communicator + "' (" +
+                     std::to_string(label.bytes) + " bytes)";
+  if (label.dst >= 0) text += " to rank " + std::to_string(label.dst);
+  if (label.src >= 0)
+    text += (label.dst >= 0 ? ", from rank " : " from rank ") + std::to_string(label.src);
+  return text;
+}
+
 struct Watchdog {
   std::mutex mutex;
   std::condition_variable wake;
-  std::map<uint64_t, std::pair<std::string, std::chrono::steady_clock::time_point>> running;
+  std::map<uint64_t, std::pair<OpLabel, std::chrono::steady_clock::time_point>> running;
   uint64_t next_id = 0;
   bool stop = false;
   std::thread thread;
@@ -56,7 +75,7 @@ Watchdog& watchdog() {
 
 class WatchdogGuard {
  public:
-  explicit WatchdogGuard(const std::string& what) {
+  explicit WatchdogGuard(const OpLabel& what) {
     auto& w = watchdog();
     std::lock_guard<std::mutex> lock(w.mutex);
     id_ = w.next_id++;
@@ -72,6 +91,14 @@ class WatchdogGuard {
   uint64_t id_;
 };
 
+}  // namespace
+
+namespace {
+std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", seconds);
+  return text;
+}
 }  // namespace
 
 double comm_timeout_seconds() {
@@ -103,9 +130,9 @@ void start_watchdog() {
       for (const auto& [id, entry] : w.running) {
         const double age = std::chrono::duration<double>(now - entry.second).count();
         if (age > timeout) {
-          const std::string reason = entry.first + " has not completed after " +
+          const std::string reason = describe(entry.first) + " has not completed after " +
                                      std::to_string(static_cast<int>(age)) +
-                                     " s (FIVEFOLD_COMM_TIMEOUT=" + std::to_string(timeout) +
+                                     " s (FIVEFOLD_COMM_TIMEOUT=" + seconds_text(timeout) +
                                      "): a peer is dead, stuck, or issuing a different operation";
           lock.unlock();
           abort_job(3, reason);
@@ -158,7 +185,7 @@ bool Work::completed() const {
 // ------------------------------------------------------------------------------------------------
 struct Communicator::Task {
   std::function<void()> body;
-  std::string what;
+  OpLabel label;
   std::shared_ptr<Work::State> state;
 };
 
@@ -185,7 +212,7 @@ void Communicator::worker_loop() {
     lock.unlock();
     std::exception_ptr error;
     try {
-      WatchdogGuard guard(task->what);
+      WatchdogGuard guard(task->label);
       task->body();
     } catch (...) {
       error = std::current_exception();
@@ -204,11 +231,11 @@ void Communicator::worker_loop() {
 }
 
 Work Communicator::enqueue(Op op, int64_t bytes, double wire_bytes, torch::Tensor result,
-                           std::function<void()> body, const std::string& what) {
+                           std::function<void()> body, int dst, int src) {
   record_comm(name_, op, bytes, wire_bytes);
   auto task = std::make_shared<Task>();
   task->body = std::move(body);
-  task->what = what;
+  task->label = OpLabel{op, &name_, bytes, dst, src};
   task->state = std::make_shared<Work::State>();
   task->state->result = std::move(result);
   {
@@ -221,7 +248,7 @@ Work Communicator::enqueue(Op op, int64_t bytes, double wire_bytes, torch::Tenso
 }
 
 void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
-                              const std::function<void()>& body, const std::string& what) {
+                              const std::function<void()>& body, int dst, int src) {
   record_comm(name_, op, bytes, wire_bytes);
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return queue_.empty() && !busy_; });  // earlier async ops go first
@@ -237,7 +264,7 @@ void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
       self->changed_.notify_all();
     }
   } release{this};
-  WatchdogGuard guard(what);
+  WatchdogGuard guard(OpLabel{op, &name_, bytes, dst, src});
   body();
 }
 
@@ -279,11 +306,6 @@ bool reduce_in_float(const torch::Tensor& t) {
   return t.scalar_type() == torch::kHalf || t.scalar_type() == torch::kBFloat16;
 }
 
-std::string describe(const char* op, const std::string& comm, const torch::Tensor& t) {
-  return std::string(op) + " on '" + comm + "' (" + std::to_string(t.defined() ? nbytes(t) : 0) +
-         " bytes)";
-}
-
 }  // namespace
 
 void Communicator::check_peer(int peer, const char* what) const {
@@ -302,11 +324,11 @@ struct InlineScope {
 }  // namespace
 
 Work Communicator::issue(Op op, int64_t bytes, double wire_bytes, torch::Tensor result,
-                         std::function<void()> body, const std::string& what) {
+                         std::function<void()> body, int dst, int src) {
   if (!t_issue_inline)
-    return enqueue(op, bytes, wire_bytes, std::move(result), std::move(body), what);
+    return enqueue(op, bytes, wire_bytes, std::move(result), std::move(body), dst, src);
   t_issue_inline = false;  // nested operations (split's all_gather) decide for themselves
-  run_inline(op, bytes, wire_bytes, body, what);
+  run_inline(op, bytes, wire_bytes, body, dst, src);
   auto state = std::make_shared<Work::State>();
   state->done = true;
   state->result = std::move(result);
@@ -324,7 +346,7 @@ Work Communicator::all_reduce_async(torch::Tensor tensor, ReduceOp op) {
     if (!work.is_same(tensor)) tensor.copy_(work);
   };
   return issue(Op::AllReduce, nbytes(tensor), 2 * (n - 1) / n * nbytes(tensor), tensor,
-               std::move(body), describe("all_reduce", name_, tensor));
+               std::move(body), -1, -1);
 }
 
 Work Communicator::all_gather_async(torch::Tensor tensor, std::vector<int64_t> dim0_sizes) {
@@ -341,8 +363,7 @@ Work Communicator::all_gather_async(torch::Tensor tensor, std::vector<int64_t> d
   auto body = [this, tensor, out, dim0_sizes]() mutable {
     do_all_gather(tensor.contiguous(), out, dim0_sizes);
   };
-  return issue(Op::AllGather, nbytes(out), (n - 1) / n * nbytes(out), out, std::move(body),
-               describe("all_gather", name_, out));
+  return issue(Op::AllGather, nbytes(out), (n - 1) / n * nbytes(out), out, std::move(body), -1, -1);
 }
 
 Work Communicator::reduce_scatter_async(torch::Tensor tensor, ReduceOp op) {
@@ -361,7 +382,7 @@ Work Communicator::reduce_scatter_async(torch::Tensor tensor, ReduceOp op) {
     if (widen) out.copy_(work);
   };
   return issue(Op::ReduceScatter, nbytes(tensor), (n - 1) / n * nbytes(tensor), out,
-               std::move(body), describe("reduce_scatter", name_, tensor));
+               std::move(body), -1, -1);
 }
 
 Work Communicator::all_to_all_async(torch::Tensor tensor, std::vector<int64_t> send_sizes,
@@ -387,8 +408,7 @@ Work Communicator::all_to_all_async(torch::Tensor tensor, std::vector<int64_t> s
   auto body = [this, tensor, out, send_sizes, recv_sizes]() mutable {
     do_all_to_all(tensor.contiguous(), out, send_sizes, recv_sizes);
   };
-  return issue(Op::AllToAll, nbytes(tensor), wire, out, std::move(body),
-               describe("all_to_all", name_, tensor));
+  return issue(Op::AllToAll, nbytes(tensor), wire, out, std::move(body), -1, -1);
 }
 
 Work Communicator::broadcast_async(torch::Tensor tensor, int root) {
@@ -402,7 +422,7 @@ Work Communicator::broadcast_async(torch::Tensor tensor, int root) {
     if (!work.is_same(tensor)) tensor.copy_(work);
   };
   return issue(Op::Broadcast, nbytes(tensor), (n - 1) / n * nbytes(tensor), tensor, std::move(body),
-               describe("broadcast", name_, tensor));
+               -1, -1);
 }
 
 Work Communicator::send_async(torch::Tensor tensor, int dst, int tag) {
@@ -411,8 +431,7 @@ Work Communicator::send_async(torch::Tensor tensor, int dst, int tag) {
   FIVEFOLD_CHECK(dst != rank_, "send on '", name_, "': rank ", rank_, " cannot send to itself");
   auto body = [this, tensor, dst, tag] { do_send(tensor.contiguous(), dst, tag); };
   return issue(Op::Send, nbytes(tensor), static_cast<double>(nbytes(tensor)), torch::Tensor(),
-               std::move(body),
-               describe("send", name_, tensor) + " to rank " + std::to_string(dst));
+               std::move(body), dst, -1);
 }
 
 Work Communicator::recv_async(torch::Tensor tensor, int src, int tag) {
@@ -425,8 +444,7 @@ Work Communicator::recv_async(torch::Tensor tensor, int src, int tag) {
     do_recv(work, src, tag);
     if (!work.is_same(tensor)) tensor.copy_(work);
   };
-  return issue(Op::Recv, nbytes(tensor), 0.0, tensor, std::move(body),
-               describe("recv", name_, tensor) + " from rank " + std::to_string(src));
+  return issue(Op::Recv, nbytes(tensor), 0.0, tensor, std::move(body), -1, src);
 }
 
 Work Communicator::send_recv_async(torch::Tensor send_tensor, int dst, torch::Tensor recv_tensor,
@@ -448,9 +466,7 @@ Work Communicator::send_recv_async(torch::Tensor send_tensor, int dst, torch::Te
     if (!work.is_same(recv_tensor)) recv_tensor.copy_(work);
   };
   const double wire = self ? 0.0 : static_cast<double>(nbytes(send_tensor));
-  return issue(Op::SendRecv, nbytes(send_tensor), wire, recv_tensor, std::move(body),
-               describe("send_recv", name_, send_tensor) + " to rank " + std::to_string(dst) +
-                   ", from rank " + std::to_string(src));
+  return issue(Op::SendRecv, nbytes(send_tensor), wire, recv_tensor, std::move(body), dst, src);
 }
 
 // The synchronous operations: the asynchronous ones, issued inline and waited for.
@@ -507,7 +523,7 @@ void Communicator::send_recv(const torch::Tensor& send_tensor, int dst, torch::T
 void Communicator::barrier() {
   InlineScope now;
   issue(
-      Op::Barrier, 0, 0.0, torch::Tensor(), [this] { do_barrier(); }, "barrier on '" + name_ + "'");
+      Op::Barrier, 0, 0.0, torch::Tensor(), [this] { do_barrier(); }, -1, -1);
 }
 
 std::shared_ptr<Communicator> Communicator::split(int color, int key, const std::string& name) {
@@ -532,8 +548,11 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, const std:
 // Ending the job
 // ------------------------------------------------------------------------------------------------
 void abort_job(int code, const std::string& reason) {
-  std::cerr << "[rank " << detail::global_rank() << "] fivefold: aborting the job: " << reason
-            << std::endl;
+  // One write, so that lines from ranks aborting together do not interleave.
+  const std::string line = "[rank " + std::to_string(detail::global_rank()) +
+                           "] fivefold: aborting the job: " + reason + "\n";
+  std::fputs(line.c_str(), stderr);
+  std::fflush(stderr);
   detail::abort_backend(code);
   std::_Exit(code);
 }

@@ -190,11 +190,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
  private:
   struct Task;
   Work issue(Op op, int64_t bytes, double wire_bytes, torch::Tensor result,
-             std::function<void()> body, const std::string& what);
+             std::function<void()> body, int dst, int src);
   Work enqueue(Op op, int64_t bytes, double wire_bytes, torch::Tensor result,
-               std::function<void()> body, const std::string& what);
+               std::function<void()> body, int dst, int src);
   void run_inline(Op op, int64_t bytes, double wire_bytes, const std::function<void()>& body,
-                  const std::string& what);
+                  int dst, int src);
   void worker_loop();
   void check_peer(int peer, const char* what) const;
 
