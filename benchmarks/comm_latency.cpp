@@ -4,14 +4,18 @@
 // the table shows what the interface (queue, checks, statistics) costs on top of MPI.
 //
 //   mpirun -np 4 -x OMP_WAIT_POLICY=passive build/bench_comm_latency [--sizes 1024,262144] [--iters
-//   50] benchmarks/run_comm_latency.sh      (2/4/8/16 ranks, both backends)
+//   50] benchmarks/run_comm_latency.sh build   (2/4/8/16 ranks, both backends)
 //
-// Each figure is the mean over --iters operations after --warmup, taking the slowest rank's time.
+// Each figure is the median over --rounds rounds of the mean time of --iters operations (the
+// slowest rank's). The interface and the raw MPI calls alternate round by round, so that both see
+// the same machine load: the overhead column is a ratio measured in one window, not across runs.
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <vector>
 
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -33,6 +37,23 @@ double time_op(Communicator& world, int warmup, int iters, const std::function<v
   return seconds.item<double>();
 }
 
+// Median over `rounds` of time_op(a) and time_op(b), alternating a and b (b may be empty).
+std::pair<double, double> interleaved(Communicator& world, int warmup, int iters, int rounds,
+                                      const std::function<void()>& a,
+                                      const std::function<void()>& b) {
+  std::vector<double> ta, tb;
+  for (int r = 0; r < rounds; ++r) {
+    ta.push_back(time_op(world, r == 0 ? warmup : 0, iters, a));
+    if (b) tb.push_back(time_op(world, r == 0 ? warmup : 0, iters, b));
+  }
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return {median(ta), median(tb)};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -40,17 +61,19 @@ int main(int argc, char** argv) {
       "bench_comm_latency",
       "All-reduce and send/recv latency and bandwidth through the Communicator.");
   args.option("sizes", "1,1024,65536,262144,1048576", "message sizes in float32 elements");
-  args.option("iters", "50", "timed operations per size")
-      .option("warmup", "5", "untimed operations first");
+  args.option("iters", "20", "timed operations per round").option("rounds", "5", "rounds (median)");
+  args.option("warmup", "5", "untimed operations first");
   args.flag("header", "print the table header");
   try {
     if (!args.parse(argc, argv)) return 0;
     fivefold::Runtime runtime(fivefold::RuntimeOptions{"", 1, true});
     auto world = runtime.world();
     const int n = world->size();
-    const int iters = static_cast<int>(args.integer("iters"));
+    const int base_iters = static_cast<int>(args.integer("iters"));
     const int warmup = static_cast<int>(args.integer("warmup"));
-    FIVEFOLD_CHECK(iters >= 1 && warmup >= 0, "--iters must be >= 1 and --warmup >= 0");
+    const int rounds = static_cast<int>(args.integer("rounds"));
+    FIVEFOLD_CHECK(base_iters >= 1 && warmup >= 0 && rounds >= 1,
+                   "--iters and --rounds must be >= 1, --warmup >= 0");
     const bool mpi = world->backend() == fivefold::dist::Backend::Mpi;
     if (world->rank() == 0 && args.on("header")) {
       std::printf("%-7s %5s %-11s %10s %12s %10s %10s %12s %9s\n", "backend", "ranks", "op",
@@ -59,6 +82,8 @@ int main(int argc, char** argv) {
     for (int64_t elements : args.integers("sizes")) {
       FIVEFOLD_CHECK(elements >= 1, "--sizes must be positive");
       const double bytes = 4.0 * elements;
+      // Operations on small messages take microseconds: 50x more of them for a stable mean.
+      const int iters = bytes <= 65536 ? 50 * base_iters : base_iters;
       auto buffer = torch::ones({elements});
 
       // All-reduce. busbw = algbw · 2(n-1)/n (nccl-tests' convention).
@@ -92,24 +117,23 @@ int main(int argc, char** argv) {
             world->send(buffer, 0);
           }
         };
-        const double round = time_op(*world, warmup, iters, ping);
-        double raw_round = 0;
+        std::function<void()> raw_ping;
         if (mpi) {
-          raw_round = time_op(*world, warmup, iters, [&] {
+          raw_ping = [&] {
             const int r = world->rank();
+            const int count = static_cast<int>(elements);
             if (r == 0) {
-              MPI_Send(buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 1, 0,
-                       MPI_COMM_WORLD);
-              MPI_Recv(incoming.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 1, 0,
-                       MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+              MPI_Send(buffer.data_ptr(), count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD);
+              MPI_Recv(incoming.data_ptr(), count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD,
+                       MPI_STATUS_IGNORE);
             } else if (r == 1) {
-              MPI_Recv(incoming.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 0, 0,
-                       MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-              MPI_Send(buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT, 0, 0,
-                       MPI_COMM_WORLD);
+              MPI_Recv(incoming.data_ptr(), count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD,
+                       MPI_STATUS_IGNORE);
+              MPI_Send(buffer.data_ptr(), count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD);
             }
-          });
+          };
         }
+        const auto [round, raw_round] = interleaved(*world, warmup, iters, rounds, ping, raw_ping);
         if (world->rank() == 0) {
           const double one_way = round / 2;
           std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10s", mpi ? "mpi" : "gloo", n,
