@@ -2,13 +2,19 @@
 //
 //   fivefold info                 what this process sees: launcher, rank, backend, threads, BLAS
 //   mpirun -np 4 fivefold info    the same on every rank (checks a launch works)
+//   fivefold plan --config config.json [--tokens 2e12] [--budget 1e23] [--json]
+//                                 parameters, FLOPs, training time and memory (chapter 02)
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <string>
 
+#include "02_flops_6np/flops.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
+#include "fivefold/error.h"
+#include "fivefold/io.h"
 #include "fivefold/log.h"
 #include "fivefold/runtime.h"
 
@@ -34,11 +40,130 @@ int info(int argc, char** argv) {
   return check.item<float>() == world->size() ? 0 : 1;
 }
 
+// 1234567 -> "1.23 M" (for the readable table).
+std::string si(double value, const char* unit = "") {
+  const char* prefixes[] = {"", " K", " M", " G", " T", " P", " E", " Z", " Y"};
+  int i = 0;
+  while (std::abs(value) >= 1000 && i < 8) {
+    value /= 1000;
+    ++i;
+  }
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.3g%s%s", value, prefixes[i], unit);
+  return text;
+}
+
+int plan(int argc, char** argv) {
+  fivefold::ArgParser args(
+      "fivefold plan",
+      "Parameters, FLOPs per token (exact and 6N), training time and memory of a "
+      "transformer, from a Hugging Face config.json or from flags.");
+  args.option("config", "",
+              "config.json (Llama or GPT-2 keys); or give the shape with the flags below");
+  args.option("vocab", "32000", "vocabulary size").option("d-model", "", "hidden size");
+  args.option("n-layers", "", "transformer blocks").option("n-heads", "", "query heads");
+  args.option("n-kv-heads", "", "key/value heads (default: n-heads)");
+  args.option("head-dim", "", "per head (default: d-model / n-heads)");
+  args.option(
+      "d-ff", "",
+      "MLP hidden size (default: 4 d-model for --gpt2, else 8/3 d-model rounded up to 256)");
+  args.flag("tied", "LM head shares the embedding")
+      .flag("gpt2", "GPT-2 family: LayerNorm, GELU MLP, biases");
+  args.option("seq", "", "context length (default: the config's maximum, else 2048)");
+  args.option("tokens", "0", "training tokens, for total FLOPs and time");
+  args.option("budget", "0", "a FLOP budget, for the compute-optimal (Chinchilla) split");
+  args.option("peak", "989e12", "peak FLOP/s of one device (default: H100 SXM, bf16 dense)");
+  args.option("mfu", "0.4", "model FLOPs utilisation to assume").option("devices", "1", "devices");
+  args.flag("json", "print JSON instead of a table");
+  if (!args.parse(argc, argv)) return 0;
+
+  using fivefold::ch02::TransformerShape;
+  TransformerShape shape;
+  int64_t context = 2048;
+  if (args.given("config")) {
+    const auto config = fivefold::io::read_json(args.str("config"));
+    try {
+      shape = fivefold::ch02::shape_from_hf_config(config);
+    } catch (const fivefold::Error& e) {
+      throw fivefold::Error(args.str("config") + ": " + e.what());
+    }
+    for (const char* key : {"max_position_embeddings", "n_positions"}) {
+      if (config.contains(key) && config[key].is_number_integer()) context = config[key];
+    }
+  } else {
+    FIVEFOLD_CHECK(args.given("d-model") && args.given("n-layers") && args.given("n-heads"),
+                   "fivefold plan: give --config, or at least --d-model, --n-layers and --n-heads");
+    const bool gpt2 = args.on("gpt2");
+    shape.vocab_size = args.integer("vocab");
+    shape.d_model = args.integer("d-model");
+    shape.n_layers = args.integer("n-layers");
+    shape.n_heads = args.integer("n-heads");
+    shape.n_kv_heads = args.given("n-kv-heads") ? args.integer("n-kv-heads") : shape.n_heads;
+    FIVEFOLD_CHECK(args.given("head-dim") || shape.d_model % shape.n_heads == 0, "--d-model (",
+                   shape.d_model, ") is not divisible by --n-heads (", shape.n_heads,
+                   "): give --head-dim");
+    shape.head_dim =
+        args.given("head-dim") ? args.integer("head-dim") : shape.d_model / shape.n_heads;
+    // Llama's rule: 2/3 of 4d for three matrices, rounded up to a multiple of 256.
+    const int64_t llama_ff = ((8 * shape.d_model / 3 + 255) / 256) * 256;
+    shape.d_ff = args.given("d-ff") ? args.integer("d-ff") : (gpt2 ? 4 * shape.d_model : llama_ff);
+    shape.gated_mlp = !gpt2;
+    shape.biases = gpt2;
+    shape.layer_norm = gpt2;
+    shape.tied_embeddings = args.on("tied");
+    shape.validate();
+  }
+  if (args.given("seq")) context = args.integer("seq");
+  const auto out =
+      fivefold::ch02::plan(shape, context, args.real("tokens"), args.real("budget"),
+                           args.real("peak"), args.real("mfu"), args.integer("devices"));
+  if (args.on("json")) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  const auto& p = out["parameters"];
+  const auto& f = out["flops_per_token"];
+  std::printf("parameters      total %s   embedding %s   non-embedding %s   in matmuls %s\n",
+              si(p["total"]).c_str(), si(p["embedding"]).c_str(), si(p["non_embedding"]).c_str(),
+              si(p["matmul_weights"]).c_str());
+  std::printf("FLOPs/token     training %s (exact, context %lld)   6N %s   ratio %.3f\n",
+              si(f["training"]).c_str(), static_cast<long long>(context), si(f["six_n"]).c_str(),
+              f["training_over_six_n"].get<double>());
+  const auto& c = f["forward_components"];
+  std::printf("  forward       qkv %s  scores %s  values %s  out %s  mlp %s  lm_head %s\n",
+              si(c["qkv"]).c_str(), si(c["attention_scores"]).c_str(),
+              si(c["attention_values"]).c_str(), si(c["output_projection"]).c_str(),
+              si(c["mlp"]).c_str(), si(c["lm_head"]).c_str());
+  std::printf(
+      "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes a parameter; "
+      "activations not included; no sharding)\n",
+      si(out["memory_per_device_bytes"]["total_without_activations"], "B").c_str());
+  if (out.contains("training")) {
+    const auto& t = out["training"];
+    std::printf(
+        "training        %s tokens: %s FLOPs (6ND: %s); %.1f days on %lld devices at %s FLOP/s, "
+        "MFU %.2f\n",
+        si(t["tokens"]).c_str(), si(t["flops"]).c_str(), si(t["flops_six_n"]).c_str(),
+        t["days"].get<double>(), static_cast<long long>(t["devices"].get<int64_t>()),
+        si(t["peak_flops_per_device"]).c_str(), t["mfu"].get<double>());
+  }
+  if (out.contains("budget")) {
+    const auto& b = out["budget"];
+    std::printf(
+        "budget          %s FLOPs: compute-optimal %s parameters x %s tokens (Chinchilla, "
+        "~20 tokens/parameter); this model: %s tokens\n",
+        si(b["flops"]).c_str(), si(b["chinchilla_parameters"]).c_str(),
+        si(b["chinchilla_tokens"]).c_str(), si(b["tokens_for_this_model"]).c_str());
+  }
+  return 0;
+}
+
 void usage() {
   std::printf(
       "usage: fivefold <command> [options]\n\n"
       "commands:\n"
-      "  info      what this process sees: launcher, rank, backend, threads, BLAS\n\n"
+      "  info      what this process sees: launcher, rank, backend, threads, BLAS\n"
+      "  plan      parameters, FLOPs, training time and memory of a transformer\n\n"
       "Run `fivefold <command> --help` for a command's options. Several processes:\n"
       "  mpirun -np 4 -x OMP_WAIT_POLICY=passive fivefold info         (MPI backend)\n"
       "  FIVEFOLD_BACKEND=gloo torchrun --no-python --nproc-per-node 4 fivefold info\n");
@@ -54,6 +179,7 @@ int main(int argc, char** argv) {
   const std::string command = argv[1];
   try {
     if (command == "info") return info(argc - 1, argv + 1);
+    if (command == "plan") return plan(argc - 1, argv + 1);
     std::fprintf(stderr, "fivefold: unknown command '%s'\n\n", command.c_str());
     usage();
     return 2;
