@@ -192,7 +192,9 @@ struct Communicator::Task {
 Communicator::Communicator(int rank, int size, std::string name, Backend backend)
     : rank_(rank), size_(size), name_(std::move(name)), backend_(backend) {}
 
-Communicator::~Communicator() {
+Communicator::~Communicator() { drain_and_stop(); }
+
+void Communicator::drain_and_stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;

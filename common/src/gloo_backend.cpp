@@ -49,6 +49,8 @@ class GlooCommunicator final : public Communicator {
     group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, size, options);
   }
 
+  ~GlooCommunicator() override { drain_and_stop(); }
+
  protected:
   void do_all_reduce(torch::Tensor& tensor, ReduceOp op) override {
     std::vector<at::Tensor> tensors{tensor};

@@ -84,6 +84,7 @@ class MpiCommunicator final : public Communicator {
   }
 
   ~MpiCommunicator() override {
+    drain_and_stop();
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (owned_ && !finalized) MPI_Comm_free(&comm_);

@@ -330,3 +330,20 @@ TEST(Communicator, BadArgumentsFailOnEveryRankBeforeCommunicating) {
   comm->all_reduce(t);
   EXPECT_TENSOR_EQ(t, torch::full({4}, static_cast<float>(n)));
 }
+
+TEST(Communicator, DestroyingDrainsQueuedOperations) {
+  auto comm = world();
+  auto child = comm->split(0, comm->rank(), "child");
+  std::vector<torch::Tensor> tensors;
+  std::vector<Work> works;
+  for (int i = 0; i < 5; ++i) {
+    tensors.push_back(torch::full({4096}, static_cast<float>(i)));
+    works.push_back(child->all_reduce_async(tensors.back()));
+  }
+  child
+      .reset();  // still queued or running: the destructor completes them before releasing MPI/Gloo
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_TRUE(works[i].completed());
+    EXPECT_TENSOR_EQ(tensors[i], torch::full({4096}, static_cast<float>(i * comm->size())));
+  }
+}

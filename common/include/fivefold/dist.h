@@ -162,6 +162,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// Backends construct the base with their rank, size, name and kind.
   Communicator(int rank, int size, std::string name, Backend backend);
 
+  /// Runs every queued operation to completion and stops the issue thread. Each backend's
+  /// destructor calls it first: the queued operations still use the backend's transport, which
+  /// the derived destructor is about to release (the base destructor would run too late).
+  void drain_and_stop();
+
   /// @name Blocking primitives each backend implements
   /// Called on the issue thread or inline, one at a time per communicator, with contiguous tensors
   /// and validated arguments. Average never reaches the backend (it is Sum, then a division).
