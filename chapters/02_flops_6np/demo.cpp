@@ -67,6 +67,20 @@ int main(int argc, char** argv) {
     std::printf(
         "\nmeasured: matmul FLOPs LibTorch executed in one forward+backward (RecordFunction);\n"
         "exact: tokens x training_flops_per_token; MFU: measured FLOP/s over the matmul peak.\n");
+
+    // Activation memory: what forward leaves alive for backward (counting allocator).
+    std::printf("\n%-24s %16s %22s %12s\n", "model", "activations", "softmax outputs", "per token");
+    for (const auto& c : cases) {
+      auto tokens = torch::randint(c.shape.vocab_size, {c.batch, c.seq},
+                                   fivefold::generator_for(0, "tokens"));
+      const double bytes =
+          static_cast<double>(measure_activation_bytes(c.shape, make_weights(c.shape, 0), tokens));
+      // One fp32 [batch, heads, seq, seq] tensor per layer (test_ch02_shape checks it is exactly
+      // that).
+      const double scores = 4.0 * c.shape.n_layers * c.batch * c.shape.n_heads * c.seq * c.seq;
+      std::printf("%-24s %13.2f MB %15.2f MB (%2.0f%%) %9.1f KB\n", c.name, bytes / 1e6,
+                  scores / 1e6, 100 * scores / bytes, bytes / (c.batch * c.seq) / 1e3);
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -139,4 +139,12 @@ torch::Tensor forward(const TransformerShape& shape,
                       const std::map<std::string, torch::Tensor>& weights,
                       const torch::Tensor& tokens);
 
+/// Bytes of activations a forward pass leaves for backward: the CPU storage allocated by forward()
+/// and the cross-entropy loss over `tokens` that is still alive when backward would start
+/// (measured with fivefold::MemoryTracker). Chapter 02 checks its structure: per layer it is
+/// linear in the tokens plus exactly one fp32 [batch, heads, seq, seq] tensor, the softmax output.
+int64_t measure_activation_bytes(const TransformerShape& shape,
+                                 const std::map<std::string, torch::Tensor>& weights,
+                                 const torch::Tensor& tokens);
+
 }  // namespace fivefold::ch02

@@ -6,6 +6,8 @@
 
 #include "01_weight_init/weight_init.h"
 #include "02_flops_6np/flops.h"
+#include "fivefold/error.h"
+#include "fivefold/memory.h"
 
 namespace fivefold::ch02 {
 namespace {
@@ -67,7 +69,10 @@ std::map<std::string, torch::Tensor> make_weights(const TransformerShape& s, uin
 
 torch::Tensor forward(const TransformerShape& s, const std::map<std::string, torch::Tensor>& w,
                       const torch::Tensor& tokens) {
+  FIVEFOLD_CHECK(tokens.dim() == 2, "forward: tokens must be [batch, seq], got ", tokens.sizes());
   const int64_t batch = tokens.size(0), seq = tokens.size(1);
+  FIVEFOLD_CHECK(s.learned_positions == 0 || seq <= s.learned_positions, "forward: ", seq,
+                 " tokens but the model has ", s.learned_positions, " learned positions");
   torch::Tensor x = torch::embedding(w.at("model.embed_tokens.weight"), tokens);  // [batch, seq, d]
   if (s.learned_positions > 0) {
     x = x + torch::embedding(w.at("model.embed_positions.weight"), torch::arange(seq));
@@ -104,6 +109,18 @@ torch::Tensor forward(const TransformerShape& s, const std::map<std::string, tor
   x = norm(s, w, "model.norm", x);
   return torch::linear(
       x, s.tied_embeddings ? w.at("model.embed_tokens.weight") : w.at("lm_head.weight"));
+}
+
+int64_t measure_activation_bytes(const TransformerShape& s,
+                                 const std::map<std::string, torch::Tensor>& weights,
+                                 const torch::Tensor& tokens) {
+  MemoryTracker tracker;
+  torch::Tensor loss;
+  {
+    auto logits = forward(s, weights, tokens);  // freed at the end of this scope unless saved
+    loss = torch::cross_entropy_loss(logits.view({-1, s.vocab_size}), tokens.view({-1}));
+  }
+  return tracker.current_bytes();  // what the autograd graph holds for backward (and the loss)
 }
 
 }  // namespace fivefold::ch02

@@ -28,7 +28,7 @@ inline std::vector<fivefold::ch02::TransformerShape> small_shapes() {
                                         /*gated*/ false,
                                         /*biases*/ true,
                                         /*layer_norm*/ true,
-                                        /*positions*/ 16,
+                                        /*positions*/ 64,
                                         /*tied*/ true};
   return {mha, gqa, wide_heads, gpt2};
 }

@@ -4,6 +4,8 @@
 #include <cmath>
 
 #include "fivefold/error.h"
+#include "fivefold/memory.h"
+#include "fivefold/seed.h"
 #include "shapes.h"
 #include "testing.h"
 
@@ -117,4 +119,58 @@ TEST(Utilization, Definition) {
   // 1000 tokens/s at 6e9 FLOPs/token on a 1e13 FLOP/s device: 60% MFU.
   EXPECT_DOUBLE_EQ(model_flops_utilization(1000, 6e9, 1e13), 0.6);
   EXPECT_THROW(model_flops_utilization(1, 1, 0), fivefold::Error);
+}
+
+TEST(Model, RejectsBadTokens) {
+  const auto gpt2 = ch02_test::small_shapes().back();
+  const auto weights = make_weights(gpt2, 0);
+  EXPECT_THROW(forward(gpt2, weights, torch::zeros({1, gpt2.learned_positions + 1}, torch::kLong)),
+               fivefold::Error);
+  EXPECT_THROW(forward(gpt2, weights, torch::zeros({4}, torch::kLong)), fivefold::Error);
+}
+
+TEST(ActivationMemory, MlpKeepsOneOutputPerLayer) {
+  // y = relu(x W^T) per layer: mm keeps its input (the previous ReLU output, already counted),
+  // ReLU keeps its own output. So backward holds exactly one [batch, width] tensor per layer.
+  const int64_t batch = 16;
+  std::vector<torch::Tensor> weights = {torch::randn({40, 24}).requires_grad_(true),
+                                        torch::randn({40, 40}).requires_grad_(true),
+                                        torch::randn({8, 40}).requires_grad_(true)};
+  auto x = torch::randn({batch, 24});
+  fivefold::MemoryTracker tracker;
+  auto y = x;
+  for (const auto& w : weights) y = torch::relu(torch::linear(y, w));
+  EXPECT_EQ(tracker.current_bytes(), 4 * batch * (40 + 40 + 8));
+}
+
+namespace {
+// Activation bytes of one layer: the difference between 2-layer and 1-layer models.
+int64_t per_layer_bytes(TransformerShape shape, int64_t batch, int64_t seq) {
+  auto tokens =
+      torch::randint(shape.vocab_size, {batch, seq}, fivefold::generator_for(1, "tokens"));
+  shape.n_layers = 1;
+  const int64_t one = measure_activation_bytes(shape, make_weights(shape, 0), tokens);
+  shape.n_layers = 2;
+  return measure_activation_bytes(shape, make_weights(shape, 0), tokens) - one;
+}
+}  // namespace
+
+TEST(ActivationMemory, TransformerLayerIsLinearInTokensPlusOneScoreMatrix) {
+  for (const auto& shape : ch02_test::small_shapes()) {
+    for (int64_t batch : {1, 2}) {
+      // P(s) = a·s + c + b·s²: the second difference over s = 8, 16, 24 isolates b.
+      const int64_t p8 = per_layer_bytes(shape, batch, 8), p16 = per_layer_bytes(shape, batch, 16),
+                    p24 = per_layer_bytes(shape, batch, 24),
+                    p32 = per_layer_bytes(shape, batch, 32);
+      const int64_t quadratic = (p24 - 2 * p16 + p8) / (2 * 8 * 8);
+      EXPECT_EQ(p24 - 2 * p16 + p8, p32 - 2 * p24 + p16) << "not quadratic in seq";
+      // Exactly one fp32 [batch, heads, seq, seq] tensor: the softmax output.
+      EXPECT_EQ(quadratic, 4 * batch * shape.n_heads) << "d_model " << shape.d_model;
+      if (batch == 2) {
+        EXPECT_EQ(per_layer_bytes(shape, 2, 16) - per_layer_bytes(shape, 1, 16),
+                  per_layer_bytes(shape, 1, 16) - (shape.n_kv_heads < shape.n_heads ? 64 : 0))
+            << "not linear in batch";
+      }
+    }
+  }
 }

@@ -6,6 +6,7 @@
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
+#include "fivefold/memory.h"
 #include "fivefold/runtime.h"
 #include "fivefold/seed.h"
 #include "testing.h"
@@ -214,4 +215,34 @@ TEST(Blas, OpenBlasIsInUse) {
   EXPECT_FALSE(info.library.empty()) << "no BLAS library mapped";
   EXPECT_FALSE(info.reference) << "reference BLAS in use: " << info.library;
   EXPECT_GT(fivefold::measure_matmul_gflops(128), 0.0);
+}
+
+TEST(MemoryTracker, CountsLiveStorageAndPeak) {
+  auto before = torch::ones({100});  // allocated before the tracker: never counted
+  fivefold::MemoryTracker tracker;
+  EXPECT_EQ(tracker.current_bytes(), 0);
+  {
+    auto a = torch::empty({1000});                    // 4000 bytes
+    auto b = torch::empty({10, 10}, torch::kDouble);  // 800 bytes
+    auto view = a.narrow(0, 0, 10);                   // a view: no storage of its own
+    EXPECT_EQ(tracker.current_bytes(), 4800);
+  }
+  EXPECT_EQ(tracker.current_bytes(), 0);
+  EXPECT_EQ(tracker.peak_bytes(), 4800);
+  tracker.reset_peak();
+  EXPECT_EQ(tracker.peak_bytes(), 0);
+  before.mul_(2);  // in place on untracked storage: only the scalar's temporary, freed at once
+  EXPECT_EQ(tracker.current_bytes(), 0);
+  EXPECT_THROW(fivefold::MemoryTracker second, fivefold::Error);
+}
+
+TEST(MemoryTracker, StorageOutlivingTheTrackerIsReleasedCleanly) {
+  torch::Tensor kept;
+  {
+    fivefold::MemoryTracker tracker;
+    kept = torch::empty({64});
+  }
+  kept = torch::Tensor();  // freed after the tracker is gone: no crash, no count
+  fivefold::MemoryTracker again;
+  EXPECT_EQ(again.current_bytes(), 0);
 }

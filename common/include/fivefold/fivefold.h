@@ -10,6 +10,7 @@
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
+#include "fivefold/memory.h"
 #include "fivefold/mesh.h"
 #include "fivefold/progress.h"
 #include "fivefold/runtime.h"

@@ -1,0 +1,87 @@
+// A counting CPU allocator: wraps LibTorch's default one and keeps the live and peak byte counts.
+
+#include "fivefold/memory.h"
+
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+#include "fivefold/error.h"
+
+namespace fivefold {
+namespace {
+
+std::atomic<int64_t> g_current{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<bool> g_installed{false};
+
+// Live tracked allocations: pointer -> (bytes, the default allocator's deleter). The data pointer
+// doubles as the context, as LibTorch's own CPU allocator does: some kernels rely on it
+// (Allocator::raw_allocate asserts data == context).
+std::mutex g_mutex;
+std::unordered_map<void*, std::pair<int64_t, c10::DeleterFnPtr>>& live() {
+  static auto* table = new std::unordered_map<void*, std::pair<int64_t, c10::DeleterFnPtr>>();
+  return *table;  // never destroyed: storage may be freed during static destruction
+}
+
+void release(void* data) {
+  std::pair<int64_t, c10::DeleterFnPtr> entry;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = live().find(data);
+    if (it == live().end()) return;  // cannot happen: every pointer we hand out is recorded
+    entry = it->second;
+    live().erase(it);
+  }
+  g_current -= entry.first;
+  entry.second(data);  // free through the default allocator
+}
+
+class CountingAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t bytes) const override {
+    c10::DataPtr inner = c10::GetDefaultCPUAllocator()->allocate(bytes);
+    void* data = inner.get();
+    const c10::DeleterFnPtr free_data = inner.get_deleter();
+    inner.release_context();  // we free it ourselves, in release()
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      live()[data] = {static_cast<int64_t>(bytes), free_data};
+    }
+    const int64_t now = (g_current += static_cast<int64_t>(bytes));
+    int64_t peak = g_peak.load();
+    while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
+    }
+    return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+};
+
+CountingAllocator g_counting;
+c10::Allocator* g_previous = nullptr;
+constexpr uint8_t kPriority = 100;  // above the default's, so SetCPUAllocator takes it
+
+}  // namespace
+
+MemoryTracker::MemoryTracker() {
+  FIVEFOLD_CHECK(!g_installed.exchange(true), "MemoryTracker: only one may be alive at a time");
+  g_current = 0;
+  g_peak = 0;
+  g_previous = c10::GetCPUAllocator();
+  c10::SetCPUAllocator(&g_counting, kPriority);
+}
+
+MemoryTracker::~MemoryTracker() {
+  c10::SetCPUAllocator(g_previous, kPriority);  // same priority: allowed to replace it back
+  g_installed = false;
+}
+
+int64_t MemoryTracker::current_bytes() const { return g_current.load(); }
+
+int64_t MemoryTracker::peak_bytes() const { return g_peak.load(); }
+
+void MemoryTracker::reset_peak() { g_peak = g_current.load(); }
+
+}  // namespace fivefold
