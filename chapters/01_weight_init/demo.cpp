@@ -65,22 +65,33 @@ int main(int argc, char** argv) {
     }
 
     // Residual stream: each of `depth` branches adds variance 2·w²·σ_in²·σ_out² (notes/01).
-    const InitSpec in_spec{Scheme::Gpt2, Activation::ReLU, 0.02, depth / 2};
-    InitSpec plain_out = in_spec, scaled_out = in_spec;
-    scaled_out.residual_projection = true;
-    const auto plain = residual_profile(depth, width, batch, in_spec, plain_out, seed);
-    const auto scaled = residual_profile(depth, width, batch, in_spec, scaled_out, seed);
+    struct Stack {
+      const char* label;
+      InitSpec in, out;
+    };
+    InitSpec gpt2{Scheme::Gpt2, Activation::ReLU, 0.02, depth / 2};
+    InitSpec gpt2_scaled = gpt2;
+    gpt2_scaled.residual_projection = true;
+    const Stack stacks[] = {
+        {"LibTorch default", {Scheme::LibTorchDefault}, {Scheme::LibTorchDefault}},
+        {"Xavier/Glorot", {Scheme::Xavier}, {Scheme::Xavier}},
+        {"Kaiming (relu in, linear out)", {Scheme::Kaiming, Activation::ReLU}, {Scheme::Kaiming}},
+        {"GPT-2 std 0.02, no scaling", gpt2, gpt2},
+        {"GPT-2 with 0.02/sqrt(2 n_layer) out", gpt2, gpt2_scaled},
+    };
     std::printf(
-        "\nPre-norm residual stack, %lld branches, GPT-2 init N(0, 0.02^2): std of the residual "
-        "stream\n",
-        static_cast<long long>(depth));
-    std::printf("%-40s", "output projections");
+        "\nPre-norm residual stack, %lld branches h += W_out relu(W_in rmsnorm(h)): std of the "
+        "residual\n"
+        "stream (h) and of the W_in gradients (g)\n\n%-40s",
+        static_cast<long long>(depth), "scheme");
     for (int64_t m : marks) std::printf("  h@%-8lld", static_cast<long long>(m));
-    std::printf("\n%-40s", "std 0.02 (no scaling)");
-    for (int64_t m : marks) std::printf("  %-10.4f", plain.activation_std[m - 1]);
-    std::printf("\n%-40s", "std 0.02/sqrt(2 n_layer) (GPT-2)");
-    for (int64_t m : marks) std::printf("  %-10.4f", scaled.activation_std[m - 1]);
-    std::printf("\n");
+    std::printf("  g@1        g@%-8lld\n", static_cast<long long>(depth));
+    for (const auto& stack : stacks) {
+      const auto profile = residual_profile(depth, width, batch, stack.in, stack.out, seed);
+      std::printf("%-40s", stack.label);
+      for (int64_t m : marks) std::printf("  %-10.4g", profile.activation_std[m - 1]);
+      std::printf("  %-10.3g %-10.3g\n", profile.gradient_std.front(), profile.gradient_std.back());
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

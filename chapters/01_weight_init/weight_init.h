@@ -80,7 +80,8 @@ DepthProfile mlp_profile(int64_t depth, int64_t width, int64_t batch, const Init
 
 /// A pre-norm residual stack: h_l = h_{l-1} + W_out relu(W_in rmsnorm(h_{l-1})), W_in [4w, w] by
 /// `in_spec`, W_out [w, 4w] by `out_spec`; activation_std is the residual stream's std after each
-/// block. Without norm or scaling the stream's variance grows by a constant every block.
+/// block, gradient_std that of each block's W_in gradient (loss sum(h_L · g), g Gaussian).
+/// Without scaling the stream's variance grows by a constant every block.
 DepthProfile residual_profile(int64_t depth, int64_t width, int64_t batch, const InitSpec& in_spec,
                               const InitSpec& out_spec, uint64_t seed);
 

@@ -32,17 +32,22 @@ DepthProfile mlp_profile(int64_t depth, int64_t width, int64_t batch, const Init
 
 DepthProfile residual_profile(int64_t depth, int64_t width, int64_t batch, const InitSpec& in_spec,
                               const InitSpec& out_spec, uint64_t seed) {
-  torch::NoGradGuard no_grad;
   auto h = torch::randn({batch, width}, generator_for(seed, "residual.input"));  // [batch, width]
+  std::vector<torch::Tensor> w_ins;
   DepthProfile profile;
   for (int64_t l = 0; l < depth; ++l) {
     const std::string prefix = "block." + std::to_string(l);
-    auto w_in = init_weight(prefix + ".w_in", 4 * width, width, in_spec, seed);     // [4w, w]
-    auto w_out = init_weight(prefix + ".w_out", width, 4 * width, out_spec, seed);  // [w, 4w]
-    auto normed = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + 1e-6);     // RMSNorm
+    auto w_in = init_weight(prefix + ".w_in", 4 * width, width, in_spec, seed).requires_grad_(true);
+    auto w_out =
+        init_weight(prefix + ".w_out", width, 4 * width, out_spec, seed).requires_grad_(true);
+    auto normed = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + 1e-6);  // RMSNorm
     h = h + torch::matmul(torch::relu(torch::matmul(normed, w_in.t())), w_out.t());
-    profile.activation_std.push_back(std_of(h));
+    profile.activation_std.push_back(h.std().item<double>());
+    w_ins.push_back(w_in);
   }
+  auto g = torch::randn({batch, width}, generator_for(seed, "residual.upstream_gradient"));
+  (h * g).sum().backward();
+  for (const auto& w : w_ins) profile.gradient_std.push_back(w.grad().std().item<double>());
   return profile;
 }
 

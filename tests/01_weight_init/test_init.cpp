@@ -38,26 +38,33 @@ TEST(Schemes, BadShapesAreErrors) {
 
 TEST(ResidualStream, VarianceGrowsAsDerivedAndGpt2ScalingContainsIt) {
   // Each pre-norm branch adds 2·w²·σ_in²·σ_out² to the stream's variance (notes/01_weight_init.md):
-  // after L branches Var = 1 + L · 2·w²·σ_in²·σ_out².
+  // after L branches Var = 1 + L · 2·w²·σ_in²·σ_out². Checked for every scheme in the demo.
   const int64_t depth = 48, width = 256, batch = 512;
-  const InitSpec in_spec{Scheme::Gpt2, Activation::ReLU, 0.02, depth / 2};
-  InitSpec scaled = in_spec;
-  scaled.residual_projection = true;
-  for (const InitSpec& out_spec : {in_spec, scaled}) {
+  const InitSpec gpt2{Scheme::Gpt2, Activation::ReLU, 0.02, depth / 2};
+  InitSpec gpt2_scaled = gpt2;
+  gpt2_scaled.residual_projection = true;
+  const std::pair<InitSpec, InitSpec> stacks[] = {
+      {{Scheme::LibTorchDefault}, {Scheme::LibTorchDefault}},
+      {{Scheme::Xavier}, {Scheme::Xavier}},
+      {{Scheme::Kaiming, Activation::ReLU}, {Scheme::Kaiming}},
+      {gpt2, gpt2},
+      {gpt2, gpt2_scaled},
+  };
+  std::vector<double> final_std;
+  for (const auto& [in_spec, out_spec] : stacks) {
     const auto profile = residual_profile(depth, width, batch, in_spec, out_spec, 13);
+    final_std.push_back(profile.activation_std.back());
     const double s_in = init_std(in_spec, width, 4 * width);
     const double s_out = init_std(out_spec, 4 * width, width);
     for (int64_t l : {1L, depth / 2, depth}) {
       const double predicted = 1.0 + l * 2.0 * width * width * s_in * s_in * s_out * s_out;
       const double measured = std::pow(profile.activation_std[l - 1], 2);
-      EXPECT_NEAR(measured, predicted, 0.03 * predicted) << "after " << l << " branches";
+      // The realised weights and the finite batch add a few percent of spread.
+      EXPECT_NEAR(measured, predicted, 0.08 * predicted)
+          << "after " << l << " branches, scheme " << static_cast<int>(in_spec.scheme);
     }
   }
-  const double plain_final =
-      residual_profile(depth, width, batch, in_spec, in_spec, 13).activation_std.back();
-  const double scaled_final =
-      residual_profile(depth, width, batch, in_spec, scaled, 13).activation_std.back();
-  EXPECT_LT(scaled_final, plain_final);
+  EXPECT_LT(final_std[4], final_std[3]);  // GPT-2's scaling contains the growth
 }
 
 TEST(LayoutIndependence, ShardsAreSlicesOfTheFullTensor) {
