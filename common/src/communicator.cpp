@@ -1,13 +1,10 @@
 // The backend-independent half of every Communicator: argument checks, statistics, the issue
 // queue that makes operations asynchronous, and the watchdog that turns a hang into an error.
 
-#include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <iostream>
 #include <map>
 #include <numeric>
 
