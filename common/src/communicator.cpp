@@ -1,7 +1,6 @@
 // The backend-independent half of every Communicator: argument checks, statistics, the issue
 // queue that makes operations asynchronous, and the watchdog that turns a hang into an error.
 
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
