@@ -38,7 +38,8 @@ TEST(Schemes, BadShapesAreErrors) {
 
 TEST(ResidualStream, VarianceGrowsAsDerivedAndGpt2ScalingContainsIt) {
   // Each pre-norm branch adds 2·w²·σ_in²·σ_out² to the stream's variance (notes/01_weight_init.md):
-  // after L branches Var = 1 + L · 2·w²·σ_in²·σ_out². Checked for every scheme in the demo.
+  // after L branches Var = 1 + L · 2·w²·σ_in²·σ_out². Checked here for every scheme in the demo
+  // but Kaiming, which needs the exercise (test_variance.cpp checks it).
   const int64_t depth = 48, width = 256, batch = 512;
   const InitSpec gpt2{Scheme::Gpt2, Activation::ReLU, 0.02, depth / 2};
   InitSpec gpt2_scaled = gpt2;
@@ -46,7 +47,6 @@ TEST(ResidualStream, VarianceGrowsAsDerivedAndGpt2ScalingContainsIt) {
   const std::pair<InitSpec, InitSpec> stacks[] = {
       {{Scheme::LibTorchDefault}, {Scheme::LibTorchDefault}},
       {{Scheme::Xavier}, {Scheme::Xavier}},
-      {{Scheme::Kaiming, Activation::ReLU}, {Scheme::Kaiming}},
       {gpt2, gpt2},
       {gpt2, gpt2_scaled},
   };
@@ -64,7 +64,7 @@ TEST(ResidualStream, VarianceGrowsAsDerivedAndGpt2ScalingContainsIt) {
           << "after " << l << " branches, scheme " << static_cast<int>(in_spec.scheme);
     }
   }
-  EXPECT_LT(final_std[4], final_std[3]);  // GPT-2's scaling contains the growth
+  EXPECT_LT(final_std[3], final_std[2]);  // GPT-2's scaling contains the growth
 }
 
 TEST(LayoutIndependence, ShardsAreSlicesOfTheFullTensor) {

@@ -90,3 +90,14 @@ TEST(DeepNetwork, KaimingKeepsGradientsAtOneScale) {
   EXPECT_GT(ratio, 0.3);
   EXPECT_LT(ratio, 3.0);
 }
+
+TEST(ResidualStream, KaimingBranchesEachAddUnitVariance) {
+  // W_in Kaiming for ReLU (σ² = 2/w), W_out Kaiming linear (σ² = 1/(4w)): each branch adds
+  // 2·w²·σ_in²·σ_out² = 1, so after L branches Var = 1 + L (std 7 after 48; notes/01 §4).
+  const auto profile =
+      residual_profile(48, 256, 512, {Scheme::Kaiming, Activation::ReLU}, {Scheme::Kaiming}, 13);
+  for (int64_t l : {1L, 24L, 48L}) {
+    const double measured = std::pow(profile.activation_std[l - 1], 2);
+    EXPECT_NEAR(measured, 1.0 + l, 0.08 * (1.0 + l)) << "after " << l << " branches";
+  }
+}
