@@ -1,0 +1,132 @@
+#pragma once
+/// @file model.h
+/// @brief Chapter 03: the decoder-only transformer (Llama architecture): token embedding, pre-norm
+/// blocks of RMSNorm, grouped-query causal self-attention and a SwiGLU MLP, a final RMSNorm and an
+/// LM head. Parameter names are Hugging Face's LlamaForCausalLM names, so checkpoints interoperate.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "02_flops_6np/flops.h"
+
+namespace fivefold::ch03 {
+
+/// The model's dimensions (Hugging Face key in brackets).
+struct ModelConfig {
+  int64_t vocab_size = 259;      ///< [vocab_size] default: the byte tokenizer's
+  int64_t d_model = 128;         ///< [hidden_size]
+  int64_t n_layers = 4;          ///< [num_hidden_layers]
+  int64_t n_heads = 4;           ///< [num_attention_heads]
+  int64_t n_kv_heads = 4;        ///< [num_key_value_heads]
+  int64_t head_dim = 0;          ///< [head_dim] 0: d_model / n_heads
+  int64_t d_ff = 352;            ///< [intermediate_size]
+  bool tied_embeddings = false;  ///< [tie_word_embeddings]
+  double rms_norm_eps = 1e-5;    ///< [rms_norm_eps]
+  uint64_t seed = 0;  ///< initialisation seed (chapter 01: per-parameter-name generators)
+
+  /// head_dim, or d_model / n_heads when it is 0.
+  int64_t resolved_head_dim() const;
+  /// Throws fivefold::Error naming the inconsistent dimension (e.g. n_heads not dividing d_model).
+  void validate() const;
+  /// The same dimensions as chapter 02 counts them.
+  ch02::TransformerShape shape() const;
+};
+
+/// Causal scaled-dot-product attention, written out: scores = q k^T / sqrt(head_dim), positions
+/// j > i masked, softmax over j, weighted sum of v. Grouped-query attention: each of the n_kv_heads
+/// key/value heads serves n_heads / n_kv_heads consecutive query heads.
+/// q: [batch, n_heads, seq, head_dim]; k, v: [batch, n_kv_heads, seq, head_dim];
+/// returns [batch, n_heads, seq, head_dim]. **Exercise** (README, "The exercise").
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v);
+
+/// RMSNorm: x / sqrt(mean(x²) + eps) · weight, over the last dimension.
+class RMSNormImpl : public torch::nn::Module {
+ public:
+  /// @param dim features; @param eps added under the square root.
+  RMSNormImpl(int64_t dim, double eps);
+  /// x [..., dim] -> same shape.
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;  ///< [dim], initialised to ones
+
+ private:
+  double eps_;
+};
+TORCH_MODULE(RMSNorm);
+
+/// Self-attention with q/k/v/o projections (no biases).
+class AttentionImpl : public torch::nn::Module {
+ public:
+  /// Projections sized from `config`.
+  explicit AttentionImpl(const ModelConfig& config);
+  /// x [batch, seq, d_model] -> [batch, seq, d_model].
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear q_proj{nullptr};  ///< d_model -> n_heads·head_dim
+  torch::nn::Linear k_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
+  torch::nn::Linear v_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
+  torch::nn::Linear o_proj{nullptr};  ///< n_heads·head_dim -> d_model
+
+ private:
+  int64_t n_heads_, n_kv_heads_, head_dim_;
+};
+TORCH_MODULE(Attention);
+
+/// SwiGLU MLP: down(silu(gate(x)) * up(x)).
+class MlpImpl : public torch::nn::Module {
+ public:
+  /// Projections sized from `config`.
+  explicit MlpImpl(const ModelConfig& config);
+  /// x [batch, seq, d_model] -> [batch, seq, d_model].
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear gate_proj{nullptr};  ///< d_model -> d_ff, through SiLU
+  torch::nn::Linear up_proj{nullptr};    ///< d_model -> d_ff
+  torch::nn::Linear down_proj{nullptr};  ///< d_ff -> d_model
+};
+TORCH_MODULE(Mlp);
+
+/// One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)).
+class BlockImpl : public torch::nn::Module {
+ public:
+  /// Sub-modules sized from `config`.
+  explicit BlockImpl(const ModelConfig& config);
+  /// x [batch, seq, d_model] -> same shape.
+  torch::Tensor forward(const torch::Tensor& x);
+  RMSNorm input_layernorm{nullptr};           ///< before attention
+  RMSNorm post_attention_layernorm{nullptr};  ///< before the MLP
+  Attention self_attn{nullptr};               ///< attention
+  Mlp mlp{nullptr};                           ///< MLP
+};
+TORCH_MODULE(Block);
+
+/// The trunk, registered as "model" so that names read model.layers.{i}...
+class TrunkImpl : public torch::nn::Module {
+ public:
+  /// Embedding, blocks and final norm sized from `config`.
+  explicit TrunkImpl(const ModelConfig& config);
+  torch::nn::Embedding embed_tokens{nullptr};  ///< [vocab, d_model]
+  torch::nn::ModuleList layers;                ///< the blocks
+  RMSNorm norm{nullptr};                       ///< final norm
+};
+TORCH_MODULE(Trunk);
+
+/// The language model. Parameters are initialised on construction (chapter 01: GPT-2 scheme,
+/// N(0, 0.02²), o_proj and down_proj scaled by 1/sqrt(2·n_layers), norms 1), each drawn from the
+/// generator of (config.seed, its Hugging Face name).
+class TransformerImpl : public torch::nn::Module {
+ public:
+  /// Builds and initialises the model; throws fivefold::Error for an invalid config.
+  explicit TransformerImpl(ModelConfig config);
+  /// tokens [batch, seq] int64 -> logits [batch, seq, vocab].
+  torch::Tensor forward(const torch::Tensor& tokens);
+  /// The configuration.
+  const ModelConfig& config() const { return config_; }
+  Trunk model{nullptr};                ///< embedding, blocks, final norm
+  torch::nn::Linear lm_head{nullptr};  ///< absent (null) when the embedding is tied
+
+ private:
+  ModelConfig config_;
+};
+TORCH_MODULE(Transformer);
+
+}  // namespace fivefold::ch03

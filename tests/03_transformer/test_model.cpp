@@ -1,0 +1,91 @@
+// Chapter 03's model: attention against a naive loop (the exercise), causality, agreement with
+// chapter 02's functional model on the same weights, FLOPs measured == chapter 02's formula, and
+// the plumbing (Hugging Face names, parameter count, seeded initialisation, config errors).
+
+#include <cmath>
+
+#include "01_weight_init/weight_init.h"
+#include "03_transformer/model.h"
+#include "fivefold/error.h"
+#include "fivefold/seed.h"
+#include "testing.h"
+
+using namespace fivefold::ch03;
+
+namespace {
+ModelConfig small(int64_t n_kv_heads = 4, bool tied = false) {
+  ModelConfig c;
+  c.vocab_size = 97;
+  c.d_model = 32;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = n_kv_heads;
+  c.d_ff = 80;
+  c.tied_embeddings = tied;
+  c.rms_norm_eps = 1e-6;  // chapter 02's functional model uses 1e-6
+  return c;
+}
+
+torch::Tensor tokens_for(const ModelConfig& c, int64_t batch, int64_t seq) {
+  return torch::randint(c.vocab_size, {batch, seq}, fivefold::generator_for(9, "tokens"));
+}
+}  // namespace
+
+TEST(CausalAttention, EqualsANaiveLoopOverPositions) {
+  for (int64_t n_kv : {4, 2, 1}) {
+    const int64_t batch = 2, heads = 4, seq = 6, dim = 8;
+    auto q =
+        torch::randn({batch, heads, seq, dim}, fivefold::generator_for(1, "q"), torch::kDouble);
+    auto k = torch::randn({batch, n_kv, seq, dim}, fivefold::generator_for(1, "k"), torch::kDouble);
+    auto v = torch::randn({batch, n_kv, seq, dim}, fivefold::generator_for(1, "v"), torch::kDouble);
+    auto expected = torch::zeros({batch, heads, seq, dim}, torch::kDouble);
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t g = h / (heads / n_kv);  // the kv head serving query head h
+        for (int64_t i = 0; i < seq; ++i) {
+          // softmax over j <= i of q_i·k_j / sqrt(dim), then the weighted sum of v_j.
+          auto scores = torch::mv(k[b][g].narrow(0, 0, i + 1), q[b][h][i]) / std::sqrt(8.0);
+          expected[b][h][i] = torch::mv(v[b][g].narrow(0, 0, i + 1).t(), torch::softmax(scores, 0));
+        }
+      }
+    }
+    EXPECT_TENSOR_CLOSE(causal_attention(q, k, v), expected, 1e-12, 1e-12);
+  }
+}
+
+TEST(Transformer, FutureTokensDoNotChangeThePast) {
+  Transformer model(small(2));
+  auto tokens = tokens_for(model->config(), 1, 12);
+  auto changed = tokens.clone();
+  changed.narrow(1, 8, 4).fill_(5);  // rewrite positions 8..11
+  torch::NoGradGuard no_grad;
+  auto a = model(tokens), b = model(changed);
+  EXPECT_TENSOR_EQ(a.narrow(1, 0, 8), b.narrow(1, 0, 8));
+  EXPECT_FALSE(torch::equal(a.narrow(1, 8, 4), b.narrow(1, 8, 4)));
+}
+
+TEST(Transformer, AgreesWithChapter02sModelOnTheSameWeights) {
+  for (const auto& config : {small(4), small(2, /*tied=*/true), small(1)}) {
+    Transformer model(config);
+    std::map<std::string, torch::Tensor> weights;
+    for (const auto& item : model->named_parameters()) weights[item.key()] = item.value();
+    auto tokens = tokens_for(config, 3, 10);
+    // fp32, same operations in the same order: 1e-6 covers any difference in fused kernels.
+    EXPECT_TENSOR_CLOSE(model(tokens), fivefold::ch02::forward(config.shape(), weights, tokens),
+                        1e-6, 1e-6);
+  }
+}
+
+TEST(Transformer, MeasuredFlopsEqualChapter02sFormula) {
+  for (const auto& config : {small(4), small(2, true)}) {
+    Transformer model(config);
+    for (int64_t seq : {1, 9}) {
+      auto tokens = tokens_for(config, 2, seq);
+      fivefold::ch02::FlopCounter counter;
+      auto logits = model(tokens);
+      torch::cross_entropy_loss(logits.view({-1, config.vocab_size}), tokens.view({-1})).backward();
+      EXPECT_EQ(counter.flops(),
+                2.0 * seq * fivefold::ch02::training_flops_per_token(config.shape(), seq));
+    }
+  }
+}
