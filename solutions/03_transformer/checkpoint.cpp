@@ -1,0 +1,96 @@
+// Chapter 03 checkpoints: config.json + model.safetensors, Hugging Face's layout.
+
+#include "03_transformer/checkpoint.h"
+
+#include <filesystem>
+#include <set>
+
+#include "fivefold/error.h"
+#include "fivefold/io.h"
+
+namespace fivefold::ch03 {
+
+nlohmann::json config_to_json(const ModelConfig& c) {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"vocab_size", c.vocab_size},
+          {"hidden_size", c.d_model},
+          {"num_hidden_layers", c.n_layers},
+          {"num_attention_heads", c.n_heads},
+          {"num_key_value_heads", c.n_kv_heads},
+          {"head_dim", c.resolved_head_dim()},
+          {"intermediate_size", c.d_ff},
+          {"hidden_act", "silu"},
+          {"tie_word_embeddings", c.tied_embeddings},
+          {"rms_norm_eps", c.rms_norm_eps},
+          {"attention_bias", false},
+          {"mlp_bias", false},
+          {"torch_dtype", "float32"},
+          {"fivefold_seed", c.seed}};
+}
+
+ModelConfig config_from_json(const nlohmann::json& json) {
+  const ch02::TransformerShape shape = ch02::shape_from_hf_config(json);  // validates the keys
+  FIVEFOLD_CHECK(!shape.layer_norm && shape.gated_mlp, "config: model_type must be llama here");
+  ModelConfig c;
+  c.vocab_size = shape.vocab_size;
+  c.d_model = shape.d_model;
+  c.n_layers = shape.n_layers;
+  c.n_heads = shape.n_heads;
+  c.n_kv_heads = shape.n_kv_heads;
+  c.head_dim = shape.head_dim;
+  c.d_ff = shape.d_ff;
+  c.tied_embeddings = shape.tied_embeddings;
+  if (json.contains("rms_norm_eps")) {
+    FIVEFOLD_CHECK(json["rms_norm_eps"].is_number() && json["rms_norm_eps"].get<double>() > 0,
+                   "config: 'rms_norm_eps' must be a positive number");
+    c.rms_norm_eps = json["rms_norm_eps"];
+  }
+  if (json.contains("fivefold_seed") && json["fivefold_seed"].is_number_unsigned())
+    c.seed = json["fivefold_seed"];
+  c.validate();
+  return c;
+}
+
+void save_model(const std::string& dir, Transformer& model) {
+  std::filesystem::create_directories(dir);
+  io::TensorMap tensors;
+  for (const auto& item : model->named_parameters()) tensors[item.key()] = item.value().detach();
+  // Weights first, config last: a folder with a new config.json always has matching weights.
+  io::save_safetensors(dir + "/model.safetensors", tensors, {{"format", "pt"}});
+  io::write_json(dir + "/config.json", config_to_json(model->config()));
+}
+
+Transformer load_model(const std::string& dir) {
+  FIVEFOLD_CHECK(std::filesystem::is_directory(dir), "checkpoint '", dir, "' is not a folder");
+  ModelConfig config;
+  try {
+    config = config_from_json(io::read_json(dir + "/config.json"));
+  } catch (const Error& e) {
+    throw Error("checkpoint '" + dir + "': " + e.what());
+  }
+  const io::TensorMap tensors = io::load_safetensors(dir + "/model.safetensors");
+  Transformer model(config);
+  torch::NoGradGuard no_grad;
+  std::set<std::string> expected;
+  for (auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    expected.insert(name);
+    auto found = tensors.find(name);
+    FIVEFOLD_CHECK(found != tensors.end(), "checkpoint '", dir, "': tensor '", name,
+                   "' is missing");
+    const torch::Tensor& t = found->second;
+    FIVEFOLD_CHECK(t.sizes() == item.value().sizes(), "checkpoint '", dir, "': tensor '", name,
+                   "' has shape ", t.sizes(), " but config.json implies ", item.value().sizes());
+    FIVEFOLD_CHECK(t.is_floating_point(), "checkpoint '", dir, "': tensor '", name,
+                   "' is not floating point (", t.scalar_type(), ")");
+    item.value().copy_(t);
+  }
+  for (const auto& [name, tensor] : tensors) {
+    FIVEFOLD_CHECK(expected.count(name), "checkpoint '", dir, "': unexpected tensor '", name,
+                   "' (a different architecture?)");
+  }
+  return model;
+}
+
+}  // namespace fivefold::ch03
