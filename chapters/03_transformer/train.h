@@ -1,0 +1,65 @@
+#pragma once
+/// @file train.h
+/// @brief Chapter 03 training step: AdamW with decoupled weight decay on the matrices only, linear
+/// warm-up then cosine decay of the learning rate, global-norm gradient clipping, and gradient
+/// accumulation over micro-batches.
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include "03_transformer/data.h"
+#include "03_transformer/model.h"
+
+namespace fivefold::ch03 {
+
+/// Optimisation settings (defaults suit the small models of this course).
+struct TrainConfig {
+  double lr = 3e-3;               ///< peak learning rate
+  double min_lr = 3e-4;           ///< floor of the cosine decay
+  int64_t warmup_steps = 20;      ///< linear warm-up steps
+  int64_t total_steps = 300;      ///< steps over which the cosine decays to min_lr
+  double weight_decay = 0.1;      ///< AdamW's decoupled decay, for matrices only
+  double beta1 = 0.9;             ///< Adam first-moment decay
+  double beta2 = 0.95;            ///< Adam second-moment decay
+  double eps = 1e-8;              ///< Adam epsilon
+  double grad_clip = 1.0;         ///< maximum global gradient norm (0: no clipping)
+  bool decay_embeddings = false;  ///< also decay the token embedding (GPT-2 does not)
+  /// Throws fivefold::Error for inconsistent settings.
+  void validate() const;
+};
+
+/// Learning rate at `step` (0-based): lr·(step+1)/warmup during warm-up, then
+/// min_lr + ½(lr − min_lr)(1 + cos(π·p)) with p = (step − warmup)/(total − warmup), min_lr after.
+double learning_rate(const TrainConfig& config, int64_t step);
+
+/// AdamW over the model's parameters in two groups: group 0 decays (every 2-D weight except the
+/// embedding unless decay_embeddings), group 1 does not (norms, and the embedding by default).
+std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& config);
+
+/// Mean next-token cross-entropy of `batch`.
+torch::Tensor loss_of(Transformer& model, const Batch& batch);
+
+/// Adds to the parameters' gradients those of the mean loss over `micro_batches` (each micro-batch
+/// weighted by its share of the rows), and returns that mean loss. With equal micro-batches this
+/// equals the gradient of one batch made of all of them.
+double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_batches);
+
+/// Scales all gradients so that their global L2 norm is at most `max_norm`; returns the norm
+/// before scaling.
+double clip_gradients(Transformer& model, double max_norm);
+
+/// What one optimizer step did.
+struct StepResult {
+  double loss;       ///< mean loss over the micro-batches
+  double grad_norm;  ///< global gradient norm before clipping
+  double lr;         ///< learning rate used
+};
+
+/// One optimizer step at `step`: zero the gradients, accumulate over `micro_batches`, clip, set
+/// the learning rate of every group, step.
+StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainConfig& config,
+                      const std::vector<Batch>& micro_batches, int64_t step);
+
+}  // namespace fivefold::ch03
