@@ -16,18 +16,26 @@ namespace {
 std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
 std::atomic<bool> g_installed{false};
+std::atomic<uint64_t> g_generation{0};  // which tracker an allocation belongs to
 
-// Live tracked allocations: pointer -> (bytes, the default allocator's deleter). The data pointer
-// doubles as the context, as LibTorch's own CPU allocator does: some kernels rely on it
+// Live tracked allocations: pointer -> its bytes, the default allocator's deleter, and the
+// generation of the tracker that counted it (a later tracker must not subtract it). The data
+// pointer doubles as the context, as LibTorch's own CPU allocator does: some kernels rely on it
 // (Allocator::raw_allocate asserts data == context).
 std::mutex g_mutex;
-std::unordered_map<void*, std::pair<int64_t, c10::DeleterFnPtr>>& live() {
-  static auto* table = new std::unordered_map<void*, std::pair<int64_t, c10::DeleterFnPtr>>();
+struct Allocation {
+  int64_t bytes;
+  c10::DeleterFnPtr free_data;
+  uint64_t generation;
+};
+
+std::unordered_map<void*, Allocation>& live() {
+  static auto* table = new std::unordered_map<void*, Allocation>();
   return *table;  // never destroyed: storage may be freed during static destruction
 }
 
 void release(void* data) {
-  std::pair<int64_t, c10::DeleterFnPtr> entry;
+  Allocation entry;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = live().find(data);
@@ -35,8 +43,8 @@ void release(void* data) {
     entry = it->second;
     live().erase(it);
   }
-  g_current -= entry.first;
-  entry.second(data);  // free through the default allocator
+  if (entry.generation == g_generation.load()) g_current -= entry.bytes;
+  entry.free_data(data);  // free through the default allocator
 }
 
 class CountingAllocator final : public c10::Allocator {
@@ -48,7 +56,7 @@ class CountingAllocator final : public c10::Allocator {
     inner.release_context();  // we free it ourselves, in release()
     {
       std::lock_guard<std::mutex> lock(g_mutex);
-      live()[data] = {static_cast<int64_t>(bytes), free_data};
+      live()[data] = {static_cast<int64_t>(bytes), free_data, g_generation.load()};
     }
     const int64_t now = (g_current += static_cast<int64_t>(bytes));
     int64_t peak = g_peak.load();
@@ -67,6 +75,7 @@ constexpr uint8_t kPriority = 100;  // above the default's, so SetCPUAllocator t
 
 MemoryTracker::MemoryTracker() {
   FIVEFOLD_CHECK(!g_installed.exchange(true), "MemoryTracker: only one may be alive at a time");
+  g_generation += 1;  // allocations of earlier trackers no longer count
   g_current = 0;
   g_peak = 0;
   g_previous = c10::GetCPUAllocator();

@@ -246,3 +246,15 @@ TEST(MemoryTracker, StorageOutlivingTheTrackerIsReleasedCleanly) {
   fivefold::MemoryTracker again;
   EXPECT_EQ(again.current_bytes(), 0);
 }
+
+TEST(MemoryTracker, StorageFromAnEarlierTrackerFreedLaterIsNotCounted) {
+  torch::Tensor from_first;
+  {
+    fivefold::MemoryTracker first;
+    from_first = torch::empty({256});  // 1024 bytes, counted by the first tracker only
+  }
+  fivefold::MemoryTracker second;
+  auto own = torch::empty({10});  // 40 bytes
+  from_first = torch::Tensor();   // freed now: not the second tracker's storage
+  EXPECT_EQ(second.current_bytes(), 40);
+}
