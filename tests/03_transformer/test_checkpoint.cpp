@@ -2,8 +2,6 @@
 // keys, bfloat16 weights, tied head), and every kind of bad folder rejected with a clear error,
 // leaving the files as they were.
 
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 
@@ -18,15 +16,8 @@ using namespace fivefold::ch03;
 namespace {
 class Checkpoints : public ::testing::Test {
  protected:
-  void SetUp() override {
-    root_ = fs::temp_directory_path() /
-            ("fivefold-ckpt-" + std::to_string(getpid()) + "-" +
-             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(root_);
-  }
-  void TearDown() override { fs::remove_all(root_); }
-  std::string dir(const std::string& name) const { return (root_ / name).string(); }
-  fs::path root_;
+  std::string dir(const std::string& name) const { return scratch_.path(name); }
+  fivefold::testing::ScratchDir scratch_{"ckpt"};
 };
 
 ModelConfig small() {
@@ -48,12 +39,7 @@ void expect_same_parameters(Transformer& a, Transformer& b) {
 }
 
 void expect_error(const std::function<void()>& f, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning " << fragment;
-  } catch (const fivefold::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(f, fragment));
 }
 }  // namespace
 

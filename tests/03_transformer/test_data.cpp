@@ -1,8 +1,6 @@
 // Chapter 03 data: tokenizer round trips, the synthetic language's answers and held-out split,
 // datasets from files (and their errors), and the rank-independent batch sampler.
 
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -73,13 +71,8 @@ TEST(SyntheticCorpus, DeterministicAndSplitsShareNoPrompt) {
 namespace {
 class DataFiles : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("fivefold-data-" + std::to_string(getpid()));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-  fs::path dir_;
+  std::string path(const std::string& name) const { return dir_.path(name); }
+  fivefold::testing::ScratchDir dir_{"data"};
 };
 }  // namespace
 
@@ -102,13 +95,8 @@ TEST_F(DataFiles, BinAndTextFiles) {
 }
 
 TEST_F(DataFiles, BadFilesAreClearErrors) {
-  auto expect_error = [](auto load, const std::string& fragment) {
-    try {
-      load();
-      ADD_FAILURE() << "expected an error mentioning " << fragment;
-    } catch (const fivefold::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-    }
+  auto expect_error = [](const std::function<void()>& load, const std::string& fragment) {
+    EXPECT_TRUE(fivefold::testing::throws_error_containing(load, fragment));
   };
   expect_error([&] { TokenDataset::from_text_file(path("absent.txt")); }, "absent.txt");
   std::ofstream(path("empty.txt")).close();

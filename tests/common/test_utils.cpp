@@ -53,14 +53,8 @@ TEST(ArgParser, BadInputIsAClearError) {
   EXPECT_THROW(parse(flag_value, {"--json=1"}), Error);
   auto not_int = make_parser();
   ASSERT_TRUE(parse(not_int, {"--steps", "12x", "--ranks", "2,x"}));
-  try {
-    not_int.integer("steps");
-    FAIL();
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("--steps expects an integer, got '12x'"),
-              std::string::npos)
-        << e.what();
-  }
+  EXPECT_TRUE(fivefold::testing::throws_error_containing([&] { not_int.integer("steps"); },
+                                                         "--steps expects an integer, got '12x'"));
   EXPECT_THROW(not_int.integers("ranks"), Error);
   EXPECT_THROW(not_int.str("undeclared"), Error);
 }

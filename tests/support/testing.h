@@ -9,6 +9,9 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <string>
+
 #include "fivefold/compare.h"
 #include "fivefold/dist.h"
 
@@ -16,6 +19,29 @@ namespace fivefold::testing {
 
 /// The world communicator of this test job.
 dist::CommunicatorPtr world();
+
+/// Success when `action` throws fivefold::Error with `fragment` in its message; the failure says
+/// what happened instead. Use as EXPECT_TRUE(throws_error_containing([&] { ... }, "fragment")).
+::testing::AssertionResult throws_error_containing(const std::function<void()>& action,
+                                                   const std::string& fragment);
+
+/// A fresh directory under the system's temporary directory, unique to this process and test,
+/// removed with everything in it when the object goes away.
+class ScratchDir {
+ public:
+  /// @param tag a word for the directory name, e.g. "io".
+  explicit ScratchDir(const std::string& tag);
+  ~ScratchDir();
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  /// The path of `name` inside the directory (not created).
+  std::string path(const std::string& name) const;
+  /// The directory itself.
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
+};
 
 }  // namespace fivefold::testing
 
