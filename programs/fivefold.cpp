@@ -4,6 +4,8 @@
 //   mpirun -np 4 fivefold info    the same on every rank (checks a launch works)
 //   fivefold plan --config config.json [--tokens 2e12] [--budget 1e23] [--json]
 //                                 parameters, FLOPs, training time and memory (chapter 02)
+//   fivefold train / generate / eval
+//                                 chapter 03's model (programs/model_commands.cpp)
 
 #include <cmath>
 #include <cstdio>
@@ -11,6 +13,7 @@
 #include <string>
 
 #include "02_flops_6np/flops.h"
+#include "commands.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -163,7 +166,11 @@ void usage() {
       "usage: fivefold <command> [options]\n\n"
       "commands:\n"
       "  info      what this process sees: launcher, rank, backend, threads, BLAS\n"
-      "  plan      parameters, FLOPs, training time and memory of a transformer\n\n"
+      "  plan      parameters, FLOPs, training time and memory of a transformer\n"
+      "  train     train chapter 03's transformer (one process), with checkpoints and resume\n"
+      "  generate  continue a prompt from a checkpoint (greedy, temperature, top-k; KV cache)\n"
+      "  eval      loss, perplexity and exact match of a checkpoint, or the logits of a "
+      "sequence\n\n"
       "Run `fivefold <command> --help` for a command's options. Several processes:\n"
       "  mpirun -np 4 -x OMP_WAIT_POLICY=passive fivefold info         (MPI backend)\n"
       "  FIVEFOLD_BACKEND=gloo torchrun --no-python --nproc-per-node 4 fivefold info\n");
@@ -180,11 +187,18 @@ int main(int argc, char** argv) {
   try {
     if (command == "info") return info(argc - 1, argv + 1);
     if (command == "plan") return plan(argc - 1, argv + 1);
+    if (command == "train") return fivefold::commands::train(argc - 1, argv + 1);
+    if (command == "generate") return fivefold::commands::generate(argc - 1, argv + 1);
+    if (command == "eval") return fivefold::commands::eval(argc - 1, argv + 1);
     std::fprintf(stderr, "fivefold: unknown command '%s'\n\n", command.c_str());
     usage();
     return 2;
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fivefold %s: error: %s\n", command.c_str(), e.what());
+    // Option errors already name the program ("fivefold plan: --x ..."); others get it here.
+    const std::string what = e.what();
+    const std::string prefix = "fivefold " + command + ": ";
+    std::fprintf(stderr, "%serror: %s\n", prefix.c_str(),
+                 what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()).c_str() : what.c_str());
     return 1;
   }
 }

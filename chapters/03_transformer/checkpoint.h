@@ -8,6 +8,7 @@
 #include <string>
 
 #include "03_transformer/model.h"
+#include "03_transformer/train.h"
 
 namespace fivefold::ch03 {
 
@@ -26,5 +27,20 @@ void save_model(const std::string& dir, Transformer& model);
 /// converted to float32); a missing, misshaped or unexpected tensor, a missing file or a corrupt
 /// one is a fivefold::Error naming the folder and the problem.
 Transformer load_model(const std::string& dir);
+
+/// Writes AdamW's state atomically to `path` (a safetensors file) under the parameters' names:
+/// `{name}.exp_avg`, `{name}.exp_avg_sq` (float32, the parameter's shape) and `{name}.step`
+/// (int64). Names, not positions in a list, so that a differently sharded run can read it.
+/// Parameters without state yet (before the first step) are left out.
+void save_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer);
+
+/// Restores the state written by save_optimizer into `optimizer`, whose parameters are `model`'s.
+/// A tensor of the wrong shape or a name the model lacks is a fivefold::Error naming the file.
+void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer);
+
+/// The CPU random generator's state as a tensor, and back (for exact resume of anything random).
+torch::Tensor rng_state();
+/// Restores a state returned by rng_state().
+void set_rng_state(const torch::Tensor& state);
 
 }  // namespace fivefold::ch03

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "02_flops_6np/flops.h"
 
@@ -33,13 +34,29 @@ struct ModelConfig {
   ch02::TransformerShape shape() const;
 };
 
-/// Causal scaled-dot-product attention, written out: scores = q k^T / sqrt(head_dim), positions
-/// j > i masked, softmax over j, weighted sum of v. Grouped-query attention: each of the n_kv_heads
-/// key/value heads serves n_heads / n_kv_heads consecutive query heads.
-/// q: [batch, n_heads, seq, head_dim]; k, v: [batch, n_kv_heads, seq, head_dim];
-/// returns [batch, n_heads, seq, head_dim]. **Exercise** (README, "The exercise").
+/// Causal scaled-dot-product attention, written out: scores = q k^T / sqrt(head_dim), keys after
+/// the query's position masked, softmax over the keys, weighted sum of v. Grouped-query attention:
+/// each of the n_kv_heads key/value heads serves n_heads / n_kv_heads consecutive query heads.
+/// q: [batch, n_heads, seq_q, head_dim]; k, v: [batch, n_kv_heads, seq_k, head_dim] with
+/// seq_q <= seq_k: the queries are the last seq_q positions (query i is at seq_k - seq_q + i), as
+/// when generating with a KV cache. Returns [batch, n_heads, seq_q, head_dim].
+/// **Exercise** (README, "The exercise").
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v);
+
+/// One layer's keys and values of the positions seen so far, for incremental decoding.
+struct LayerCache {
+  torch::Tensor keys;    ///< [batch, n_kv_heads, length, head_dim], undefined when empty
+  torch::Tensor values;  ///< same shape as keys
+};
+
+/// The KV cache of a whole model: one LayerCache per block. Start empty; each forward pass with
+/// the cache appends its tokens' keys and values, so the next pass computes only new positions.
+struct KVCache {
+  std::vector<LayerCache> layers;  ///< resized by the model on first use
+  /// Positions cached so far (the position of the next token).
+  int64_t length() const;
+};
 
 /// RMSNorm: x / sqrt(mean(x²) + eps) · weight, over the last dimension.
 class RMSNormImpl : public torch::nn::Module {
@@ -60,8 +77,9 @@ class AttentionImpl : public torch::nn::Module {
  public:
   /// Projections sized from `config`.
   explicit AttentionImpl(const ModelConfig& config);
-  /// x [batch, seq, d_model] -> [batch, seq, d_model].
-  torch::Tensor forward(const torch::Tensor& x);
+  /// x [batch, seq, d_model] -> [batch, seq, d_model]. With a cache, x holds the positions after
+  /// the cached ones; their keys and values are appended to it and attention sees all of them.
+  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr);
   torch::nn::Linear q_proj{nullptr};  ///< d_model -> n_heads·head_dim
   torch::nn::Linear k_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
   torch::nn::Linear v_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
@@ -90,8 +108,8 @@ class BlockImpl : public torch::nn::Module {
  public:
   /// Sub-modules sized from `config`.
   explicit BlockImpl(const ModelConfig& config);
-  /// x [batch, seq, d_model] -> same shape.
-  torch::Tensor forward(const torch::Tensor& x);
+  /// x [batch, seq, d_model] -> same shape; `cache` as in AttentionImpl::forward.
+  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr);
   RMSNorm input_layernorm{nullptr};           ///< before attention
   RMSNorm post_attention_layernorm{nullptr};  ///< before the MLP
   Attention self_attn{nullptr};               ///< attention
@@ -117,8 +135,9 @@ class TransformerImpl : public torch::nn::Module {
  public:
   /// Builds and initialises the model; throws fivefold::Error for an invalid config.
   explicit TransformerImpl(ModelConfig config);
-  /// tokens [batch, seq] int64 -> logits [batch, seq, vocab].
-  torch::Tensor forward(const torch::Tensor& tokens);
+  /// tokens [batch, seq] int64 -> logits [batch, seq, vocab]. With a cache, `tokens` continue the
+  /// cached sequence (they sit at positions cache->length() onwards) and are appended to it.
+  torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
   /// The configuration.
   const ModelConfig& config() const { return config_; }
   Trunk model{nullptr};                ///< embedding, blocks, final norm

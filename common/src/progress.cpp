@@ -24,6 +24,13 @@ void ProgressBar::update(int64_t done, const std::string& status) {
   draw(false);
 }
 
+void ProgressBar::clear() {
+  if (!enabled_ || !terminal_ || finished_) return;
+  std::fprintf(stderr, "\r\033[K");
+  std::fflush(stderr);
+  last_draw_ = -1e9;
+}
+
 void ProgressBar::finish(const std::string& status) {
   if (finished_) return;
   finished_ = true;

@@ -93,4 +93,61 @@ Transformer load_model(const std::string& dir) {
   return model;
 }
 
+namespace {
+// LibTorch keys an optimizer's per-parameter state by the address of the parameter's storage.
+std::string state_key(const torch::Tensor& p) {
+  return c10::guts::to_string(p.unsafeGetTensorImpl());
+}
+}  // namespace
+
+void save_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
+  io::TensorMap tensors;
+  for (const auto& item : model->named_parameters()) {
+    auto found = optimizer.state().find(state_key(item.value()));
+    if (found == optimizer.state().end()) continue;
+    const auto& state = static_cast<const torch::optim::AdamWParamState&>(*found->second);
+    tensors[item.key() + ".exp_avg"] = state.exp_avg();
+    tensors[item.key() + ".exp_avg_sq"] = state.exp_avg_sq();
+    tensors[item.key() + ".step"] = torch::tensor(state.step(), torch::kLong);
+  }
+  io::save_safetensors(path, tensors, {{"format", "fivefold-adamw"}});
+}
+
+void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
+  io::TensorMap tensors = io::load_safetensors(path);
+  std::set<std::string> used;
+  for (const auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    if (!tensors.count(name + ".exp_avg")) continue;  // no step taken for this parameter yet
+    for (const char* suffix : {".exp_avg", ".exp_avg_sq", ".step"}) {
+      auto found = tensors.find(name + suffix);
+      FIVEFOLD_CHECK(found != tensors.end(), "optimizer state '", path, "': '", name, suffix,
+                     "' is missing");
+      const bool scalar = std::string(suffix) == ".step";
+      FIVEFOLD_CHECK(
+          scalar ? found->second.numel() == 1 : found->second.sizes() == item.value().sizes(),
+          "optimizer state '", path, "': '", name, suffix, "' has shape ", found->second.sizes(),
+          ", the parameter has ", item.value().sizes());
+      used.insert(found->first);
+    }
+    auto state = std::make_unique<torch::optim::AdamWParamState>();
+    state->step(tensors[name + ".step"].item<int64_t>());
+    state->exp_avg(tensors[name + ".exp_avg"].to(torch::kFloat).clone());
+    state->exp_avg_sq(tensors[name + ".exp_avg_sq"].to(torch::kFloat).clone());
+    optimizer.state()[state_key(item.value())] = std::move(state);
+  }
+  for (const auto& [name, tensor] : tensors) {
+    FIVEFOLD_CHECK(used.count(name), "optimizer state '", path, "': '", name,
+                   "' belongs to no parameter of this model");
+  }
+}
+
+torch::Tensor rng_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
+
+void set_rng_state(const torch::Tensor& state) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
 }  // namespace fivefold::ch03

@@ -7,6 +7,10 @@
 
 namespace fivefold::ch03 {
 
+int64_t KVCache::length() const {
+  return layers.empty() || !layers[0].keys.defined() ? 0 : layers[0].keys.size(2);
+}
+
 int64_t ModelConfig::resolved_head_dim() const {
   return head_dim > 0 ? head_dim : d_model / n_heads;
 }
@@ -58,14 +62,22 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
   o_proj = register_module("o_proj", linear(n_heads_ * head_dim_, c.d_model));
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x) {
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, LayerCache* cache) {
   const int64_t batch = x.size(0), seq = x.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
   auto heads = [&](const torch::Tensor& t, int64_t n) {
     return t.view({batch, seq, n, head_dim_}).transpose(1, 2);
   };
-  auto out = causal_attention(heads(q_proj(x), n_heads_), heads(k_proj(x), n_kv_heads_),
-                              heads(v_proj(x), n_kv_heads_));
+  auto k = heads(k_proj(x), n_kv_heads_), v = heads(v_proj(x), n_kv_heads_);
+  if (cache != nullptr) {  // prepend the cached positions: [batch, n_kv_heads, cached + seq, hd]
+    if (cache->keys.defined()) {
+      k = torch::cat({cache->keys, k}, 2);
+      v = torch::cat({cache->values, v}, 2);
+    }
+    cache->keys = k;
+    cache->values = v;
+  }
+  auto out = causal_attention(heads(q_proj(x), n_heads_), k, v);
   // [batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]
   return o_proj(out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_}));
 }
@@ -88,8 +100,9 @@ BlockImpl::BlockImpl(const ModelConfig& c) {
   mlp = register_module("mlp", Mlp(c));
 }
 
-torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
-  auto h = x + self_attn(input_layernorm(x));  // pre-norm: the residual stream is never normalised
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, LayerCache* cache) {
+  auto h = x + self_attn(input_layernorm(x),
+                         cache);  // pre-norm: the residual stream is never normalised
   return h + mlp(post_attention_layernorm(h));
 }
 
@@ -120,12 +133,15 @@ TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)
   }
 }
 
-torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens) {
+torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
   FIVEFOLD_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong,
                  "Transformer: tokens must be int64 [batch, seq], got ", tokens.sizes(), " ",
                  tokens.scalar_type());
+  if (cache != nullptr) cache->layers.resize(config_.n_layers);
   auto x = model->embed_tokens(tokens);  // [batch, seq, d_model]
-  for (const auto& layer : *model->layers) x = layer->as<BlockImpl>()->forward(x);
+  for (int64_t i = 0; i < config_.n_layers; ++i) {
+    x = model->layers[i]->as<BlockImpl>()->forward(x, cache ? &cache->layers[i] : nullptr);
+  }
   x = model->norm(x);
   return config_.tied_embeddings ? torch::matmul(x, model->embed_tokens->weight.t()) : lm_head(x);
 }

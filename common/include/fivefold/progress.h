@@ -18,6 +18,9 @@ class ProgressBar {
   ProgressBar(int64_t total, std::string label, bool enabled = true);
   /// Sets the number of units done, with an optional status text (e.g. "loss 2.31").
   void update(int64_t done, const std::string& status = "");
+  /// Erases the bar from a terminal so that a log line can be printed cleanly; the next update
+  /// draws it again.
+  void clear();
   /// Prints the final state and a newline.
   void finish(const std::string& status = "");
 

@@ -1,0 +1,90 @@
+#pragma once
+/// @file trainer.h
+/// @brief Chapter 03 training run: the loop around train_step. Metrics per step (loss, learning
+/// rate, gradient norm, tokens/s, MFU from chapter 02's count) to a JSONL file and a progress bar,
+/// periodic evaluation, and checkpoints that resume exactly: weights, AdamW state, step (the data
+/// position: the sampler is stateless) and the random generator's state.
+///
+/// Output folder:
+///
+///     OUT/metrics.jsonl              one JSON object per step ("kind": "train") or eval ("eval")
+///     OUT/latest                     the name of the newest complete checkpoint folder
+///     OUT/step-00000100/config.json, model.safetensors   Hugging Face layout (checkpoint.h)
+///     OUT/step-00000100/optimizer.safetensors            AdamW moments by parameter name
+///     OUT/step-00000100/trainer_state.json               next step, run settings
+///     OUT/step-00000100/rng.safetensors                  CPU generator state
+///
+/// A checkpoint folder is written under a temporary name and renamed when complete, and `latest`
+/// is replaced atomically after it, so an interrupted save never leaves a half checkpoint behind.
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "03_transformer/data.h"
+#include "03_transformer/evaluate.h"
+#include "03_transformer/model.h"
+#include "03_transformer/train.h"
+
+namespace fivefold::ch03 {
+
+/// Where the tokens come from.
+struct DataConfig {
+  std::string path;                    ///< a text file, or a `.bin`; empty: the synthetic corpus
+  uint64_t seed = 0;                   ///< synthetic corpus and batch order
+  int64_t synthetic_examples = 50000;  ///< lines in the synthetic training split
+  double val_fraction = 0.1;           ///< of a file's tokens, held out at its end
+};
+
+/// A whole training run.
+struct RunConfig {
+  ModelConfig model;                 ///< the model (ignored on resume: the checkpoint's is used)
+  TrainConfig train;                 ///< optimiser and schedule
+  DataConfig data;                   ///< tokens
+  int64_t seq_len = 64;              ///< tokens per row
+  int64_t batch = 16;                ///< rows per optimizer step (global batch)
+  int64_t micro_batches = 1;         ///< gradient accumulation: batch is split into this many
+  int64_t steps = 300;               ///< train until this many steps are done
+  std::string out_dir;               ///< metrics and checkpoints; empty: write nothing
+  int64_t save_every = 100;          ///< checkpoint interval in steps (0: only at the end)
+  int64_t keep_checkpoints = 2;      ///< older checkpoint folders are deleted
+  int64_t eval_every = 50;           ///< evaluation interval in steps (0: only at the end)
+  int64_t eval_batches = 8;          ///< held-out batches per evaluation
+  int64_t exact_match_examples = 0;  ///< held-out synthetic prompts per evaluation (0: none)
+  double peak_gflops = 0;            ///< matmul peak for MFU; 0: measured at start
+  bool progress = true;              ///< progress bar on stderr
+  /// Throws fivefold::Error naming the first inconsistent setting.
+  void validate() const;
+};
+
+/// The settings as JSON (saved in trainer_state.json) and back.
+nlohmann::json run_to_json(const RunConfig& config);
+/// Inverse of run_to_json; missing keys keep their defaults.
+RunConfig run_from_json(const nlohmann::json& json);
+
+/// Train and held-out tokens for `data`: the synthetic corpus's two splits (held-out: a tenth as
+/// many lines), or a file's tokens split at 1 - val_fraction. Throws fivefold::Error for a
+/// missing, empty or too short file.
+std::pair<TokenDataset, TokenDataset> load_datasets(const DataConfig& data, int64_t seq_len);
+
+/// What a run did.
+struct RunResult {
+  int64_t first_step = 0;      ///< 0, or the step it resumed from
+  std::vector<double> losses;  ///< training loss of each step run
+  LossReport eval;             ///< the last evaluation
+  ExactMatchReport exact;      ///< the last exact-match evaluation (empty if not asked)
+  std::string checkpoint;      ///< the last checkpoint folder written ("" if none)
+};
+
+/// Runs training. With `resume`, continues from `out_dir`'s latest checkpoint with its saved
+/// settings (only `steps` is taken from `config`), bit for bit as if never interrupted. Without
+/// it, refuses an `out_dir` that already holds a run. Every input is checked before anything is
+/// written.
+RunResult run_training(const RunConfig& config, bool resume = false);
+
+/// The checkpoint folder to read for `path`: `path` itself when it holds config.json, else the
+/// folder named by `path`/latest. Throws fivefold::Error when neither exists.
+std::string resolve_checkpoint(const std::string& path);
+
+}  // namespace fivefold::ch03

@@ -1,0 +1,253 @@
+// fivefold train / generate / eval: chapter 03's model from the command line.
+//
+//   fivefold train --out runs/ch03 [--steps 300] [--data FILE] [--resume] ...
+//   fivefold generate --checkpoint runs/ch03 --prompt "12+35=" --max-new-tokens 8 --greedy
+//   fivefold generate --checkpoint DIR --prompt-ids 3,1,4 --max-new-tokens N --greedy
+//   fivefold eval --checkpoint runs/ch03 [--data FILE] [--exact-match 200]
+//   fivefold eval --checkpoint DIR --ids 3,1,4,1,5 --logits-out logits.safetensors
+
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "03_transformer/checkpoint.h"
+#include "03_transformer/evaluate.h"
+#include "03_transformer/generate.h"
+#include "03_transformer/trainer.h"
+#include "commands.h"
+#include "fivefold/cli.h"
+#include "fivefold/error.h"
+#include "fivefold/io.h"
+#include "fivefold/log.h"
+#include "fivefold/runtime.h"
+
+namespace fivefold::commands {
+
+using namespace fivefold::ch03;
+
+namespace {
+
+// Comma-separated token ids, each checked against the vocabulary.
+std::vector<int64_t> token_ids(const ArgParser& args, const std::string& flag, int64_t vocab) {
+  const auto ids = args.integers(flag);
+  FIVEFOLD_CHECK(!ids.empty(), "--", flag, " is empty");
+  for (int64_t id : ids) {
+    FIVEFOLD_CHECK(id >= 0 && id < vocab, "--", flag, ": token ", id,
+                   " is outside the checkpoint's vocabulary (0..", vocab - 1, ")");
+  }
+  return ids;
+}
+
+std::string join(const std::vector<int64_t>& ids) {
+  std::string text;
+  for (size_t i = 0; i < ids.size(); ++i) text += (i ? "," : "") + std::to_string(ids[i]);
+  return text;
+}
+
+}  // namespace
+
+int train(int argc, char** argv) {
+  const RunConfig d;  // defaults, shown in --help
+  ArgParser args("fivefold train",
+                 "Trains chapter 03's transformer on one process: on the built-in synthetic "
+                 "corpus (arithmetic, copying, reversal, key-value recall), a UTF-8 text file or "
+                 "a nanoGPT-style uint16 .bin. Writes OUT/metrics.jsonl and checkpoints "
+                 "OUT/step-N (Hugging Face layout plus optimizer and RNG state); --resume "
+                 "continues a run exactly.");
+  args.option("out", "runs/ch03", "output folder (metrics, checkpoints)");
+  args.flag("resume", "continue the run in --out from its latest checkpoint, with its settings");
+  args.option("steps", std::to_string(d.steps), "train until this many optimizer steps are done");
+  args.option("data", "", "text file or .bin of uint16 token ids (default: the synthetic corpus)");
+  args.option("data-seed", "0", "synthetic corpus and batch order seed");
+  args.option("synthetic-examples", std::to_string(d.data.synthetic_examples),
+              "lines of synthetic training text");
+  args.option("val-fraction", "0.1", "share of a data file held out (its end)");
+  args.option("seq", std::to_string(d.seq_len), "tokens per sequence");
+  args.option("batch", std::to_string(d.batch), "sequences per optimizer step");
+  args.option("accum", "1", "micro-batches per step (gradient accumulation; divides --batch)");
+  args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
+  args.option("warmup", "20", "linear warm-up steps");
+  args.option("decay-steps", "", "steps of the cosine decay (default: --steps)");
+  args.option("weight-decay", "0.1", "AdamW decoupled weight decay (matrices only)");
+  args.flag("decay-embeddings", "also apply weight decay to the token embedding");
+  args.option("grad-clip", "1.0", "maximum global gradient norm (0: off)");
+  args.option("vocab", std::to_string(d.model.vocab_size), "vocabulary size (259: bytes)");
+  args.option("d-model", std::to_string(d.model.d_model), "hidden size");
+  args.option("n-layers", std::to_string(d.model.n_layers), "transformer blocks");
+  args.option("n-heads", std::to_string(d.model.n_heads), "query heads");
+  args.option("n-kv-heads", "", "key/value heads (default: --n-heads)");
+  args.option("d-ff", std::to_string(d.model.d_ff), "MLP hidden size");
+  args.flag("tied", "LM head shares the embedding matrix");
+  args.option("seed", "0", "initialisation seed");
+  args.option("save-every", std::to_string(d.save_every), "checkpoint interval (0: at the end)");
+  args.option("keep", std::to_string(d.keep_checkpoints), "checkpoints kept");
+  args.option("eval-every", std::to_string(d.eval_every), "evaluation interval (0: at the end)");
+  args.option("eval-batches", std::to_string(d.eval_batches), "held-out batches per evaluation");
+  args.option("exact-match", "",
+              "held-out prompts answered per evaluation (synthetic corpus; "
+              "default 100, 0 with --data)");
+  args.option("peak-gflops", "0", "matmul peak for MFU (0: measured at start)");
+  args.flag("no-progress", "no progress bar");
+  if (!args.parse(argc, argv)) return 0;
+  Runtime runtime;
+  FIVEFOLD_CHECK(runtime.world()->size() == 1,
+                 "fivefold train runs on one process in chapter 03 (data parallelism: chapter 09)");
+
+  RunConfig c;
+  c.out_dir = args.str("out");
+  c.steps = args.integer("steps");
+  c.data.path = args.str("data");
+  c.data.seed = static_cast<uint64_t>(args.integer("data-seed"));
+  c.data.synthetic_examples = args.integer("synthetic-examples");
+  c.data.val_fraction = args.real("val-fraction");
+  c.seq_len = args.integer("seq");
+  c.batch = args.integer("batch");
+  c.micro_batches = args.integer("accum");
+  c.train.lr = args.real("lr");
+  c.train.min_lr = args.real("min-lr");
+  c.train.warmup_steps = args.integer("warmup");
+  c.train.total_steps = args.given("decay-steps") ? args.integer("decay-steps") : c.steps;
+  c.train.weight_decay = args.real("weight-decay");
+  c.train.decay_embeddings = args.on("decay-embeddings");
+  c.train.grad_clip = args.real("grad-clip");
+  c.model.vocab_size = args.integer("vocab");
+  c.model.d_model = args.integer("d-model");
+  c.model.n_layers = args.integer("n-layers");
+  c.model.n_heads = args.integer("n-heads");
+  c.model.n_kv_heads = args.given("n-kv-heads") ? args.integer("n-kv-heads") : c.model.n_heads;
+  c.model.d_ff = args.integer("d-ff");
+  c.model.tied_embeddings = args.on("tied");
+  c.model.seed = static_cast<uint64_t>(args.integer("seed"));
+  c.save_every = args.integer("save-every");
+  c.keep_checkpoints = args.integer("keep");
+  c.eval_every = args.integer("eval-every");
+  c.eval_batches = args.integer("eval-batches");
+  c.exact_match_examples =
+      args.given("exact-match") ? args.integer("exact-match") : (c.data.path.empty() ? 100 : 0);
+  c.peak_gflops = args.real("peak-gflops");
+  c.progress = !args.on("no-progress");
+  if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
+
+  const RunResult r = run_training(c, args.on("resume"));
+  log() << "done: " << r.losses.size() << " steps, final training loss "
+        << (r.losses.empty() ? 0.0 : r.losses.back()) << ", held-out loss " << r.eval.loss
+        << ", checkpoint " << (r.checkpoint.empty() ? "(none)" : r.checkpoint);
+  return 0;
+}
+
+int generate(int argc, char** argv) {
+  ArgParser args("fivefold generate",
+                 "Continues a prompt with a checkpoint's model (KV cache). With --prompt-ids, "
+                 "prints the new token ids comma-separated on one line; with --prompt, the "
+                 "text (byte tokenizer).");
+  args.option("checkpoint", "", "checkpoint folder, or a training output folder (its latest)");
+  args.option("prompt", "", "prompt text (byte tokens)");
+  args.option("prompt-ids", "", "prompt token ids, e.g. 3,1,4");
+  args.option("max-new-tokens", "32", "tokens to generate at most");
+  args.flag("greedy",
+            "always take the most likely token (the default unless --temperature or "
+            "--top-k is given)");
+  args.option("temperature", "1.0", "divides the logits before sampling");
+  args.option("top-k", "0", "sample among the k most likely tokens (0: all)");
+  args.option("seed", "0", "sampling seed");
+  args.option("stop-ids", "", "stop after one of these ids (default with --prompt: newline)");
+  args.flag("no-cache", "recompute the whole sequence for every token");
+  if (!args.parse(argc, argv)) return 0;
+  FIVEFOLD_CHECK(args.given("checkpoint"), "fivefold generate: --checkpoint is required");
+  FIVEFOLD_CHECK(args.given("prompt") != args.given("prompt-ids"),
+                 "fivefold generate: give exactly one of --prompt and --prompt-ids");
+  Runtime runtime;
+  Transformer model = load_model(resolve_checkpoint(args.str("checkpoint")));
+  const int64_t vocab = model->config().vocab_size;
+
+  SamplingOptions options;
+  options.greedy = args.on("greedy") || !(args.given("temperature") || args.given("top-k"));
+  options.temperature = args.real("temperature");
+  options.top_k = args.integer("top-k");
+  options.seed = static_cast<uint64_t>(args.integer("seed"));
+  options.use_cache = !args.on("no-cache");
+  if (args.given("stop-ids")) options.stop_tokens = token_ids(args, "stop-ids", vocab);
+
+  std::vector<int64_t> prompt;
+  if (args.given("prompt-ids")) {
+    prompt = token_ids(args, "prompt-ids", vocab);
+  } else {
+    FIVEFOLD_CHECK(vocab >= ByteTokenizer::kVocab, "--prompt needs the byte tokenizer's ",
+                   ByteTokenizer::kVocab, " tokens; this checkpoint has ", vocab,
+                   ": use --prompt-ids");
+    prompt = ByteTokenizer::encode(args.str("prompt"));
+    FIVEFOLD_CHECK(!prompt.empty(), "--prompt is empty");
+    if (!args.given("stop-ids")) options.stop_tokens = {'\n'};
+  }
+  const auto output = ch03::generate(model, prompt, args.integer("max-new-tokens"), options);
+  if (args.given("prompt-ids")) {
+    std::printf("%s\n", join(output).c_str());
+  } else {
+    std::printf("%s%s\n", args.str("prompt").c_str(), ByteTokenizer::decode(output).c_str());
+  }
+  return 0;
+}
+
+int eval(int argc, char** argv) {
+  ArgParser args("fivefold eval",
+                 "Evaluates a checkpoint: mean loss and perplexity on held-out batches (the "
+                 "synthetic corpus's held-out split, or the end of --data) and exact-match "
+                 "accuracy on synthetic prompts; or, with --ids and --logits-out, writes the "
+                 "logits of one sequence as a float32 tensor 'logits' [seq, vocab].");
+  args.option("checkpoint", "", "checkpoint folder, or a training output folder (its latest)");
+  args.option("ids", "", "token ids of one sequence, e.g. 3,1,4,1,5 (with --logits-out)");
+  args.option("logits-out", "", "safetensors file for the logits of --ids");
+  args.option("data", "", "text file or .bin (default: the synthetic corpus)");
+  args.option("data-seed", "0", "synthetic corpus and batch seed");
+  args.option("val-fraction", "0.1", "share of a data file held out (its end)");
+  args.option("seq", "64", "tokens per sequence").option("batch", "16", "sequences per batch");
+  args.option("batches", "16", "held-out batches to score");
+  args.option("exact-match", "", "held-out synthetic prompts to answer (default 200; 0: none)");
+  if (!args.parse(argc, argv)) return 0;
+  FIVEFOLD_CHECK(args.given("checkpoint"), "fivefold eval: --checkpoint is required");
+  FIVEFOLD_CHECK(args.given("ids") == args.given("logits-out"),
+                 "fivefold eval: --ids and --logits-out go together");
+  Runtime runtime;
+  const std::string dir = resolve_checkpoint(args.str("checkpoint"));
+  Transformer model = load_model(dir);
+
+  if (args.given("ids")) {
+    const auto ids = token_ids(args, "ids", model->config().vocab_size);
+    torch::NoGradGuard no_grad;
+    auto logits = model(torch::tensor(ids, torch::kLong).unsqueeze(0))[0];  // [seq, vocab]
+    io::save_safetensors(args.str("logits-out"), {{"logits", logits.contiguous()}});
+    log() << "wrote logits " << logits.sizes() << " to " << args.str("logits-out");
+    return 0;
+  }
+  DataConfig data;
+  data.path = args.str("data");
+  data.seed = static_cast<uint64_t>(args.integer("data-seed"));
+  data.val_fraction = args.real("val-fraction");
+  const int64_t seq = args.integer("seq"), batch = args.integer("batch");
+  FIVEFOLD_CHECK(seq >= 1 && batch >= 1 && args.integer("batches") >= 1,
+                 "--seq, --batch and --batches must be >= 1");
+  const auto held_out = load_datasets(data, seq).second;
+  FIVEFOLD_CHECK(held_out.max_token() < model->config().vocab_size, "the data has token id ",
+                 held_out.max_token(), " but the checkpoint's vocabulary has ",
+                 model->config().vocab_size, " tokens");
+  // The same held-out batches a training run evaluates on (seed + 1, see trainer.cpp).
+  const BatchSampler sampler(held_out, seq, batch, data.seed + 1);
+  const LossReport loss = evaluate_loss(model, sampler, args.integer("batches"));
+  std::printf("checkpoint %s\nheld-out loss %.4f  perplexity %.3f  (%lld tokens)\n", dir.c_str(),
+              loss.loss, loss.perplexity, static_cast<long long>(loss.tokens));
+  const int64_t examples =
+      args.given("exact-match") ? args.integer("exact-match") : (data.path.empty() ? 200 : 0);
+  if (examples > 0) {
+    FIVEFOLD_CHECK(data.path.empty(), "--exact-match needs the synthetic corpus (no --data)");
+    const ExactMatchReport exact = exact_match(model, data.seed, Split::HeldOut, examples);
+    std::printf("exact match %.3f over %lld held-out prompts:", exact.accuracy(),
+                static_cast<long long>(examples));
+    for (const auto& [task, n] : exact.total)
+      std::printf("  %s %.3f (%lld)", task.c_str(), exact.accuracy(task),
+                  static_cast<long long>(n));
+    std::printf("\n");
+  }
+  return 0;
+}
+
+}  // namespace fivefold::commands

@@ -1,0 +1,320 @@
+// Chapter 03 training run: the loop, metrics, evaluation, and checkpoints that resume exactly.
+
+#include "03_transformer/trainer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "02_flops_6np/flops.h"
+#include "03_transformer/checkpoint.h"
+#include "fivefold/blas.h"
+#include "fivefold/error.h"
+#include "fivefold/io.h"
+#include "fivefold/log.h"
+#include "fivefold/progress.h"
+#include "fivefold/timer.h"
+
+namespace fs = std::filesystem;
+
+namespace fivefold::ch03 {
+
+void RunConfig::validate() const {
+  model.validate();
+  train.validate();
+  FIVEFOLD_CHECK(seq_len >= 1 && batch >= 1 && steps >= 1,
+                 "run config: seq_len, batch and steps must be >= 1");
+  FIVEFOLD_CHECK(micro_batches >= 1 && batch % micro_batches == 0, "run config: micro_batches (",
+                 micro_batches, ") must divide batch (", batch, ")");
+  FIVEFOLD_CHECK(save_every >= 0 && eval_every >= 0 && eval_batches >= 1 &&
+                     exact_match_examples >= 0 && keep_checkpoints >= 1 && peak_gflops >= 0,
+                 "run config: save_every, eval_every, exact_match_examples >= 0; eval_batches, "
+                 "keep_checkpoints >= 1");
+  FIVEFOLD_CHECK(data.val_fraction > 0 && data.val_fraction < 1 && data.synthetic_examples >= 10,
+                 "run config: val_fraction must be in (0, 1), synthetic_examples >= 10");
+  FIVEFOLD_CHECK(exact_match_examples == 0 || data.path.empty(),
+                 "run config: exact-match evaluation needs the synthetic corpus (no --data)");
+}
+
+nlohmann::json run_to_json(const RunConfig& c) {
+  const TrainConfig& t = c.train;
+  return {{"model", config_to_json(c.model)},
+          {"train",
+           {{"lr", t.lr},
+            {"min_lr", t.min_lr},
+            {"warmup_steps", t.warmup_steps},
+            {"total_steps", t.total_steps},
+            {"weight_decay", t.weight_decay},
+            {"beta1", t.beta1},
+            {"beta2", t.beta2},
+            {"eps", t.eps},
+            {"grad_clip", t.grad_clip},
+            {"decay_embeddings", t.decay_embeddings}}},
+          {"data",
+           {{"path", c.data.path},
+            {"seed", c.data.seed},
+            {"synthetic_examples", c.data.synthetic_examples},
+            {"val_fraction", c.data.val_fraction}}},
+          {"seq_len", c.seq_len},
+          {"batch", c.batch},
+          {"micro_batches", c.micro_batches},
+          {"steps", c.steps},
+          {"save_every", c.save_every},
+          {"keep_checkpoints", c.keep_checkpoints},
+          {"eval_every", c.eval_every},
+          {"eval_batches", c.eval_batches},
+          {"exact_match_examples", c.exact_match_examples}};
+}
+
+RunConfig run_from_json(const nlohmann::json& j) {
+  RunConfig c;
+  auto get = [](const nlohmann::json& object, const char* key, auto& field) {
+    if (object.contains(key)) field = object[key].get<std::decay_t<decltype(field)>>();
+  };
+  if (j.contains("model")) c.model = config_from_json(j["model"]);
+  if (j.contains("train")) {
+    const auto& t = j["train"];
+    get(t, "lr", c.train.lr);
+    get(t, "min_lr", c.train.min_lr);
+    get(t, "warmup_steps", c.train.warmup_steps);
+    get(t, "total_steps", c.train.total_steps);
+    get(t, "weight_decay", c.train.weight_decay);
+    get(t, "beta1", c.train.beta1);
+    get(t, "beta2", c.train.beta2);
+    get(t, "eps", c.train.eps);
+    get(t, "grad_clip", c.train.grad_clip);
+    get(t, "decay_embeddings", c.train.decay_embeddings);
+  }
+  if (j.contains("data")) {
+    const auto& d = j["data"];
+    get(d, "path", c.data.path);
+    get(d, "seed", c.data.seed);
+    get(d, "synthetic_examples", c.data.synthetic_examples);
+    get(d, "val_fraction", c.data.val_fraction);
+  }
+  get(j, "seq_len", c.seq_len);
+  get(j, "batch", c.batch);
+  get(j, "micro_batches", c.micro_batches);
+  get(j, "steps", c.steps);
+  get(j, "save_every", c.save_every);
+  get(j, "keep_checkpoints", c.keep_checkpoints);
+  get(j, "eval_every", c.eval_every);
+  get(j, "eval_batches", c.eval_batches);
+  get(j, "exact_match_examples", c.exact_match_examples);
+  return c;
+}
+
+std::pair<TokenDataset, TokenDataset> load_datasets(const DataConfig& data, int64_t seq_len) {
+  if (data.path.empty()) {
+    const int64_t held_out = std::max<int64_t>(1, data.synthetic_examples / 10);
+    return {
+        TokenDataset(ByteTokenizer::encode(
+            synthetic_corpus(data.seed, Split::Train, data.synthetic_examples))),
+        TokenDataset(ByteTokenizer::encode(synthetic_corpus(data.seed, Split::HeldOut, held_out)))};
+  }
+  const bool bin = fs::path(data.path).extension() == ".bin";
+  const TokenDataset all =
+      bin ? TokenDataset::from_bin_file(data.path) : TokenDataset::from_text_file(data.path);
+  // The last val_fraction of the tokens is held out; both parts need one window of seq_len + 1.
+  const int64_t val = static_cast<int64_t>(static_cast<double>(all.size()) * data.val_fraction);
+  FIVEFOLD_CHECK(val >= seq_len + 1 && all.size() - val >= seq_len + 1, "data '", data.path,
+                 "' has ", all.size(), " tokens: too few for a training and a held-out part (",
+                 data.val_fraction, ") of at least seq_len + 1 = ", seq_len + 1, " tokens each");
+  auto tokens = all.tensor();
+  auto to_vector = [](const torch::Tensor& t) {
+    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  };
+  return {TokenDataset(to_vector(tokens.narrow(0, 0, all.size() - val).contiguous())),
+          TokenDataset(to_vector(tokens.narrow(0, all.size() - val, val).contiguous()))};
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  if (fs::exists(fs::path(path) / "config.json")) return path;
+  const fs::path latest = fs::path(path) / "latest";
+  FIVEFOLD_CHECK(fs::exists(latest), "'", path,
+                 "' is neither a checkpoint folder (no config.json) nor a training output folder "
+                 "(no 'latest')");
+  std::string name = io::read_file(latest.string());
+  name.erase(name.find_last_not_of(" \n\r\t") + 1);
+  const fs::path dir = fs::path(path) / name;
+  FIVEFOLD_CHECK(fs::exists(dir / "config.json"), "'", latest.string(), "' names '", name,
+                 "', which is not a checkpoint folder");
+  return dir.string();
+}
+
+namespace {
+
+// Writes OUT/step-NNNNNNNN as a whole: into a temporary folder, renamed when complete; then
+// `latest` points at it and folders beyond keep_checkpoints are deleted.
+std::string save_checkpoint(const RunConfig& c, Transformer& model, torch::optim::AdamW& optimizer,
+                            int64_t next_step) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(next_step));
+  const fs::path out(c.out_dir), final_dir = out / name, temp = out / (std::string(".") + name);
+  fs::remove_all(temp);
+  fs::create_directories(temp);
+  save_model(temp.string(), model);
+  save_optimizer((temp / "optimizer.safetensors").string(), model, optimizer);
+  io::save_safetensors((temp / "rng.safetensors").string(), {{"cpu", rng_state()}});
+  io::write_json((temp / "trainer_state.json").string(),
+                 {{"step", next_step}, {"run", run_to_json(c)}});
+  fs::remove_all(final_dir);
+  fs::rename(temp, final_dir);
+  io::write_file_atomic((out / "latest").string(), std::string(name) + "\n");
+  std::vector<fs::path> folders;
+  for (const auto& entry : fs::directory_iterator(out)) {
+    const std::string file = entry.path().filename().string();
+    if (entry.is_directory() && file.rfind("step-", 0) == 0) folders.push_back(entry.path());
+  }
+  std::sort(folders.begin(), folders.end());
+  for (size_t i = 0; i + static_cast<size_t>(c.keep_checkpoints) < folders.size(); ++i) {
+    if (folders[i] != final_dir) fs::remove_all(folders[i]);
+  }
+  return final_dir.string();
+}
+
+// On resume, drops metrics written after the checkpoint (a run may have gone on past its last
+// save before it stopped), so the file reads as one uninterrupted run.
+void truncate_metrics(const std::string& path, int64_t first_step) {
+  if (!fs::exists(path)) return;
+  std::istringstream lines(io::read_file(path));
+  std::string line, kept;
+  while (std::getline(lines, line)) {
+    if (line.empty()) continue;
+    const auto record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_object() && record.value("step", int64_t{0}) <= first_step) kept += line + "\n";
+  }
+  io::write_file_atomic(path, kept);
+}
+
+}  // namespace
+
+RunResult run_training(const RunConfig& requested, bool resume) {
+  RunConfig c = requested;
+  RunResult result;
+  std::string start;  // the checkpoint folder resumed from
+  if (resume) {
+    FIVEFOLD_CHECK(!requested.out_dir.empty(), "resume: no output folder given");
+    start = resolve_checkpoint(requested.out_dir);
+    const auto state = io::read_json(start + "/trainer_state.json");
+    c = run_from_json(state.at("run"));
+    c.steps = requested.steps;
+    c.out_dir = requested.out_dir;
+    c.progress = requested.progress;
+    c.peak_gflops = requested.peak_gflops;
+    result.first_step = state.at("step").get<int64_t>();
+    FIVEFOLD_CHECK(result.first_step < c.steps, "resume: '", start, "' is at step ",
+                   result.first_step, ", nothing to do for --steps ", c.steps);
+  } else if (!c.out_dir.empty()) {
+    FIVEFOLD_CHECK(!fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
+                   "' already holds a training run: resume it or choose another output folder");
+  }
+  c.validate();
+  auto [train_data, val_data] = load_datasets(c.data, c.seq_len);
+  const int64_t vocab = resume ? config_from_json(io::read_json(start + "/config.json")).vocab_size
+                               : c.model.vocab_size;
+  FIVEFOLD_CHECK(std::max(train_data.max_token(), val_data.max_token()) < vocab,
+                 "the data has token id ", std::max(train_data.max_token(), val_data.max_token()),
+                 " but the model's vocabulary has ", vocab, " tokens");
+
+  // Inputs are good: build the model and optimizer (from the checkpoint when resuming).
+  Transformer model = resume ? load_model(start) : Transformer(c.model);
+  c.model = model->config();
+  auto optimizer = make_optimizer(model, c.train);
+  if (resume) {
+    load_optimizer(start + "/optimizer.safetensors", model, *optimizer);
+    set_rng_state(io::load_safetensors(start + "/rng.safetensors").at("cpu"));
+  } else {
+    torch::manual_seed(c.model.seed);  // anything random a later chapter adds starts seeded
+  }
+  const BatchSampler train_batches(train_data, c.seq_len, c.batch, c.data.seed);
+  const BatchSampler eval_batches(val_data, c.seq_len, c.batch, c.data.seed + 1);
+
+  std::ofstream metrics;
+  if (!c.out_dir.empty()) {
+    fs::create_directories(c.out_dir);
+    const std::string path = c.out_dir + "/metrics.jsonl";
+    if (resume) truncate_metrics(path, result.first_step);
+    metrics.open(path, resume ? std::ios::app : std::ios::trunc);
+    FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
+  }
+  const double peak = (c.peak_gflops > 0 ? c.peak_gflops : measure_matmul_gflops(1024)) * 1e9;
+  const double flops_per_token = ch02::training_flops_per_token(c.model.shape(), c.seq_len);
+  const int64_t tokens_per_step = c.batch * c.seq_len;
+  log() << "training " << c.steps - result.first_step << " steps from step " << result.first_step
+        << ": " << ch02::count_parameters(c.model.shape()).total << " parameters, "
+        << tokens_per_step << " tokens a step, " << flops_per_token / 1e6
+        << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s";
+
+  ProgressBar bar(c.steps - result.first_step, "train", c.progress);
+  auto evaluate = [&](int64_t done) {
+    result.eval = evaluate_loss(model, eval_batches, c.eval_batches);
+    nlohmann::json record = {{"kind", "eval"},
+                             {"step", done},
+                             {"eval_loss", result.eval.loss},
+                             {"eval_perplexity", result.eval.perplexity}};
+    std::ostringstream line;
+    line << "step " << done << ": held-out loss " << result.eval.loss << ", perplexity "
+         << result.eval.perplexity;
+    if (c.exact_match_examples > 0) {
+      result.exact = exact_match(model, c.data.seed, Split::HeldOut, c.exact_match_examples);
+      record["exact_match"] = result.exact.accuracy();
+      line << ", exact match " << result.exact.accuracy();
+      for (const auto& [task, n] : result.exact.total) {
+        record["exact_match_" + task] = result.exact.accuracy(task);
+        line << " (" << task << " " << result.exact.accuracy(task) << ")";
+      }
+    }
+    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
+    bar.clear();
+    log() << line.str();
+  };
+
+  for (int64_t step = result.first_step; step < c.steps; ++step) {
+    const Batch global = train_batches.batch(step);
+    std::vector<Batch> micro;  // gradient accumulation: equal slices of the global batch's rows
+    const auto inputs = global.inputs.chunk(c.micro_batches),
+               targets = global.targets.chunk(c.micro_batches);
+    for (int64_t i = 0; i < c.micro_batches; ++i) micro.push_back({inputs[i], targets[i]});
+
+    Timer timer;
+    const StepResult r = train_step(model, *optimizer, c.train, micro, step);
+    const double seconds = timer.seconds();
+    const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
+    const double mfu = ch02::model_flops_utilization(tokens_per_s, flops_per_token, peak);
+    result.losses.push_back(r.loss);
+    if (metrics.is_open()) {
+      metrics << nlohmann::json({{"kind", "train"},
+                                 {"step", step + 1},
+                                 {"loss", r.loss},
+                                 {"lr", r.lr},
+                                 {"grad_norm", r.grad_norm},
+                                 {"tokens", (step + 1) * tokens_per_step},
+                                 {"step_time_s", seconds},
+                                 {"tokens_per_s", tokens_per_s},
+                                 {"mfu", mfu}})
+                     .dump()
+              << "\n"
+              << std::flush;
+    }
+    FIVEFOLD_CHECK(std::isfinite(r.loss), "the loss is not finite at step ", step + 1,
+                   " (lower the learning rate?)");
+    char status[96];
+    std::snprintf(status, sizeof(status), "loss %.4f | %.0f tok/s | MFU %.2f", r.loss, tokens_per_s,
+                  mfu);
+    bar.update(step + 1 - result.first_step, status);
+
+    const int64_t done = step + 1;
+    const bool last = done == c.steps;
+    if (last || (c.eval_every > 0 && done % c.eval_every == 0)) evaluate(done);
+    if (!c.out_dir.empty() && (last || (c.save_every > 0 && done % c.save_every == 0)))
+      result.checkpoint = save_checkpoint(c, model, *optimizer, done);
+  }
+  bar.finish();
+  return result;
+}
+
+}  // namespace fivefold::ch03

@@ -1,0 +1,83 @@
+# `fivefold train / generate / eval` as a user runs them, end to end:
+#   cmake -DFIVEFOLD=<program> -DWORK=<scratch folder> -P cli_flow.cmake
+# Trains a tiny model for a few steps, resumes it, generates from it (ids and text), writes the
+# logits of a sequence, evaluates it, and checks that bad input fails with a clear message.
+
+file(REMOVE_RECURSE ${WORK})
+file(MAKE_DIRECTORY ${WORK})
+set(model --d-model 32 --n-layers 2 --n-heads 4 --n-kv-heads 2 --d-ff 64 --seq 16 --batch 4)
+
+# Runs the program; fails the test unless the exit status is 0 and the output matches `expect`.
+function(run expect)
+  execute_process(COMMAND ${FIVEFOLD} ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err TIMEOUT 120)
+  message("$ fivefold ${ARGN}\n${out}${err}")
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "exit status ${status}")
+  endif()
+  if(NOT "${out}" MATCHES "${expect}")
+    message(FATAL_ERROR "output does not match: ${expect}")
+  endif()
+  set(output "${out}" PARENT_SCOPE)
+endfunction()
+
+# Runs the program; fails the test unless it exits non-zero and says what `expect` matches.
+function(refused expect)
+  execute_process(COMMAND ${FIVEFOLD} ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out
+                  ERROR_VARIABLE err TIMEOUT 120)
+  message("$ fivefold ${ARGN}\n${out}${err}")
+  if(status EQUAL 0 OR NOT "${out}${err}" MATCHES "${expect}")
+    message(FATAL_ERROR "expected a failure mentioning: ${expect}")
+  endif()
+endfunction()
+
+set(out ${WORK}/run)
+run("" train --out ${out} --steps 4 --save-every 2 --eval-every 2 --exact-match 4
+    --synthetic-examples 300 --peak-gflops 100 --no-progress ${model})
+run("" train --out ${out} --resume --steps 6 --peak-gflops 100 --no-progress)
+file(READ ${out}/latest latest)
+if(NOT latest STREQUAL "step-00000006\n")
+  message(FATAL_ERROR "latest is '${latest}' after resuming to step 6")
+endif()
+file(STRINGS ${out}/metrics.jsonl lines REGEX "\"kind\":\"train\"")
+list(LENGTH lines count)
+if(NOT count EQUAL 6)
+  message(FATAL_ERROR "metrics.jsonl has ${count} training lines, expected 6")
+endif()
+
+# The interop flags: new ids on one line, comma-separated; logits as one F32 tensor [seq, vocab].
+run("^[0-9]+(,[0-9]+)*\n$" generate --checkpoint ${out} --prompt-ids 3,1,4 --max-new-tokens 5
+    --greedy)
+string(REPLACE "," ";" ids "${output}")
+list(LENGTH ids count)
+if(NOT count EQUAL 5)
+  message(FATAL_ERROR "generate printed ${count} ids, expected 5")
+endif()
+run("^12\\+35=" generate --checkpoint ${out}/step-00000006 --prompt "12+35=" --max-new-tokens 4
+    --temperature 0.8 --top-k 5 --seed 1)
+run("" eval --checkpoint ${out} --ids 3,1,4,1,5 --logits-out ${WORK}/logits.safetensors)
+file(READ ${WORK}/logits.safetensors header OFFSET 8 LIMIT 80)  # after the 8-byte length
+if(NOT header MATCHES "\"logits\":{\"data_offsets\":\\[0,5180\\],\"dtype\":\"F32\",\"shape\":\\[5,259\\]}")
+  message(FATAL_ERROR "logits.safetensors header: ${header}")
+endif()
+file(SIZE ${WORK}/logits.safetensors size)
+if(size LESS 5188)  # 8-byte length + header + 5 x 259 floats
+  message(FATAL_ERROR "logits.safetensors has ${size} bytes")
+endif()
+run("held-out loss [0-9.]+  perplexity [0-9.]+.*exact match [0-9.]+ over 20 held-out prompts"
+    eval --checkpoint ${out} --seq 16 --batch 4 --batches 2 --exact-match 20)
+
+# Bad input: clear errors, non-zero exit, nothing written.
+refused("'${WORK}/absent.txt'" train --out ${WORK}/never --data ${WORK}/absent.txt)
+refused("does not divide d_model" train --out ${WORK}/never --d-model 30 --n-heads 4)
+refused("already holds a training run" train --out ${out} --steps 8 ${model})
+if(EXISTS ${WORK}/never)
+  message(FATAL_ERROR "a refused run created its output folder")
+endif()
+refused("neither a checkpoint folder" generate --checkpoint ${WORK} --prompt-ids 1)
+refused("outside the checkpoint's vocabulary" generate --checkpoint ${out} --prompt-ids 3,259)
+refused("expects integers" generate --checkpoint ${out} --prompt-ids 3,x)
+refused("exactly one of --prompt and --prompt-ids" generate --checkpoint ${out})
+refused("go together" eval --checkpoint ${out} --ids 1,2)
+file(WRITE ${WORK}/bad/config.json "{\"model_type\": \"llama\", \"hidden_size\": 32")
+refused("not valid JSON" eval --checkpoint ${WORK}/bad)

@@ -1,0 +1,205 @@
+// Chapter 03 training run: exact resume (bit for bit, also after a run went past its last
+// checkpoint), the output folder (metrics, checkpoints, `latest`, pruning), and bad input that must
+// fail before anything is written.
+
+#include <filesystem>
+#include <fstream>
+
+#include "03_transformer/checkpoint.h"
+#include "03_transformer/trainer.h"
+#include "fivefold/io.h"
+#include "testing.h"
+
+using namespace fivefold::ch03;
+using fivefold::testing::ScratchDir;
+using fivefold::testing::throws_error_containing;
+namespace fs = std::filesystem;
+namespace io = fivefold::io;
+
+namespace {
+RunConfig tiny(const std::string& out, int64_t steps) {
+  RunConfig c;
+  c.model.d_model = 32;
+  c.model.n_layers = 2;
+  c.model.n_heads = 4;
+  c.model.n_kv_heads = 2;
+  c.model.d_ff = 64;
+  c.train.warmup_steps = 2;
+  c.train.total_steps = 12;
+  c.data.synthetic_examples = 300;
+  c.seq_len = 16;
+  c.batch = 4;
+  c.micro_batches = 2;
+  c.steps = steps;
+  c.out_dir = out;
+  c.save_every = 3;
+  c.eval_every = 0;
+  c.eval_batches = 2;
+  c.peak_gflops = 100;  // no matmul timing in tests
+  c.progress = false;
+  return c;
+}
+
+// The deterministic fields of metrics.jsonl (timings differ from run to run).
+std::vector<nlohmann::json> metrics(const std::string& out) {
+  std::vector<nlohmann::json> records;
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto record = nlohmann::json::parse(line);
+    for (const char* timing : {"step_time_s", "tokens_per_s", "mfu"}) record.erase(timing);
+    records.push_back(record);
+  }
+  return records;
+}
+
+void expect_same_files(const std::string& a, const std::string& b, const std::string& file) {
+  EXPECT_TRUE(io::read_file(a + "/" + file) == io::read_file(b + "/" + file)) << file << " differs";
+}
+
+// Every file under `dir` with its contents, to prove a failed command changed nothing.
+std::map<std::string, std::string> snapshot(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) files[entry.path().string()] = io::read_file(entry.path());
+  }
+  return files;
+}
+}  // namespace
+
+TEST(Trainer, ResumeContinuesBitForBit) {
+  ScratchDir scratch("resume");
+  const std::string straight = scratch.path("straight"), stopped = scratch.path("stopped");
+  const RunResult whole = run_training(tiny(straight, 12));
+  ASSERT_EQ(whole.losses.size(), 12u);
+
+  // A run that went on past its step-6 checkpoint to step 8, then died before saving again.
+  RunConfig first = tiny(stopped, 8);
+  first.save_every = 6;
+  run_training(first);
+  fs::remove_all(stopped + "/step-00000008");
+  io::write_file_atomic(stopped + "/latest", "step-00000006\n");
+
+  const RunResult rest = run_training(tiny(stopped, 12), /*resume=*/true);
+  EXPECT_EQ(rest.first_step, 6);
+  ASSERT_EQ(rest.losses.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(rest.losses[i], whole.losses[6 + i]) << "step " << 7 + i;
+  // Weights, AdamW moments and steps, RNG: the same bytes as the uninterrupted run's.
+  for (const char* file : {"model.safetensors", "optimizer.safetensors", "rng.safetensors"})
+    expect_same_files(straight + "/step-00000012", stopped + "/step-00000012", file);
+  // The metrics read as one run: steps 7 and 8 of the dead run were replaced, not duplicated.
+  EXPECT_EQ(metrics(stopped), metrics(straight));
+}
+
+TEST(Trainer, WritesMetricsAndKeepsTheNewestCheckpoints) {
+  ScratchDir scratch("layout");
+  const std::string out = scratch.path("run");
+  RunConfig c = tiny(out, 12);
+  c.eval_every = 6;
+  c.keep_checkpoints = 2;
+  const RunResult r = run_training(c);
+  EXPECT_EQ(r.checkpoint, out + "/step-00000012");
+  EXPECT_EQ(io::read_file(out + "/latest"), "step-00000012\n");
+  std::set<std::string> entries;
+  for (const auto& e : fs::directory_iterator(out)) entries.insert(e.path().filename().string());
+  EXPECT_EQ(entries,
+            (std::set<std::string>{"latest", "metrics.jsonl", "step-00000009", "step-00000012"}));
+  for (const char* file : {"config.json", "model.safetensors", "optimizer.safetensors",
+                           "rng.safetensors", "trainer_state.json"})
+    EXPECT_TRUE(fs::exists(out + "/step-00000009/" + file)) << file;
+  EXPECT_EQ(io::read_json(out + "/step-00000009/trainer_state.json")["step"], 9);
+
+  std::vector<nlohmann::json> train, eval;
+  std::ifstream in(out + "/metrics.jsonl");
+  for (std::string line; std::getline(in, line);) {
+    auto record = nlohmann::json::parse(line);
+    (record["kind"] == "train" ? train : eval).push_back(record);
+  }
+  ASSERT_EQ(train.size(), 12u);
+  for (size_t i = 0; i < train.size(); ++i) {
+    EXPECT_EQ(train[i]["step"], i + 1);
+    EXPECT_EQ(train[i]["loss"].get<double>(), r.losses[i]);
+    EXPECT_EQ(train[i]["tokens"], (i + 1) * 4 * 16);
+    EXPECT_DOUBLE_EQ(train[i]["lr"].get<double>(), learning_rate(c.train, i));
+    for (const char* key : {"grad_norm", "tokens_per_s", "mfu"}) EXPECT_GT(train[i][key], 0.0);
+  }
+  ASSERT_EQ(eval.size(), 2u);  // steps 6 and 12
+  EXPECT_EQ(eval[1]["step"], 12);
+  EXPECT_DOUBLE_EQ(eval[1]["eval_loss"].get<double>(), r.eval.loss);
+  // The checkpoint is a model folder like any other.
+  EXPECT_EQ(load_model(resolve_checkpoint(out))->config().d_model, 32);
+}
+
+TEST(Trainer, OptimizerStateRoundTripsByName) {
+  ScratchDir scratch("adam");
+  RunConfig c = tiny("", 3);
+  run_training(c);  // just to be sure a run without an output folder writes nothing
+  Transformer model(c.model);
+  auto optimizer = make_optimizer(model, c.train);
+  const Batch batch = BatchSampler(TokenDataset(std::vector<int64_t>(100, 7)), 8, 2, 0).batch(0);
+  train_step(model, *optimizer, c.train, {batch}, 0);
+  save_optimizer(scratch.path("adam.safetensors"), model, *optimizer);
+  const auto saved = io::load_safetensors(scratch.path("adam.safetensors"));
+  EXPECT_EQ(saved.at("model.layers.0.self_attn.k_proj.weight.exp_avg").sizes(),
+            model->model->layers[0]->as<BlockImpl>()->self_attn->k_proj->weight.sizes());
+  EXPECT_EQ(saved.at("lm_head.weight.step").item<int64_t>(), 1);
+
+  // A different model's state (other shapes) is refused by name.
+  RunConfig wider = c;
+  wider.model.d_model = 64;
+  Transformer other(wider.model);
+  auto other_optimizer = make_optimizer(other, wider.train);
+  EXPECT_TRUE(throws_error_containing(
+      [&] { load_optimizer(scratch.path("adam.safetensors"), other, *other_optimizer); },
+      "has shape"));
+}
+
+TEST(Trainer, RefusesBadInputBeforeWritingAnything) {
+  ScratchDir scratch("bad");
+  const std::string out = scratch.path("out");
+  auto refused = [&](RunConfig c, const std::string& fragment, bool resume = false) {
+    EXPECT_TRUE(throws_error_containing([&] { run_training(c, resume); }, fragment)) << fragment;
+  };
+  RunConfig missing = tiny(out, 3);
+  missing.data.path = scratch.path("absent.txt");
+  refused(missing, "absent.txt");
+  io::write_file_atomic(scratch.path("empty.txt"), "");
+  RunConfig empty = tiny(out, 3);
+  empty.data.path = scratch.path("empty.txt");
+  refused(empty, "empty");
+  io::write_file_atomic(scratch.path("short.txt"), "only a few bytes");
+  RunConfig short_file = tiny(out, 3);
+  short_file.data.path = scratch.path("short.txt");
+  refused(short_file, "too few");
+  TokenDataset::write_bin_file(scratch.path("big.bin"), std::vector<int64_t>(400, 300));
+  RunConfig big_ids = tiny(out, 3);
+  big_ids.data.path = scratch.path("big.bin");
+  refused(big_ids, "token id 300");
+  RunConfig heads = tiny(out, 3);
+  heads.model.n_heads = 5;
+  refused(heads, "does not divide d_model");
+  RunConfig accumulation = tiny(out, 3);
+  accumulation.micro_batches = 3;
+  refused(accumulation, "must divide batch");
+  refused(tiny(out, 3), "'" + out + "'", /*resume=*/true);  // nothing to resume
+  EXPECT_FALSE(fs::exists(out)) << "a refused run created its output folder";
+
+  run_training(tiny(out, 3));
+  const auto before = snapshot(out);
+  refused(tiny(out, 6), "already holds a training run");
+  refused(tiny(out, 3), "nothing to do", /*resume=*/true);
+  // A corrupt checkpoint (truncated weights), then one whose shapes do not match its config.
+  const std::string weights = out + "/step-00000003/model.safetensors";
+  const std::string good = io::read_file(weights);
+  io::write_file_atomic(weights, good.substr(0, good.size() / 2));
+  const auto truncated = snapshot(out);
+  refused(tiny(out, 6), "model.safetensors", /*resume=*/true);
+  EXPECT_TRUE(snapshot(out) == truncated) << "a refused resume changed files";
+  io::write_file_atomic(weights, good);
+  auto config = io::read_json(out + "/step-00000003/config.json");
+  config["intermediate_size"] = 48;
+  io::write_json(out + "/step-00000003/config.json", config);
+  refused(tiny(out, 6), "has shape", /*resume=*/true);
+  config["intermediate_size"] = 64;
+  io::write_json(out + "/step-00000003/config.json", config);
+  EXPECT_TRUE(snapshot(out) == before) << "a refused command changed files";
+}
