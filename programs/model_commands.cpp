@@ -183,7 +183,9 @@ int generate(int argc, char** argv) {
   if (args.given("prompt-ids")) {
     std::printf("%s\n", join(output).c_str());
   } else {
-    std::printf("%s%s\n", args.str("prompt").c_str(), ByteTokenizer::decode(output).c_str());
+    std::string text = ByteTokenizer::decode(output);
+    if (!text.empty() && text.back() == '\n') text.pop_back();  // the stop token ends the line
+    std::printf("%s%s\n", args.str("prompt").c_str(), text.c_str());
   }
   return 0;
 }

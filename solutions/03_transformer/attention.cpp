@@ -15,13 +15,15 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
     keys = k.repeat_interleave(n_heads / n_kv_heads, 1);  // [batch, n_heads, seq_k, head_dim]
     values = v.repeat_interleave(n_heads / n_kv_heads, 1);
   }
-  // Every query against every key, scaled so the scores' variance does not grow with head_dim.
-  auto scores = torch::matmul(q, keys.transpose(-2, -1)) / std::sqrt(static_cast<double>(head_dim));
+  // Every query against every key, scaled so the scores' variance does not grow with head_dim
+  // (scaling q rather than the scores touches head_dim instead of seq_k numbers per query).
+  auto scores = torch::matmul(q / std::sqrt(static_cast<double>(head_dim)), keys.transpose(-2, -1));
   // [batch, n_heads, seq_q, seq_k]. The queries are the last seq_q positions: query i sits at
   // position p = seq_k - seq_q + i and may look at keys j <= p only.
   auto future = torch::ones({seq_q, seq_k}, torch::kBool).triu(seq_k - seq_q + 1);
-  auto probs = torch::softmax(scores.masked_fill(future, -INFINITY), -1);  // rows sum to 1
-  return torch::matmul(probs, values);  // [batch, n_heads, seq_q, head_dim]
+  scores.masked_fill_(future, -INFINITY);   // in place: one pass, no new [.., seq_q, seq_k]
+  auto probs = torch::softmax(scores, -1);  // rows sum to 1
+  return torch::matmul(probs, values);      // [batch, n_heads, seq_q, head_dim]
 }
 
 }  // namespace fivefold::ch03

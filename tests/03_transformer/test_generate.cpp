@@ -64,6 +64,24 @@ TEST(KVCache, IncrementalLogitsEqualTheFullForward) {
   }
 }
 
+TEST(KVCache, BytesEqualTheFormula) {
+  for (int64_t n_kv : {4, 2, 1}) {
+    const ModelConfig c = small(n_kv);
+    Transformer model(c);
+    torch::NoGradGuard no_grad;
+    KVCache cache;
+    const int64_t batch = 3, tokens = 10;
+    model->forward(torch::zeros({batch, tokens}, torch::kLong), &cache);
+    int64_t bytes = 0;
+    for (const auto& layer : cache.layers) {
+      bytes += layer.keys.numel() * layer.keys.element_size();
+      bytes += layer.values.numel() * layer.values.element_size();
+    }
+    // notes/03_transformer.md section 2: 2 · L · h_kv · d_head · b · n · e
+    EXPECT_EQ(bytes, 2 * c.n_layers * n_kv * c.resolved_head_dim() * batch * tokens * 4);
+  }
+}
+
 TEST(Generate, WithAndWithoutTheCacheGiveTheSameTokens) {
   Transformer model(small(2));
   const std::vector<int64_t> prompt = {3, 1, 4, 1, 5};

@@ -1,0 +1,158 @@
+// Training throughput of chapter 03's model: tokens/s and MFU of a full optimizer step (forward,
+// backward, clipping, AdamW) for a few sizes, with MFU taken against the matmul throughput
+// measured in the same run (the machine's practical peak, not a datasheet figure).
+//
+//   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json]
+//
+// Run it alone, without OMP_WAIT_POLICY=passive: that setting (right for several processes
+// sharing cores) makes a single process wait for its sleeping OpenMP threads at every operation.
+//
+// FLOPs per token come from chapter 02's formula, which test_ch03_model checks against the FLOPs
+// LibTorch actually executes on this model.
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "02_flops_6np/flops.h"
+#include "03_transformer/train.h"
+#include "fivefold/blas.h"
+#include "fivefold/cli.h"
+#include "fivefold/runtime.h"
+#include "fivefold/timer.h"
+
+namespace {
+
+struct Size {
+  const char* name;
+  int64_t d_model, n_layers, n_heads, d_ff, seq, batch;
+};
+
+// Median seconds of a whole optimizer step, and of its parts, over `steps` steps after 3 warm-up
+// steps. The parts are timed in separate steps (the same work) so that the whole is not disturbed.
+struct Timing {
+  double step, forward, backward, update;  // update: clipping + AdamW
+};
+
+Timing median_times(const Size& s, int64_t steps) {
+  using namespace fivefold::ch03;
+  ModelConfig config;
+  config.d_model = s.d_model;
+  config.n_layers = s.n_layers;
+  config.n_heads = config.n_kv_heads = s.n_heads;
+  config.d_ff = s.d_ff;
+  Transformer model(config);
+  TrainConfig train;
+  auto optimizer = make_optimizer(model, train);
+  auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
+  const Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
+  std::vector<double> whole, forward, backward, update;
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  for (int64_t i = 0; i < steps + 3; ++i) {
+    fivefold::Timer timer;
+    train_step(model, *optimizer, train, {batch}, i);
+    if (i >= 3) whole.push_back(timer.seconds());
+  }
+  for (int64_t i = 0; i < steps + 3; ++i) {
+    optimizer->zero_grad();
+    fivefold::Timer timer;
+    auto loss = loss_of(model, batch);
+    const double f = timer.seconds();
+    loss.backward();
+    const double b = timer.seconds();
+    clip_gradients(model, train.grad_clip);
+    optimizer->step();
+    if (i >= 3) {
+      forward.push_back(f);
+      backward.push_back(b - f);
+      update.push_back(timer.seconds() - b);
+    }
+  }
+  return {median(whole), median(forward), median(backward), median(update)};
+}
+
+// GFLOP/s of one product a [m, k] x [k, n] repeated `batch` times (bmm when batch > 1): the
+// best of 5 after a warm-up. Shows what BLAS reaches at the model's own shapes.
+double product_gflops(int64_t batch, int64_t m, int64_t k, int64_t n) {
+  auto a = torch::randn({batch, m, k}), b = torch::randn({batch, k, n});
+  auto c = torch::bmm(a, b);
+  double best = 0;
+  for (int i = 0; i < 5; ++i) {
+    fivefold::Timer timer;
+    c = batch == 1 ? torch::mm(a[0], b[0]) : torch::bmm(a, b);
+    best = std::max(best, 2.0 * static_cast<double>(batch * m * k * n) / timer.seconds() / 1e9);
+  }
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  fivefold::ArgParser args("bench_train_throughput",
+                           "Tokens/s and MFU of chapter 03's training step for three model sizes.");
+  args.option("steps", "20", "timed steps per size (after 3 warm-up steps)");
+  args.option("threads", "0", "torch threads (0: LibTorch's default)");
+  args.flag("json", "print JSON lines instead of a table");
+  if (!args.parse(argc, argv)) return 0;
+  fivefold::Runtime runtime;
+  if (args.integer("threads") > 0)
+    torch::set_num_threads(static_cast<int>(args.integer("threads")));
+
+  // The practical peak: the best of square fp32 matmuls on the same threads.
+  const double peak =
+      std::max(fivefold::measure_matmul_gflops(1024), fivefold::measure_matmul_gflops(2048)) * 1e9;
+  // Head dimension 32 for the smallest model, 64 (Llama's) for the others; d_ff = 8/3 d_model
+  // rounded up to a multiple of 64.
+  const std::vector<Size> sizes = {{"d64 L2 seq64 b4", 64, 2, 2, 192, 64, 4},
+                                   {"d128 L4 seq128 b8", 128, 4, 2, 384, 128, 8},
+                                   {"d256 L4 seq256 b8", 256, 4, 4, 704, 256, 8},
+                                   {"d256 L4 seq256 b8 h8", 256, 4, 8, 704, 256, 8}};
+  if (!args.on("json")) {
+    std::printf(
+        "threads %d, matmul peak %.1f GFLOP/s (fp32, best of 1024^3 and 2048^3, in this run);\n"
+        "last columns: GFLOP/s of the model's own MLP matmul and attention-score bmm\n\n",
+        torch::get_num_threads(), peak / 1e9);
+    std::printf("%-22s %11s %12s %9s %22s %10s %6s %9s %9s\n", "model", "parameters", "MFLOP/token",
+                "step ms", "fwd / bwd / update ms", "tokens/s", "MFU", "MLP mm", "QK^T bmm");
+  }
+  for (const Size& s : sizes) {
+    fivefold::ch02::TransformerShape shape;
+    shape.vocab_size = 259;
+    shape.d_model = s.d_model;
+    shape.n_layers = s.n_layers;
+    shape.n_heads = shape.n_kv_heads = s.n_heads;
+    shape.head_dim = s.d_model / s.n_heads;
+    shape.d_ff = s.d_ff;
+    shape.gated_mlp = true;
+    shape.biases = shape.layer_norm = false;
+    const double flops = fivefold::ch02::training_flops_per_token(shape, s.seq);
+    const Timing t = median_times(s, args.integer("steps"));
+    const double seconds = t.step;
+    const double tokens_per_s = static_cast<double>(s.batch * s.seq) / seconds;
+    const double mfu = fivefold::ch02::model_flops_utilization(tokens_per_s, flops, peak);
+    const auto parameters = fivefold::ch02::count_parameters(shape).total;
+    // GFLOP/s at the model's shapes: the MLP's up projection, and attention's scores.
+    const double mlp = product_gflops(1, s.batch * s.seq, s.d_model, s.d_ff);
+    const double scores = product_gflops(s.batch * s.n_heads, s.seq, shape.head_dim, s.seq);
+    if (args.on("json")) {
+      std::printf(
+          "{\"model\":\"%s\",\"parameters\":%lld,\"flops_per_token\":%.0f,\"step_s\":%.6f,"
+          "\"forward_s\":%.6f,\"backward_s\":%.6f,\"update_s\":%.6f,"
+          "\"tokens_per_s\":%.1f,\"mfu\":%.4f,\"peak_gflops\":%.1f,\"mlp_mm_gflops\":%.1f,"
+          "\"scores_bmm_gflops\":%.1f}\n",
+          s.name, static_cast<long long>(parameters), flops, seconds, t.forward, t.backward,
+          t.update, tokens_per_s, mfu, peak / 1e9, mlp, scores);
+    } else {
+      char parts[64];
+      std::snprintf(parts, sizeof(parts), "%.1f / %.1f / %.1f", t.forward * 1e3, t.backward * 1e3,
+                    t.update * 1e3);
+      std::printf("%-22s %11lld %12.2f %9.2f %22s %10.0f %6.2f %9.0f %9.0f\n", s.name,
+                  static_cast<long long>(parameters), flops / 1e6, seconds * 1e3, parts,
+                  tokens_per_s, mfu, mlp, scores);
+    }
+  }
+  return 0;
+}
