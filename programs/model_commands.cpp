@@ -14,6 +14,7 @@
 #include "03_transformer/evaluate.h"
 #include "03_transformer/generate.h"
 #include "03_transformer/trainer.h"
+#include "04_rope/rope.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -48,12 +49,14 @@ std::string join(const std::vector<int64_t>& ids) {
 
 int train(int argc, char** argv) {
   const RunConfig d;  // defaults, shown in --help
-  ArgParser args("fivefold train",
-                 "Trains chapter 03's transformer on one process: on the built-in synthetic "
-                 "corpus (arithmetic, copying, reversal, key-value recall), a UTF-8 text file or "
-                 "a nanoGPT-style uint16 .bin. Writes OUT/metrics.jsonl and checkpoints "
-                 "OUT/step-N (Hugging Face layout plus optimizer and RNG state); --resume "
-                 "continues a run exactly.");
+  ArgParser args(
+      "fivefold train",
+      "Trains the chapters' transformer (chapter 03, with chapter 04's rotary positions) "
+      "on one process: on the built-in synthetic "
+      "corpus (arithmetic, copying, reversal, key-value recall), a UTF-8 text file or "
+      "a nanoGPT-style uint16 .bin. Writes OUT/metrics.jsonl and checkpoints "
+      "OUT/step-N (Hugging Face layout plus optimizer and RNG state); --resume "
+      "continues a run exactly.");
   args.option("out", "runs/ch03", "output folder (metrics, checkpoints)");
   args.flag("resume", "continue the run in --out from its latest checkpoint, with its settings");
   args.option("steps", std::to_string(d.steps), "train until this many optimizer steps are done");
@@ -78,6 +81,7 @@ int train(int argc, char** argv) {
   args.option("n-kv-heads", "", "key/value heads (default: --n-heads)");
   args.option("d-ff", std::to_string(d.model.d_ff), "MLP hidden size");
   args.flag("tied", "LM head shares the embedding matrix");
+  args.option("rope-theta", "10000", "rotary position base (chapter 04); 0: no positions");
   args.option("seed", "0", "initialisation seed");
   args.option("save-every", std::to_string(d.save_every), "checkpoint interval (0: at the end)");
   args.option("keep", std::to_string(d.keep_checkpoints), "checkpoints kept");
@@ -117,7 +121,9 @@ int train(int argc, char** argv) {
   c.model.n_kv_heads = args.given("n-kv-heads") ? args.integer("n-kv-heads") : c.model.n_heads;
   c.model.d_ff = args.integer("d-ff");
   c.model.tied_embeddings = args.on("tied");
+  c.model.rope_theta = args.real("rope-theta");
   c.model.seed = static_cast<uint64_t>(args.integer("seed"));
+  c.build_model = ch04::make_model;  // the most complete model the chapters build
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -157,7 +163,7 @@ int generate(int argc, char** argv) {
   FIVEFOLD_CHECK(args.given("prompt") != args.given("prompt-ids"),
                  "fivefold generate: give exactly one of --prompt and --prompt-ids");
   Runtime runtime;
-  Transformer model = load_model(resolve_checkpoint(args.str("checkpoint")));
+  Transformer model = ch04::load_model(resolve_checkpoint(args.str("checkpoint")));
   const int64_t vocab = model->config().vocab_size;
 
   SamplingOptions options;
@@ -211,7 +217,7 @@ int eval(int argc, char** argv) {
                  "fivefold eval: --ids and --logits-out go together");
   Runtime runtime;
   const std::string dir = resolve_checkpoint(args.str("checkpoint"));
-  Transformer model = load_model(dir);
+  Transformer model = ch04::load_model(dir);
 
   if (args.given("ids")) {
     const auto ids = token_ids(args, "ids", model->config().vocab_size);

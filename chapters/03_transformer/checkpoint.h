@@ -23,10 +23,11 @@ ModelConfig config_from_json(const nlohmann::json& json);
 /// existing checkpoint is replaced whole or left as it was.
 void save_model(const std::string& dir, Transformer& model);
 
-/// Reads a checkpoint folder. Every parameter must be present with its shape (F32, F16 or BF16,
-/// converted to float32); a missing, misshaped or unexpected tensor, a missing file or a corrupt
-/// one is a fivefold::Error naming the folder and the problem.
-Transformer load_model(const std::string& dir);
+/// Reads a checkpoint folder into a model made by `build` (default: build_model, this chapter's).
+/// Every parameter must be present with its shape (F32, F16 or BF16, converted to float32); a
+/// missing, misshaped or unexpected tensor, a missing file or a corrupt one is a fivefold::Error
+/// naming the folder and the problem.
+Transformer load_model(const std::string& dir, const ModelBuilder& build = {});
 
 /// Writes AdamW's state atomically to `path` (a safetensors file) under the parameters' names:
 /// `{name}.exp_avg`, `{name}.exp_avg_sq` (float32, the parameter's shape) and `{name}.step`

@@ -7,6 +7,9 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "02_flops_6np/flops.h"
@@ -24,6 +27,10 @@ struct ModelConfig {
   int64_t d_ff = 352;            ///< [intermediate_size]
   bool tied_embeddings = false;  ///< [tie_word_embeddings]
   double rms_norm_eps = 1e-5;    ///< [rms_norm_eps]
+  /// [rope_theta] base of rotary position embeddings; 0: none, attention sees no positions (this
+  /// chapter). A model with rope_theta > 0 needs chapter 04's encoding installed
+  /// (ch04::make_model).
+  double rope_theta = 0;
   uint64_t seed = 0;  ///< initialisation seed (chapter 01: per-parameter-name generators)
 
   /// head_dim, or d_model / n_heads when it is 0.
@@ -58,6 +65,18 @@ struct KVCache {
   int64_t length() const;
 };
 
+/// Encodes positions into queries and keys before attention (chapter 04: rotary embeddings).
+/// Chapter 03 defines the slot; later chapters fill it without changing this chapter's code.
+class PositionEncoding {
+ public:
+  virtual ~PositionEncoding() = default;
+  /// q [batch, n_heads, seq, head_dim] and k [batch, n_kv_heads, seq, head_dim] of the tokens at
+  /// positions first_position .. first_position + seq - 1 -> the encoded (q, k).
+  virtual std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q,
+                                                         const torch::Tensor& k,
+                                                         int64_t first_position) const = 0;
+};
+
 /// RMSNorm: x / sqrt(mean(x²) + eps) · weight, over the last dimension.
 class RMSNormImpl : public torch::nn::Module {
  public:
@@ -84,6 +103,8 @@ class AttentionImpl : public torch::nn::Module {
   torch::nn::Linear k_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
   torch::nn::Linear v_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
   torch::nn::Linear o_proj{nullptr};  ///< n_heads·head_dim -> d_model
+  /// Applied to q and k (positions continue after the cached ones); null: no positions.
+  std::shared_ptr<const PositionEncoding> positions;
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
@@ -140,6 +161,8 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
   /// The configuration.
   const ModelConfig& config() const { return config_; }
+  /// Installs `encoding` in every attention layer (chapter 04 installs RoPE this way).
+  void set_position_encoding(std::shared_ptr<const PositionEncoding> encoding);
   Trunk model{nullptr};                ///< embedding, blocks, final norm
   torch::nn::Linear lm_head{nullptr};  ///< absent (null) when the embedding is tied
 
@@ -147,5 +170,12 @@ class TransformerImpl : public torch::nn::Module {
   ModelConfig config_;
 };
 TORCH_MODULE(Transformer);
+
+/// Builds a model for a config: what the training run and the checkpoint loader call, so that a
+/// later chapter can hand them its own recipe (chapter 04: the model with RoPE installed).
+using ModelBuilder = std::function<Transformer(const ModelConfig&)>;
+
+/// The chapter 03 recipe: the model as constructed, with no position encoding.
+Transformer build_model(const ModelConfig& config);
 
 }  // namespace fivefold::ch03

@@ -54,6 +54,7 @@ struct RunConfig {
   int64_t exact_match_examples = 0;  ///< held-out synthetic prompts per evaluation (0: none)
   double peak_gflops = 0;            ///< matmul peak for MFU; 0: measured at start
   bool progress = true;              ///< progress bar on stderr
+  ModelBuilder build_model;          ///< makes the model (default: ch03::build_model); not saved
   /// Throws fivefold::Error naming the first inconsistent setting.
   void validate() const;
 };

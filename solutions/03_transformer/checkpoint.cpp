@@ -11,22 +11,26 @@
 namespace fivefold::ch03 {
 
 nlohmann::json config_to_json(const ModelConfig& c) {
-  return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
-          {"vocab_size", c.vocab_size},
-          {"hidden_size", c.d_model},
-          {"num_hidden_layers", c.n_layers},
-          {"num_attention_heads", c.n_heads},
-          {"num_key_value_heads", c.n_kv_heads},
-          {"head_dim", c.resolved_head_dim()},
-          {"intermediate_size", c.d_ff},
-          {"hidden_act", "silu"},
-          {"tie_word_embeddings", c.tied_embeddings},
-          {"rms_norm_eps", c.rms_norm_eps},
-          {"attention_bias", false},
-          {"mlp_bias", false},
-          {"torch_dtype", "float32"},
-          {"fivefold_seed", c.seed}};
+  nlohmann::json json = {{"architectures", {"LlamaForCausalLM"}},
+                         {"model_type", "llama"},
+                         {"vocab_size", c.vocab_size},
+                         {"hidden_size", c.d_model},
+                         {"num_hidden_layers", c.n_layers},
+                         {"num_attention_heads", c.n_heads},
+                         {"num_key_value_heads", c.n_kv_heads},
+                         {"head_dim", c.resolved_head_dim()},
+                         {"intermediate_size", c.d_ff},
+                         {"hidden_act", "silu"},
+                         {"tie_word_embeddings", c.tied_embeddings},
+                         {"rms_norm_eps", c.rms_norm_eps},
+                         {"attention_bias", false},
+                         {"mlp_bias", false},
+                         {"torch_dtype", "float32"},
+                         {"fivefold_seed", c.seed}};
+  // Without it the model has no positions, which transformers cannot express (its default is
+  // 10000): such a checkpoint loads there but computes another function.
+  if (c.rope_theta > 0) json["rope_theta"] = c.rope_theta;
+  return json;
 }
 
 ModelConfig config_from_json(const nlohmann::json& json) {
@@ -46,6 +50,13 @@ ModelConfig config_from_json(const nlohmann::json& json) {
                    "config: 'rms_norm_eps' must be a positive number");
     c.rms_norm_eps = json["rms_norm_eps"];
   }
+  if (json.contains("rope_theta") && !json["rope_theta"].is_null()) {
+    FIVEFOLD_CHECK(json["rope_theta"].is_number() && json["rope_theta"].get<double>() > 0,
+                   "config: 'rope_theta' must be a positive number");
+    c.rope_theta = json["rope_theta"];
+  }
+  FIVEFOLD_CHECK(!json.contains("rope_scaling") || json["rope_scaling"].is_null(),
+                 "config: 'rope_scaling' (context extension) is not built yet (chapter 05)");
   if (json.contains("fivefold_seed") && json["fivefold_seed"].is_number_unsigned())
     c.seed = json["fivefold_seed"];
   c.validate();
@@ -61,7 +72,7 @@ void save_model(const std::string& dir, Transformer& model) {
   io::write_json(dir + "/config.json", config_to_json(model->config()));
 }
 
-Transformer load_model(const std::string& dir) {
+Transformer load_model(const std::string& dir, const ModelBuilder& build) {
   FIVEFOLD_CHECK(std::filesystem::is_directory(dir), "checkpoint '", dir, "' is not a folder");
   ModelConfig config;
   try {
@@ -70,7 +81,7 @@ Transformer load_model(const std::string& dir) {
     throw Error("checkpoint '" + dir + "': " + e.what());
   }
   const io::TensorMap tensors = io::load_safetensors(dir + "/model.safetensors");
-  Transformer model(config);
+  Transformer model = build ? build(config) : build_model(config);
   torch::NoGradGuard no_grad;
   std::set<std::string> expected;
   for (auto& item : model->named_parameters()) {

@@ -2,6 +2,8 @@
 
 #include "03_transformer/model.h"
 
+#include <tuple>
+
 #include "01_weight_init/weight_init.h"
 #include "fivefold/error.h"
 
@@ -23,6 +25,9 @@ void ModelConfig::validate() const {
   FIVEFOLD_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "model config: n_kv_heads (",
                  n_kv_heads, ") must divide n_heads (", n_heads, ")");
   FIVEFOLD_CHECK(rms_norm_eps > 0, "model config: rms_norm_eps must be positive");
+  FIVEFOLD_CHECK(rope_theta >= 0, "model config: rope_theta must be >= 0 (0: no positions)");
+  FIVEFOLD_CHECK(rope_theta == 0 || resolved_head_dim() % 2 == 0,
+                 "model config: rotary positions need an even head_dim, got ", resolved_head_dim());
 }
 
 ch02::TransformerShape ModelConfig::shape() const {
@@ -68,7 +73,12 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, LayerCache* cache) 
   auto heads = [&](const torch::Tensor& t, int64_t n) {
     return t.view({batch, seq, n, head_dim_}).transpose(1, 2);
   };
+  auto q = heads(q_proj(x), n_heads_);
   auto k = heads(k_proj(x), n_kv_heads_), v = heads(v_proj(x), n_kv_heads_);
+  if (positions) {  // these tokens come after the cached ones
+    const int64_t first = cache != nullptr && cache->keys.defined() ? cache->keys.size(2) : 0;
+    std::tie(q, k) = positions->encode(q, k, first);
+  }
   if (cache != nullptr) {  // prepend the cached positions: [batch, n_kv_heads, cached + seq, hd]
     if (cache->keys.defined()) {
       k = torch::cat({cache->keys, k}, 2);
@@ -77,7 +87,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, LayerCache* cache) 
     cache->keys = k;
     cache->values = v;
   }
-  auto out = causal_attention(heads(q_proj(x), n_heads_), k, v);
+  auto out = causal_attention(q, k, v);
   // [batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]
   return o_proj(out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_}));
 }
@@ -133,10 +143,21 @@ TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)
   }
 }
 
+void TransformerImpl::set_position_encoding(std::shared_ptr<const PositionEncoding> encoding) {
+  for (const auto& layer : *model->layers) layer->as<BlockImpl>()->self_attn->positions = encoding;
+}
+
+Transformer build_model(const ModelConfig& config) { return Transformer(config); }
+
 torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
   FIVEFOLD_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong,
                  "Transformer: tokens must be int64 [batch, seq], got ", tokens.sizes(), " ",
                  tokens.scalar_type());
+  FIVEFOLD_CHECK(
+      config_.rope_theta == 0 || model->layers[0]->as<BlockImpl>()->self_attn->positions != nullptr,
+      "Transformer: the config has rope_theta = ", config_.rope_theta,
+      " but no position encoding is installed: build the model with chapter 04's "
+      "make_model (or load_model)");
   if (cache != nullptr) cache->layers.resize(config_.n_layers);
   auto x = model->embed_tokens(tokens);  // [batch, seq, d_model]
   for (int64_t i = 0; i < config_.n_layers; ++i) {

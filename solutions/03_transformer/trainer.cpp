@@ -221,7 +221,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                  " but the model's vocabulary has ", vocab, " tokens");
 
   // Inputs are good: build the model and optimizer (from the checkpoint when resuming).
-  Transformer model = resume ? load_model(start) : Transformer(c.model);
+  const ModelBuilder build = requested.build_model ? requested.build_model : build_model;
+  Transformer model = resume ? load_model(start, build) : build(c.model);
   c.model = model->config();
   auto optimizer = make_optimizer(model, c.train);
   if (resume) {

@@ -1,0 +1,78 @@
+#pragma once
+/// @file rope.h
+/// @brief Chapter 04: rotary position embeddings (RoPE, Su et al. 2021). Each pair of a query's or
+/// key's features is rotated by an angle proportional to the token's position, m·θ_i with
+/// θ_i = base^(-2i/d), so that the score q_m·k_n depends on the positions only through m − n.
+///
+/// Two pair layouts are in use. **Interleaved**: pairs (x_{2i}, x_{2i+1}), as in Meta's and
+/// DeepSeek's reference code. **Half-split**: pairs (x_i, x_{i+d/2}), as in Hugging Face's
+/// `rotate_half`. They compute the same function up to a permutation of the q/k projection rows
+/// (interleaved_to_half_split); checkpoints here use Hugging Face's layout.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "03_transformer/model.h"
+
+namespace fivefold::ch04 {
+
+/// Which features form a rotated pair.
+enum class RopeLayout {
+  HalfSplit,   ///< (x_i, x_{i+d/2}): Hugging Face
+  Interleaved  ///< (x_{2i}, x_{2i+1}): Meta, DeepSeek
+};
+
+/// θ_i = base^(-2i/d) for i = 0 .. d/2 − 1, float64 [d/2]. Pair i turns by m·θ_i at position m:
+/// pair 0 once per token, the last pair once every ~base tokens.
+torch::Tensor rope_frequencies(int64_t head_dim, double base);
+
+/// cos(m·θ_i) and sin(m·θ_i) for positions m = first .. first + count − 1: two float32
+/// [count, d/2] tensors (angles computed in float64).
+std::pair<torch::Tensor, torch::Tensor> rope_angles(const torch::Tensor& frequencies, int64_t first,
+                                                    int64_t count);
+
+/// Rotates each pair of x's last dimension: (a, b) -> (a·cos − b·sin, a·sin + b·cos).
+/// x [..., seq, head_dim]; cos, sin [seq, head_dim/2] (broadcast over the leading dimensions).
+/// **Exercise** (README, "The exercise").
+torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                         RopeLayout layout);
+
+/// The same rotation in complex numbers, for the lesson and as a check: each interleaved pair is
+/// z = x_{2i} + i·x_{2i+1}, and z·e^{i·m·θ_i} is its rotation. x [..., seq, head_dim], float32 or
+/// float64; positions first .. first + seq − 1.
+torch::Tensor apply_rope_complex(const torch::Tensor& x, int64_t first, double base);
+
+/// The permutation P, as indices [d], with half_split(x[P]) == interleaved(x)[P]: half-split
+/// feature j is interleaved feature P[j] (P = 0, 2, 4, ..., 1, 3, 5, ...). Applied to the rows of
+/// q_proj and k_proj (per head), it converts Meta-layout weights to Hugging Face's.
+torch::Tensor interleaved_to_half_split(int64_t head_dim);
+
+/// RoPE as chapter 03's position encoding: cos/sin precomputed for `cached_positions` positions
+/// (computed on the fly beyond them), applied to q and k.
+class RotaryEmbedding : public ch03::PositionEncoding {
+ public:
+  /// Throws fivefold::Error for an odd head_dim or a non-positive base.
+  RotaryEmbedding(int64_t head_dim, double base, RopeLayout layout = RopeLayout::HalfSplit,
+                  int64_t cached_positions = 4096);
+  /// q, k [batch, heads, seq, head_dim] at positions first_position .. -> rotated (q, k).
+  std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q, const torch::Tensor& k,
+                                                 int64_t first_position) const override;
+
+ private:
+  RopeLayout layout_;
+  torch::Tensor frequencies_;  // [d/2] float64
+  torch::Tensor cos_, sin_;    // [cached_positions, d/2] float32
+};
+
+/// Chapter 04's recipe (a ch03::ModelBuilder): chapter 03's model, with RoPE (Hugging Face layout)
+/// installed when config.rope_theta > 0.
+ch03::Transformer make_model(const ch03::ModelConfig& config);
+
+/// ch03::load_model with make_model: a Llama checkpoint with `rope_theta` computes what
+/// `transformers` computes.
+ch03::Transformer load_model(const std::string& dir);
+
+}  // namespace fivefold::ch04
