@@ -209,8 +209,9 @@ int eval(int argc, char** argv) {
   args.option("data-seed", "0", "synthetic corpus and batch seed");
   args.option("val-fraction", "0.1", "share of a data file held out (its end)");
   args.option("seq", "64", "tokens per sequence").option("batch", "16", "sequences per batch");
-  args.option("batches", "16", "held-out batches to score");
-  args.option("exact-match", "", "held-out synthetic prompts to answer (default 200; 0: none)");
+  args.option("split", "held-out", "which split to score: held-out or train");
+  args.option("batches", "16", "batches to score");
+  args.option("exact-match", "", "synthetic prompts of the split to answer (default 200; 0: none)");
   if (!args.parse(argc, argv)) return 0;
   FIVEFOLD_CHECK(args.given("checkpoint"), "fivefold eval: --checkpoint is required");
   FIVEFOLD_CHECK(args.given("ids") == args.given("logits-out"),
@@ -234,22 +235,27 @@ int eval(int argc, char** argv) {
   const int64_t seq = args.integer("seq"), batch = args.integer("batch");
   FIVEFOLD_CHECK(seq >= 1 && batch >= 1 && args.integer("batches") >= 1,
                  "--seq, --batch and --batches must be >= 1");
-  const auto held_out = load_datasets(data, seq).second;
-  FIVEFOLD_CHECK(held_out.max_token() < model->config().vocab_size, "the data has token id ",
-                 held_out.max_token(), " but the checkpoint's vocabulary has ",
+  const std::string split_name = args.str("split");
+  FIVEFOLD_CHECK(split_name == "held-out" || split_name == "train",
+                 "--split must be held-out or train, got '", split_name, "'");
+  const Split split = split_name == "train" ? Split::Train : Split::HeldOut;
+  const auto datasets = load_datasets(data, seq);
+  const TokenDataset& tokens = split == Split::Train ? datasets.first : datasets.second;
+  FIVEFOLD_CHECK(tokens.max_token() < model->config().vocab_size, "the data has token id ",
+                 tokens.max_token(), " but the checkpoint's vocabulary has ",
                  model->config().vocab_size, " tokens");
-  // The same held-out batches a training run evaluates on (seed + 1, see trainer.cpp).
-  const BatchSampler sampler(held_out, seq, batch, data.seed + 1);
+  // Held out: the same batches a training run evaluates on (seed + 1, see trainer.cpp).
+  const BatchSampler sampler(tokens, seq, batch, data.seed + (split == Split::Train ? 0 : 1));
   const LossReport loss = evaluate_loss(model, sampler, args.integer("batches"));
-  std::printf("checkpoint %s\nheld-out loss %.4f  perplexity %.3f  (%lld tokens)\n", dir.c_str(),
-              loss.loss, loss.perplexity, static_cast<long long>(loss.tokens));
+  std::printf("checkpoint %s\n%s loss %.4f  perplexity %.3f  (%lld tokens)\n", dir.c_str(),
+              split_name.c_str(), loss.loss, loss.perplexity, static_cast<long long>(loss.tokens));
   const int64_t examples =
       args.given("exact-match") ? args.integer("exact-match") : (data.path.empty() ? 200 : 0);
   if (examples > 0) {
     FIVEFOLD_CHECK(data.path.empty(), "--exact-match needs the synthetic corpus (no --data)");
-    const ExactMatchReport exact = exact_match(model, data.seed, Split::HeldOut, examples);
-    std::printf("exact match %.3f over %lld held-out prompts:", exact.accuracy(),
-                static_cast<long long>(examples));
+    const ExactMatchReport exact = exact_match(model, data.seed, split, examples);
+    std::printf("exact match %.3f over %lld %s prompts:", exact.accuracy(),
+                static_cast<long long>(examples), split_name.c_str());
     for (const auto& [task, n] : exact.total)
       std::printf("  %s %.3f (%lld)", task.c_str(), exact.accuracy(task),
                   static_cast<long long>(n));

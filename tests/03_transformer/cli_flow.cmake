@@ -1,7 +1,8 @@
 # `fivefold train / generate / eval` as a user runs them, end to end:
 #   cmake -DFIVEFOLD=<program> -DWORK=<scratch folder> -P cli_flow.cmake
 # Trains a tiny model for a few steps, resumes it, generates from it (ids and text), writes the
-# logits of a sequence, evaluates it, and checks that bad input fails with a clear message.
+# logits of a sequence, evaluates it (both splits), does the same for a 300-token vocabulary, and
+# checks that bad input fails with a clear message.
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
@@ -67,6 +68,20 @@ endif()
 run("held-out loss [0-9.]+  perplexity [0-9.]+.*exact match [0-9.]+ over 20 held-out prompts"
     eval --checkpoint ${out} --seq 16 --batch 4 --batches 2 --exact-match 20)
 
+run("train loss [0-9.]+.*exact match [0-9.]+ over 10 train prompts" eval --checkpoint ${out}
+    --split train --seq 16 --batch 4 --batches 2 --exact-match 10)
+
+# Any vocabulary size in config.json: a model with 300 tokens (byte data uses 0..258 of them).
+run("" train --out ${WORK}/v300 --vocab 300 --steps 1 --synthetic-examples 300 --peak-gflops 100
+    --no-progress --exact-match 0 ${model})
+run("^[0-9]+(,[0-9]+)*\n$" generate --checkpoint ${WORK}/v300 --prompt-ids 299,0,280
+    --max-new-tokens 3 --greedy)
+run("" eval --checkpoint ${WORK}/v300 --ids 299,1 --logits-out ${WORK}/logits300.safetensors)
+file(READ ${WORK}/logits300.safetensors header OFFSET 8 LIMIT 80)
+if(NOT header MATCHES "\"shape\":\[2,300\]")
+  message(FATAL_ERROR "logits300.safetensors header: ${header}")
+endif()
+
 # Bad input: clear errors, non-zero exit, nothing written.
 refused("'${WORK}/absent.txt'" train --out ${WORK}/never --data ${WORK}/absent.txt)
 refused("does not divide d_model" train --out ${WORK}/never --d-model 30 --n-heads 4)
@@ -81,3 +96,4 @@ refused("exactly one of --prompt and --prompt-ids" generate --checkpoint ${out})
 refused("go together" eval --checkpoint ${out} --ids 1,2)
 file(WRITE ${WORK}/bad/config.json "{\"model_type\": \"llama\", \"hidden_size\": 32")
 refused("not valid JSON" eval --checkpoint ${WORK}/bad)
+refused("--split must be held-out or train" eval --checkpoint ${out} --split test)
