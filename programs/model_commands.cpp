@@ -14,7 +14,7 @@
 #include "03_transformer/evaluate.h"
 #include "03_transformer/generate.h"
 #include "03_transformer/trainer.h"
-#include "04_rope/rope.h"
+#include "05_yarn/yarn.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -123,7 +123,7 @@ int train(int argc, char** argv) {
   c.model.tied_embeddings = args.on("tied");
   c.model.rope_theta = args.real("rope-theta");
   c.model.seed = static_cast<uint64_t>(args.integer("seed"));
-  c.build_model = ch04::make_model;  // the most complete model the chapters build
+  c.build_model = ch05::make_model;  // the most complete model the chapters build
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -163,7 +163,7 @@ int generate(int argc, char** argv) {
   FIVEFOLD_CHECK(args.given("prompt") != args.given("prompt-ids"),
                  "fivefold generate: give exactly one of --prompt and --prompt-ids");
   Runtime runtime;
-  Transformer model = ch04::load_model(resolve_checkpoint(args.str("checkpoint")));
+  Transformer model = ch05::load_model(resolve_checkpoint(args.str("checkpoint")));
   const int64_t vocab = model->config().vocab_size;
 
   SamplingOptions options;
@@ -218,7 +218,7 @@ int eval(int argc, char** argv) {
                  "fivefold eval: --ids and --logits-out go together");
   Runtime runtime;
   const std::string dir = resolve_checkpoint(args.str("checkpoint"));
-  Transformer model = ch04::load_model(dir);
+  Transformer model = ch05::load_model(dir);
 
   if (args.given("ids")) {
     const auto ids = token_ids(args, "ids", model->config().vocab_size);

@@ -6,6 +6,8 @@
 
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -31,6 +33,12 @@ struct ModelConfig {
   /// chapter). A model with rope_theta > 0 needs chapter 04's encoding installed
   /// (ch04::make_model).
   double rope_theta = 0;
+  /// [max_position_embeddings] the context length the model is trained for (informational here;
+  /// chapter 05's context extension scales positions relative to it).
+  int64_t max_position_embeddings = 2048;
+  /// [rope_scaling] context extension settings, kept as config.json has them and interpreted by
+  /// chapter 05 (null: none). Chapter 04's make_model refuses a model that has them.
+  nlohmann::json rope_scaling;
   uint64_t seed = 0;  ///< initialisation seed (chapter 01: per-parameter-name generators)
 
   /// head_dim, or d_model / n_heads when it is 0.

@@ -30,6 +30,8 @@ nlohmann::json config_to_json(const ModelConfig& c) {
   // Without it the model has no positions, which transformers cannot express (its default is
   // 10000): such a checkpoint loads there but computes another function.
   if (c.rope_theta > 0) json["rope_theta"] = c.rope_theta;
+  json["max_position_embeddings"] = c.max_position_embeddings;
+  if (!c.rope_scaling.is_null()) json["rope_scaling"] = c.rope_scaling;
   return json;
 }
 
@@ -55,8 +57,17 @@ ModelConfig config_from_json(const nlohmann::json& json) {
                    "config: 'rope_theta' must be a positive number");
     c.rope_theta = json["rope_theta"];
   }
-  FIVEFOLD_CHECK(!json.contains("rope_scaling") || json["rope_scaling"].is_null(),
-                 "config: 'rope_scaling' (context extension) is not built yet (chapter 05)");
+  if (json.contains("max_position_embeddings")) {
+    FIVEFOLD_CHECK(json["max_position_embeddings"].is_number_integer() &&
+                       json["max_position_embeddings"].get<int64_t>() > 0,
+                   "config: 'max_position_embeddings' must be a positive integer");
+    c.max_position_embeddings = json["max_position_embeddings"];
+  }
+  if (json.contains("rope_scaling")) {
+    FIVEFOLD_CHECK(json["rope_scaling"].is_null() || json["rope_scaling"].is_object(),
+                   "config: 'rope_scaling' must be an object or null");
+    c.rope_scaling = json["rope_scaling"];  // chapter 05 reads it
+  }
   if (json.contains("fivefold_seed") && json["fivefold_seed"].is_number_unsigned())
     c.seed = json["fivefold_seed"];
   c.validate();

@@ -26,6 +26,9 @@ void ModelConfig::validate() const {
                  n_kv_heads, ") must divide n_heads (", n_heads, ")");
   FIVEFOLD_CHECK(rms_norm_eps > 0, "model config: rms_norm_eps must be positive");
   FIVEFOLD_CHECK(rope_theta >= 0, "model config: rope_theta must be >= 0 (0: no positions)");
+  FIVEFOLD_CHECK(max_position_embeddings > 0, "model config: max_position_embeddings must be > 0");
+  FIVEFOLD_CHECK(rope_scaling.is_null() || rope_scaling.is_object(),
+                 "model config: rope_scaling must be an object or null");
   FIVEFOLD_CHECK(rope_theta == 0 || resolved_head_dim() % 2 == 0,
                  "model config: rotary positions need an even head_dim, got ", resolved_head_dim());
 }

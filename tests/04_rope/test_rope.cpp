@@ -174,6 +174,6 @@ TEST(Rope, RejectsBadConfigurations) {
   EXPECT_TRUE(throws_error_containing([&] { make_model(odd); }, "even head_dim"));
   auto json = fivefold::ch03::config_to_json(small(10000.0));
   json["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-  EXPECT_TRUE(
-      throws_error_containing([&] { fivefold::ch03::config_from_json(json); }, "chapter 05"));
+  EXPECT_TRUE(throws_error_containing([&] { make_model(fivefold::ch03::config_from_json(json)); },
+                                      "chapter 05"));
 }
