@@ -2,8 +2,10 @@
 // identities (factor 1 is plain RoPE), the rope_scaling keys and their errors, and the model.
 
 #include <cmath>
+#include <set>
 
 #include "03_transformer/checkpoint.h"
+#include "05_yarn/passkey.h"
 #include "05_yarn/yarn.h"
 #include "fivefold/io.h"
 #include "fivefold/seed.h"
@@ -162,4 +164,29 @@ TEST(YarnModel, CheckpointRoundTripAndKVCache) {
   // Chapter 04's recipe refuses the scaled config instead of ignoring it.
   EXPECT_TRUE(
       throws_error_containing([&] { fivefold::ch04::load_model(dir.path("m")); }, "chapter 05"));
+}
+
+TEST(Passkey, RowsHideTheKeyAndScoreOnlyTheAnswer) {
+  const int64_t length = 80;
+  const auto b = passkey_batch(3, 0, 6, length);
+  ASSERT_EQ(b.inputs.sizes(), (std::vector<int64_t>{6, length}));
+  std::set<int64_t> key_places;
+  for (int64_t r = 0; r < 6; ++r) {
+    auto row = b.inputs[r];
+    std::vector<int64_t> ids(row.data_ptr<int64_t>(), row.data_ptr<int64_t>() + length);
+    ids.push_back(b.targets[r][length - 1].item<int64_t>());
+    const std::string text = fivefold::ch03::ByteTokenizer::decode(ids);
+    const auto question = text.rfind(" key? ");
+    ASSERT_EQ(question, text.size() - 10) << text;
+    const std::string key = text.substr(question + 6);
+    const auto needle = text.find("key " + key + ". ");
+    ASSERT_NE(needle, std::string::npos) << text;
+    key_places.insert(static_cast<int64_t>(needle));
+    // Only the four answer digits are scored.
+    auto scored = (b.targets[r] != -100).nonzero().view({-1});
+    EXPECT_TENSOR_EQ(scored, torch::arange(length - 4, length, torch::kLong));
+  }
+  EXPECT_GT(key_places.size(), 3u);  // the key moves from row to row
+  EXPECT_TENSOR_EQ(passkey_batch(3, 0, 6, length).inputs, b.inputs);  // deterministic
+  EXPECT_FALSE(torch::equal(passkey_batch(3, 1, 6, length).inputs, b.inputs));
 }
