@@ -1,0 +1,115 @@
+// Chapter 09's benchmark: tokens/s of chapter 03's model trained with data parallelism, per
+// variant (naive all-reduce per parameter, DDP buckets after backward, DDP overlapped), and how
+// much of the all-reduce time the overlap hides behind backward.
+//
+//   build/bin/bench_ddp_throughput                       (one process: the reference)
+//   mpirun -np 2 -x OMP_WAIT_POLICY=passive build/bin/bench_ddp_throughput
+//   benchmarks/run_ddp_throughput.sh build               (both, on the same model and batch)
+//
+// The global batch is the same whatever the ranks (each takes its rows); step times are medians
+// of --steps steps after 3 warm-up steps, the slowest rank's.
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "03_transformer/train.h"
+#include "09_data_parallel/ddp.h"
+#include "fivefold/cli.h"
+#include "fivefold/runtime.h"
+#include "fivefold/timer.h"
+
+using namespace fivefold;
+using namespace fivefold::ch03;
+
+namespace {
+enum class Variant { Naive, AfterBackward, Overlapped };
+
+struct Result {
+  double step_seconds;  // median, slowest rank
+  double wait_seconds;  // median time finish_gradient_sync waited (DDP variants)
+};
+
+Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Variant variant,
+               int64_t batch, int64_t seq, int64_t steps, int64_t bucket_bytes) {
+  Transformer model(config);
+  TrainConfig t;
+  auto optimizer = make_optimizer(model, t);
+  const TokenDataset data(ByteTokenizer::encode(synthetic_corpus(0, Split::Train, 3000)));
+  const BatchSampler sampler(data, seq, batch, 0);
+  std::unique_ptr<ch09::DistributedDataParallel> ddp;
+  const bool parallel = world->size() > 1;
+  if (parallel && variant != Variant::Naive) {
+    ch09::DdpOptions options;
+    options.bucket_bytes = bucket_bytes;
+    options.overlap = variant == Variant::Overlapped;
+    ddp = std::make_unique<ch09::DistributedDataParallel>(model.ptr(), world, options);
+  }
+  std::vector<double> times, waits;
+  for (int64_t step = 0; step < steps + 3; ++step) {
+    world->barrier();
+    Timer timer;
+    optimizer->zero_grad();
+    loss_of(model, sampler.batch(step, world->rank(), world->size())).backward();
+    if (ddp) ddp->finish_gradient_sync();
+    if (parallel && variant == Variant::Naive) ch09::all_reduce_gradients(*world, *model);
+    clip_gradients(model, t.grad_clip);
+    optimizer->step();
+    auto seconds = torch::tensor({timer.seconds()}, torch::kDouble);
+    world->all_reduce(seconds, dist::ReduceOp::Max);
+    if (step >= 3) {
+      times.push_back(seconds.item<double>());
+      waits.push_back(ddp ? ddp->stats().wait_seconds : 0.0);
+    }
+  }
+  std::sort(times.begin(), times.end());
+  std::sort(waits.begin(), waits.end());
+  return {times[times.size() / 2], waits[waits.size() / 2]};
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  ArgParser args("bench_ddp_throughput",
+                 "Tokens/s of data-parallel training per variant, and the all-reduce time DDP's "
+                 "overlap hides.");
+  args.option("steps", "10", "timed steps per variant");
+  args.option("d-model", "256", "hidden size").option("n-layers", "4", "blocks");
+  args.option("seq", "128", "tokens per row").option("batch", "8", "global batch (rows)");
+  args.option("bucket-kib", "1024", "DDP bucket size in KiB");
+  if (!args.parse(argc, argv)) return 0;
+  Runtime runtime;
+  auto world = runtime.world();
+  ModelConfig config;
+  config.d_model = args.integer("d-model");
+  config.n_layers = args.integer("n-layers");
+  config.n_heads = config.n_kv_heads = config.d_model / 64;
+  config.d_ff = ((8 * config.d_model / 3 + 63) / 64) * 64;
+  const int64_t batch = args.integer("batch"), seq = args.integer("seq");
+  const double tokens = static_cast<double>(batch * seq);
+  if (world->rank() == 0) {
+    std::printf("%d rank(s) x %d thread(s); d_model %lld, %lld layers, global batch %lld x %lld\n",
+                world->size(), torch::get_num_threads(), static_cast<long long>(config.d_model),
+                static_cast<long long>(config.n_layers), static_cast<long long>(batch),
+                static_cast<long long>(seq));
+  }
+  const char* names[] = {"naive (one all-reduce per parameter)", "DDP, buckets after backward",
+                         "DDP, buckets overlapped with backward"};
+  double wait_after = 0;
+  for (auto variant : {Variant::Naive, Variant::AfterBackward, Variant::Overlapped}) {
+    const auto r = measure(world, config, variant, batch, seq, args.integer("steps"),
+                           args.integer("bucket-kib") << 10);
+    if (variant == Variant::AfterBackward) wait_after = r.wait_seconds;
+    if (world->rank() != 0) continue;
+    std::printf(
+        "%-40s step %8.2f ms  %9.0f tokens/s",
+        world->size() == 1 ? "one process (no communication)" : names[static_cast<int>(variant)],
+        r.step_seconds * 1e3, tokens / r.step_seconds);
+    if (world->size() > 1 && variant != Variant::Naive)
+      std::printf("  waiting for all-reduce %6.2f ms", r.wait_seconds * 1e3);
+    if (world->size() > 1 && variant == Variant::Overlapped && wait_after > 0)
+      std::printf("  (%.0f%% hidden)", 100.0 * (1.0 - r.wait_seconds / wait_after));
+    std::printf("\n");
+    if (world->size() == 1) break;  // one process: the variants are the same computation
+  }
+  return 0;
+}
