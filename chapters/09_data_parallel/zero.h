@@ -1,0 +1,69 @@
+#pragma once
+/// @file zero.h
+/// @brief Chapter 09: ZeRO stages 1 and 2 (Rajbhandari et al. 2020) for fp32 AdamW. The
+/// trainable parameters are viewed as one flat vector of Ψ numbers, padded to a multiple of N and
+/// cut into N equal shards; rank r owns shard r of the optimizer state (stage 1) and, in stage 2,
+/// of the gradients too. A step reduce-scatters the gradients (each rank receives the average of
+/// its shard), updates its shard of the parameters with its shard of AdamW's state, and
+/// all-gathers the parameters: the same 2(N − 1)/N·Ψ per rank on the wire as DDP's all-reduce.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "03_transformer/train.h"
+#include "fivefold/dist.h"
+
+namespace fivefold::ch09 {
+
+/// Bytes this rank keeps between steps, by kind (what the ZeRO formulas count).
+struct ZeroMemory {
+  int64_t parameters = 0;  ///< the model's parameters (all of them in stages 1 and 2)
+  int64_t gradients = 0;   ///< gradients kept: the full ones (stage 1) or this rank's shard (2)
+  int64_t optimizer = 0;   ///< AdamW's two moments for this rank's shard
+};
+
+/// ZeRO-1 or ZeRO-2 data parallelism with AdamW, for a model whose trainable parameters all
+/// receive a gradient every step (checked). Same update as torch::optim::AdamW with
+/// make_optimizer's two groups (matrices decay, norms and the embedding do not), clipping by the
+/// global gradient norm.
+class ZeroOptimizer {
+ public:
+  /// Broadcasts rank 0's parameters, lays out the shards. `stage` is 1 or 2.
+  ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::CommunicatorPtr comm, int stage,
+                ch03::TrainConfig config);
+
+  /// After backward: reduce-scatter the gradients to this rank's shard (their mean over ranks),
+  /// clip by the global norm, AdamW on the shard with learning_rate(config, step), all-gather the
+  /// parameters. Stage 2 drops the full gradients as soon as they are copied. Returns the global
+  /// gradient norm before clipping.
+  double step(int64_t step);
+
+  /// Zeroes (stage 1) or drops (stage 2) the gradients before the next backward.
+  void zero_grad();
+
+  /// The bytes this rank keeps, measured from the tensors it holds.
+  ZeroMemory memory() const;
+
+  /// Ψ (trainable numbers) and the shard length ceil(Ψ / N).
+  int64_t numel() const { return numel_; }
+  /// Numbers per shard (ceil(Ψ / N)).
+  int64_t shard_numel() const { return shard_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> model_;
+  dist::CommunicatorPtr comm_;
+  int stage_;
+  ch03::TrainConfig config_;
+  std::vector<torch::Tensor> params_;  // trainable, in registration order
+  int64_t numel_ = 0, shard_ = 0;
+  torch::Tensor decay_mask_;            // [shard]: 1 where weight decay applies
+  torch::Tensor exp_avg_, exp_avg_sq_;  // [shard]
+  torch::Tensor grad_shard_;            // [shard] (kept in stage 2)
+  int64_t adam_steps_ = 0;
+};
+
+}  // namespace fivefold::ch09
