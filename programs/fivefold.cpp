@@ -2,7 +2,7 @@
 //
 //   fivefold info                 what this process sees: launcher, rank, backend, threads, BLAS
 //   mpirun -np 4 fivefold info    the same on every rank (checks a launch works)
-//   fivefold plan --config config.json [--tokens 2e12] [--budget 1e23] [--json]
+//   fivefold plan --config config.json [--tokens 2e12] [--budget 1e23] [--dp 64] [--json]
 //                                 parameters, FLOPs, training time and memory (chapter 02)
 //   fivefold train / generate / eval
 //                                 chapter 03's model (programs/model_commands.cpp)
@@ -13,6 +13,7 @@
 #include <string>
 
 #include "02_flops_6np/flops.h"
+#include "09_data_parallel/zero.h"
 #include "commands.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
@@ -77,6 +78,9 @@ int plan(int argc, char** argv) {
   args.option("budget", "0", "a FLOP budget, for the compute-optimal (Chinchilla) split");
   args.option("peak", "989e12", "peak FLOP/s of one device (default: H100 SXM, bf16 dense)");
   args.option("mfu", "0.4", "model FLOPs utilisation to assume").option("devices", "1", "devices");
+  args.option("dp", "0",
+              "data-parallel ranks: adds per-rank memory for DDP and ZeRO-1/2/3 "
+              "(chapter 09; fp32 AdamW)");
   args.flag("json", "print JSON instead of a table");
   if (!args.parse(argc, argv)) return 0;
 
@@ -120,8 +124,21 @@ int plan(int argc, char** argv) {
   const auto out =
       fivefold::ch02::plan(shape, context, args.real("tokens"), args.real("budget"),
                            args.real("peak"), args.real("mfu"), args.integer("devices"));
+  auto result = out;
+  const int64_t dp = args.integer("dp");
+  FIVEFOLD_CHECK(dp >= 0, "--dp must be >= 0");
+  if (dp > 0) {  // chapter 09: what each data-parallel rank keeps, per ZeRO stage
+    const int64_t psi = fivefold::ch02::count_parameters(shape).total;
+    for (int stage = 0; stage <= 3; ++stage) {
+      const auto m = fivefold::ch09::zero_memory_formula(psi, dp, stage);
+      result["zero"][std::to_string(stage)] = {{"parameters", m.parameters},
+                                               {"gradients", m.gradients},
+                                               {"optimizer", m.optimizer},
+                                               {"total", m.parameters + m.gradients + m.optimizer}};
+    }
+  }
   if (args.on("json")) {
-    std::printf("%s\n", out.dump(2).c_str());
+    std::printf("%s\n", result.dump(2).c_str());
     return 0;
   }
   const auto& p = out["parameters"];
@@ -141,6 +158,16 @@ int plan(int argc, char** argv) {
       "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes a parameter; "
       "activations not included; no sharding)\n",
       si(out["memory_per_device_bytes"]["total_without_activations"], "B").c_str());
+  if (dp > 0) {
+    std::printf("memory/rank     dp %lld, fp32 AdamW (weights + gradients + Adam):",
+                static_cast<long long>(dp));
+    const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
+    for (int stage = 0; stage <= 3; ++stage) {
+      std::printf("  %s %s", names[stage],
+                  si(result["zero"][std::to_string(stage)]["total"], "B").c_str());
+    }
+    std::printf("\n");
+  }
   if (out.contains("training")) {
     const auto& t = out["training"];
     std::printf(

@@ -26,6 +26,10 @@ struct ZeroMemory {
   int64_t optimizer = 0;   ///< AdamW's two moments for this rank's shard
 };
 
+/// The ZeRO formulas, fp32 AdamW, per rank, for Ψ trainable numbers over N ranks (s = ⌈Ψ/N⌉):
+/// stage 0 (DDP) 4Ψ + 4Ψ + 8Ψ; 1: 4Ψ + 4Ψ + 8s; 2: 4Ψ + 4s + 8s; 3: 4s + 4s + 8s.
+ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage);
+
 /// ZeRO-1 or ZeRO-2 data parallelism with AdamW, for a model whose trainable parameters all
 /// receive a gradient every step (checked). Same update as torch::optim::AdamW with
 /// make_optimizer's two groups (matrices decay, norms and the embedding do not), clipping by the

@@ -8,6 +8,14 @@
 
 namespace fivefold::ch09 {
 
+ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage) {
+  FIVEFOLD_CHECK(psi >= 0 && ranks >= 1 && stage >= 0 && stage <= 3,
+                 "zero_memory_formula: need psi >= 0, ranks >= 1, stage 0..3");
+  const int64_t shard = (psi + ranks - 1) / ranks;
+  return {4 * (stage >= 3 ? shard : psi), 4 * (stage >= 2 ? shard : psi),
+          8 * (stage >= 1 ? shard : psi)};
+}
+
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::CommunicatorPtr comm,
                              int stage, ch03::TrainConfig config)
     : model_(std::move(model)), comm_(std::move(comm)), stage_(stage), config_(config) {

@@ -87,10 +87,13 @@ TEST(Zero, KeepsExactlyTheBytesOfTheFormulas) {
   zero(false, 1, 1, &one);
   zero(false, 2, 1, &two);
   // fp32 (notes/09_data_parallel.md): stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 4Ψ/N + 8Ψ/N.
-  EXPECT_EQ(one.parameters, 4 * psi);
+  for (const auto& [measured, stage] : {std::pair<ZeroMemory, int>{one, 1}, {two, 2}}) {
+    const ZeroMemory formula = zero_memory_formula(psi, n, stage);
+    EXPECT_EQ(measured.parameters, formula.parameters) << "stage " << stage;
+    EXPECT_EQ(measured.gradients, formula.gradients) << "stage " << stage;
+    EXPECT_EQ(measured.optimizer, formula.optimizer) << "stage " << stage;
+  }
   EXPECT_EQ(one.gradients, 4 * psi);
-  EXPECT_EQ(one.optimizer, 8 * shard);
-  EXPECT_EQ(two.parameters, 4 * psi);
   EXPECT_EQ(two.gradients, 4 * shard);
   EXPECT_EQ(two.optimizer, 8 * shard);
 }
@@ -120,4 +123,14 @@ TEST(Zero, RefusesAParameterWithoutAGradient) {
   ZeroOptimizer optimizer(model.ptr(), world(), 1, train_config());
   EXPECT_TRUE(
       fivefold::testing::throws_error_containing([&] { optimizer.step(0); }, "got no gradient"));
+}
+
+TEST(Zero, FormulaByHand) {
+  // The paper's example in fp32 bytes: Ψ = 7.5e9 over N_d = 64.
+  const int64_t psi = 7'500'000'000;
+  EXPECT_EQ(zero_memory_formula(psi, 64, 0).optimizer, 8 * psi);
+  const auto three = zero_memory_formula(psi, 64, 3);
+  EXPECT_EQ(three.parameters + three.gradients + three.optimizer, 16 * ((psi + 63) / 64));
+  const auto one = zero_memory_formula(psi, 64, 1);
+  EXPECT_EQ(one.parameters + one.gradients + one.optimizer, 8 * psi + 8 * ((psi + 63) / 64));
 }
