@@ -1,6 +1,7 @@
 // Chapter 09's benchmark: tokens/s of chapter 03's model trained with data parallelism, per
-// variant (naive all-reduce per parameter, DDP buckets after backward, DDP overlapped), and how
-// much of the all-reduce time the overlap hides behind backward.
+// variant (naive all-reduce per parameter, DDP buckets after backward, DDP overlapped, ZeRO-1,
+// ZeRO-2), the bytes of state each rank keeps, and how much of the all-reduce time the overlap
+// hides behind backward.
 //
 //   build/bin/bench_ddp_throughput                       (one process: the reference)
 //   mpirun -np 2 -x OMP_WAIT_POLICY=passive build/bin/bench_ddp_throughput
@@ -15,6 +16,7 @@
 
 #include "03_transformer/train.h"
 #include "09_data_parallel/ddp.h"
+#include "09_data_parallel/zero.h"
 #include "fivefold/cli.h"
 #include "fivefold/runtime.h"
 #include "fivefold/timer.h"
@@ -23,11 +25,12 @@ using namespace fivefold;
 using namespace fivefold::ch03;
 
 namespace {
-enum class Variant { Naive, AfterBackward, Overlapped };
+enum class Variant { Naive, AfterBackward, Overlapped, Zero1, Zero2 };
 
 struct Result {
   double step_seconds;  // median, slowest rank
   double wait_seconds;  // median time finish_gradient_sync waited (DDP variants)
+  int64_t state_bytes;  // weights + gradients + optimizer state kept by this rank
 };
 
 Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Variant variant,
@@ -45,16 +48,26 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Va
     options.overlap = variant == Variant::Overlapped;
     ddp = std::make_unique<ch09::DistributedDataParallel>(model.ptr(), world, options);
   }
+  std::unique_ptr<ch09::ZeroOptimizer> zero;
+  if (variant == Variant::Zero1 || variant == Variant::Zero2)
+    zero = std::make_unique<ch09::ZeroOptimizer>(model.ptr(), world,
+                                                 variant == Variant::Zero1 ? 1 : 2, t);
   std::vector<double> times, waits;
   for (int64_t step = 0; step < steps + 3; ++step) {
     world->barrier();
     Timer timer;
-    optimizer->zero_grad();
-    loss_of(model, sampler.batch(step, world->rank(), world->size())).backward();
-    if (ddp) ddp->finish_gradient_sync();
-    if (parallel && variant == Variant::Naive) ch09::all_reduce_gradients(*world, *model);
-    clip_gradients(model, t.grad_clip);
-    optimizer->step();
+    if (zero) {
+      zero->zero_grad();
+      loss_of(model, sampler.batch(step, world->rank(), world->size())).backward();
+      zero->step(step);
+    } else {
+      optimizer->zero_grad();
+      loss_of(model, sampler.batch(step, world->rank(), world->size())).backward();
+      if (ddp) ddp->finish_gradient_sync();
+      if (parallel && variant == Variant::Naive) ch09::all_reduce_gradients(*world, *model);
+      clip_gradients(model, t.grad_clip);
+      optimizer->step();
+    }
     auto seconds = torch::tensor({timer.seconds()}, torch::kDouble);
     world->all_reduce(seconds, dist::ReduceOp::Max);
     if (step >= 3) {
@@ -64,7 +77,14 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Va
   }
   std::sort(times.begin(), times.end());
   std::sort(waits.begin(), waits.end());
-  return {times[times.size() / 2], waits[waits.size() / 2]};
+  int64_t bytes = 0;
+  if (zero) {
+    const auto m = zero->memory();
+    bytes = m.parameters + m.gradients + m.optimizer;
+  } else {  // weights, gradients, and AdamW's two moments for every parameter
+    for (const auto& p : model->parameters()) bytes += 4 * p.numel() * 4;
+  }
+  return {times[times.size() / 2], waits[waits.size() / 2], bytes};
 }
 }  // namespace
 
@@ -93,18 +113,19 @@ int main(int argc, char** argv) {
                 static_cast<long long>(seq));
   }
   const char* names[] = {"naive (one all-reduce per parameter)", "DDP, buckets after backward",
-                         "DDP, buckets overlapped with backward"};
+                         "DDP, buckets overlapped with backward", "ZeRO-1", "ZeRO-2"};
   double wait_after = 0;
-  for (auto variant : {Variant::Naive, Variant::AfterBackward, Variant::Overlapped}) {
+  for (auto variant : {Variant::Naive, Variant::AfterBackward, Variant::Overlapped, Variant::Zero1,
+                       Variant::Zero2}) {
     const auto r = measure(world, config, variant, batch, seq, args.integer("steps"),
                            args.integer("bucket-kib") << 10);
     if (variant == Variant::AfterBackward) wait_after = r.wait_seconds;
     if (world->rank() != 0) continue;
     std::printf(
-        "%-40s step %8.2f ms  %9.0f tokens/s",
+        "%-40s step %8.2f ms  %9.0f tokens/s  state %6.2f MB/rank",
         world->size() == 1 ? "one process (no communication)" : names[static_cast<int>(variant)],
-        r.step_seconds * 1e3, tokens / r.step_seconds);
-    if (world->size() > 1 && variant != Variant::Naive)
+        r.step_seconds * 1e3, tokens / r.step_seconds, static_cast<double>(r.state_bytes) / 1e6);
+    if (world->size() > 1 && (variant == Variant::AfterBackward || variant == Variant::Overlapped))
       std::printf("  waiting for all-reduce %6.2f ms", r.wait_seconds * 1e3);
     if (world->size() > 1 && variant == Variant::Overlapped && wait_after > 0)
       std::printf("  (%.0f%% hidden)", 100.0 * (1.0 - r.wait_seconds / wait_after));
