@@ -30,10 +30,10 @@ struct ZeroMemory {
 /// stage 0 (DDP) 4Ψ + 4Ψ + 8Ψ; 1: 4Ψ + 4Ψ + 8s; 2: 4Ψ + 4s + 8s; 3: 4s + 4s + 8s.
 ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage);
 
-/// ZeRO-1 or ZeRO-2 data parallelism with AdamW, for a model whose trainable parameters all
-/// receive a gradient every step (checked). Same update as torch::optim::AdamW with
+/// ZeRO-1 or ZeRO-2 data parallelism with AdamW: the same update as torch::optim::AdamW with
 /// make_optimizer's two groups (matrices decay, norms and the embedding do not), clipping by the
-/// global gradient norm.
+/// global gradient norm. A parameter that got a gradient on no rank is skipped, as AdamW skips a
+/// parameter without a gradient (its step count does not advance); frozen parameters are left out.
 class ZeroOptimizer {
  public:
   /// Broadcasts rank 0's parameters, lays out the shards. `stage` is 1 or 2.
@@ -46,7 +46,9 @@ class ZeroOptimizer {
   /// gradient norm before clipping.
   double step(int64_t step);
 
-  /// Zeroes (stage 1) or drops (stage 2) the gradients before the next backward.
+  /// Zeroes (stage 1, like LibTorch 1.13's zero_grad) or drops (stage 2, like set_to_none) the
+  /// gradients before the next backward. The difference shows for a parameter that had a gradient
+  /// last step and none this step: stage 1 steps it with a zero gradient, stage 2 skips it.
   void zero_grad();
 
   /// The bytes this rank keeps, measured from the tensors it holds.
@@ -64,10 +66,11 @@ class ZeroOptimizer {
   ch03::TrainConfig config_;
   std::vector<torch::Tensor> params_;  // trainable, in registration order
   int64_t numel_ = 0, shard_ = 0;
-  torch::Tensor decay_mask_;            // [shard]: 1 where weight decay applies
+  torch::Tensor decay_mask_;  // [shard]: 1 where weight decay applies
+  torch::Tensor owner_;       // [shard]: index of the parameter of each element, -1: padding
+  torch::Tensor steps_;       // [parameters]: AdamW steps taken by each parameter
   torch::Tensor exp_avg_, exp_avg_sq_;  // [shard]
   torch::Tensor grad_shard_;            // [shard] (kept in stage 2)
-  int64_t adam_steps_ = 0;
 };
 
 }  // namespace fivefold::ch09

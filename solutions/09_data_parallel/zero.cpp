@@ -22,7 +22,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::Com
   FIVEFOLD_CHECK(stage_ == 1 || stage_ == 2, "ZeroOptimizer: stage must be 1 or 2, got ", stage_);
   config_.validate();
   torch::NoGradGuard no_grad;
-  std::vector<torch::Tensor> mask;
+  std::vector<torch::Tensor> mask, owner;
   for (auto& item : model_->named_parameters()) {
     comm_->broadcast(item.value(), 0);  // every rank starts from rank 0's weights
     if (!item.value().requires_grad()) continue;
@@ -31,6 +31,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::Com
     const bool embedding = item.key() == "model.embed_tokens.weight";
     const bool decays = item.value().dim() == 2 && (!embedding || config_.decay_embeddings);
     mask.push_back(torch::full({item.value().numel()}, decays ? 1.0f : 0.0f));
+    owner.push_back(torch::full({item.value().numel()}, static_cast<int64_t>(params_.size() - 1)));
     numel_ += item.value().numel();
   }
   const int n = comm_->size();
@@ -38,6 +39,10 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::Com
   auto full_mask = torch::zeros({shard_ * n});
   full_mask.narrow(0, 0, numel_).copy_(torch::cat(mask));
   decay_mask_ = full_mask.narrow(0, comm_->rank() * shard_, shard_).clone();
+  auto full_owner = torch::full({shard_ * n}, int64_t{-1});
+  full_owner.narrow(0, 0, numel_).copy_(torch::cat(owner));
+  owner_ = full_owner.narrow(0, comm_->rank() * shard_, shard_).clone();
+  steps_ = torch::zeros({static_cast<int64_t>(params_.size())}, torch::kLong);
   exp_avg_ = torch::zeros({shard_});
   exp_avg_sq_ = torch::zeros({shard_});
 }
@@ -59,12 +64,13 @@ double ZeroOptimizer::step(int64_t step) {
   // 1. The full gradient as one padded flat vector, divided by N: the reduce-scatter's sum is then
   //    the mean, and this rank receives its shard of it.
   std::vector<torch::Tensor> parts;
-  for (auto& p : params_) {
-    FIVEFOLD_CHECK(p.grad().defined(),
-                   "ZeroOptimizer: a trainable parameter got no gradient (this ZeRO keeps one "
-                   "state per element and needs every gradient; freeze the parameter instead)");
-    parts.push_back(p.grad().reshape(-1));
+  auto has_gradient = torch::zeros({static_cast<int64_t>(params_.size())});
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& g = params_[i].grad();
+    parts.push_back(g.defined() ? g.reshape(-1) : torch::zeros({params_[i].numel()}));
+    has_gradient[static_cast<int64_t>(i)] = g.defined() ? 1.0 : 0.0;
   }
+  comm_->all_reduce(has_gradient);  // > 0: some rank has this parameter's gradient
   parts.push_back(torch::zeros({shard_ * n - numel_}));
   auto flat = torch::cat(parts) / static_cast<double>(n);
   if (stage_ == 2) zero_grad();               // the full gradients go as soon as they are packed
@@ -77,7 +83,9 @@ double ZeroOptimizer::step(int64_t step) {
   const double norm = std::sqrt(squares.item<double>());
   if (config_.grad_clip > 0 && norm > config_.grad_clip) grad_shard_.mul_(config_.grad_clip / norm);
 
-  // 3. AdamW on this rank's shard, the operations of torch::optim::AdamW in the same order.
+  // 3. AdamW on this rank's shard, the operations of torch::optim::AdamW in the same order, on
+  //    the elements of parameters that have a gradient somewhere (AdamW skips the others, and
+  //    their step count does not advance).
   auto all = torch::cat([&] {
     std::vector<torch::Tensor> v;
     for (auto& p : params_) v.push_back(p.reshape(-1));
@@ -86,20 +94,27 @@ double ZeroOptimizer::step(int64_t step) {
   }());
   auto mine = all.narrow(0, r * shard_, shard_).clone();
   const double lr = ch03::learning_rate(config_, step);
-  ++adam_steps_;
-  mine.mul_(1 - lr * config_.weight_decay * decay_mask_);
-  exp_avg_.mul_(config_.beta1).add_(grad_shard_, 1 - config_.beta1);
-  exp_avg_sq_.mul_(config_.beta2).addcmul_(grad_shard_, grad_shard_, 1 - config_.beta2);
-  const double bias1 = 1 - std::pow(config_.beta1, static_cast<double>(adam_steps_));
-  const double bias2 = 1 - std::pow(config_.beta2, static_cast<double>(adam_steps_));
-  auto denom = (exp_avg_sq_.sqrt() / std::sqrt(bias2)).add_(config_.eps);
-  mine.addcdiv_(exp_avg_, denom, -lr / bias1);
+  const auto active_param = has_gradient > 0;
+  steps_ += active_param.to(torch::kLong);
+  const auto owner = owner_.clamp_min(0);
+  const auto active = active_param.index_select(0, owner).logical_and(owner_ >= 0);
+  const auto t = steps_.index_select(0, owner).to(torch::kDouble).clamp_min(1);
+  const auto bias1 = (1 - torch::pow(config_.beta1, t)).to(torch::kFloat);
+  const auto bias2 = (1 - torch::pow(config_.beta2, t)).to(torch::kFloat);
+  auto updated = mine * (1 - lr * config_.weight_decay * decay_mask_);
+  auto m = exp_avg_ * config_.beta1 + grad_shard_ * (1 - config_.beta1);
+  auto v = exp_avg_sq_ * config_.beta2 + grad_shard_ * grad_shard_ * (1 - config_.beta2);
+  auto denom = v.sqrt() / bias2.sqrt() + config_.eps;
+  updated = updated - (lr / bias1) * (m / denom);
+  exp_avg_ = torch::where(active, m, exp_avg_);
+  exp_avg_sq_ = torch::where(active, v, exp_avg_sq_);
+  mine = torch::where(active, updated, mine);
 
   // 4. Everyone's updated shards, back into the model.
-  auto updated = comm_->all_gather(mine);  // [shard * N]
+  auto gathered = comm_->all_gather(mine);  // [shard * N]
   int64_t offset = 0;
   for (auto& p : params_) {
-    p.copy_(updated.narrow(0, offset, p.numel()).view_as(p));
+    p.copy_(gathered.narrow(0, offset, p.numel()).view_as(p));
     offset += p.numel();
   }
   return norm;

@@ -3,9 +3,12 @@
 // reference (chapter 03's train_step on the whole global batch) and compares. 1, 2, 4 ranks on
 // MPI; 2 on Gloo.
 
+#include <cmath>
+
 #include "03_transformer/train.h"
 #include "09_data_parallel/zero.h"
 #include "fivefold/comm_stats.h"
+#include "fivefold/seed.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
@@ -14,6 +17,17 @@ using fivefold::testing::world;
 namespace dist = fivefold::dist;
 
 namespace {
+// Chapter 03's clip_gradients, for any list of parameters.
+void clip_gradients_of(const std::vector<torch::Tensor>& params, double max_norm) {
+  double squares = 0;
+  for (const auto& p : params)
+    if (p.grad().defined()) squares += p.grad().pow(2).sum().item<double>();
+  const double norm = std::sqrt(squares);
+  if (norm > max_norm)
+    for (const auto& p : params)
+      if (p.grad().defined()) p.grad().mul_(max_norm / norm);
+}
+
 ModelConfig config_for(bool tied) {
   ModelConfig c;
   c.d_model = 32;
@@ -118,11 +132,82 @@ TEST(Zero, SendsWhatDdpSends) {
   }
 }
 
-TEST(Zero, RefusesAParameterWithoutAGradient) {
-  Transformer model(config_for(false));
-  ZeroOptimizer optimizer(model.ptr(), world(), 1, train_config());
-  EXPECT_TRUE(
-      fivefold::testing::throws_error_containing([&] { optimizer.step(0); }, "got no gradient"));
+namespace {
+// A model with a frozen parameter, one used only from step 2 on, and one never used.
+struct OddNetImpl : torch::nn::Module {
+  OddNetImpl() {
+    a = register_module("a", torch::nn::Linear(6, 5));
+    b = register_module("b", torch::nn::Linear(5, 3));
+    late = register_parameter("late", torch::ones({3}));
+    frozen = register_parameter("frozen", torch::ones({3}), /*requires_grad=*/false);
+    unused = register_parameter("unused", torch::ones({4, 2}));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_late) {
+    auto y = b(torch::tanh(a(x))) * frozen;
+    return use_late ? y * late : y;
+  }
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  torch::Tensor late, frozen, unused;
+};
+TORCH_MODULE(OddNet);
+
+// Three steps on the global batch; `zero_stage` 0: torch's AdamW with make_optimizer's grouping.
+OddNet train_odd(int zero_stage) {
+  torch::manual_seed(3);
+  OddNet net;
+  auto t = train_config();
+  std::unique_ptr<ZeroOptimizer> zero;
+  std::unique_ptr<torch::optim::AdamW> adam;
+  if (zero_stage > 0) {
+    zero = std::make_unique<ZeroOptimizer>(net.ptr(), world(), zero_stage, t);
+  } else {
+    std::vector<torch::Tensor> decay, no_decay;
+    for (auto& p : net->parameters()) (p.dim() == 2 ? decay : no_decay).push_back(p);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(
+        decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(t.lr)
+                                                                .betas({t.beta1, t.beta2})
+                                                                .eps(t.eps)
+                                                                .weight_decay(t.weight_decay)));
+    groups.emplace_back(
+        no_decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(t.lr)
+                                                                   .betas({t.beta1, t.beta2})
+                                                                   .eps(t.eps)
+                                                                   .weight_decay(0.0)));
+    adam = std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(t.lr));
+  }
+  auto generator = fivefold::generator_for(1, "odd");
+  for (int step = 0; step < 3; ++step) {
+    auto x = torch::randn({8, 6}, generator);
+    const int rank = zero ? world()->rank() : 0, size = zero ? world()->size() : 1;
+    if (zero) {
+      zero->zero_grad();
+      net->forward(x.chunk(size)[rank], step > 0).pow(2).mean().backward();
+      zero->step(step);
+    } else {
+      adam->zero_grad();
+      net->forward(x, step > 0).pow(2).mean().backward();
+      clip_gradients_of(net->parameters(), t.grad_clip);
+      for (auto& group : adam->param_groups())
+        static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(t, step));
+      adam->step();
+    }
+  }
+  return net;
+}
+}  // namespace
+
+TEST(Zero, FrozenLateAndUnusedParametersBehaveAsWithTorchsAdamW) {
+  auto reference = train_odd(0);
+  for (int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto got = train_odd(stage);
+    EXPECT_TENSOR_EQ(got->unused, reference->unused);  // never stepped: no decay either
+    EXPECT_TENSOR_EQ(got->frozen, reference->frozen);
+    EXPECT_TENSOR_CLOSE(got->late, reference->late, 1e-6, 1e-5);  // 2 steps, not 3
+    EXPECT_TENSOR_CLOSE(got->a->weight, reference->a->weight, 1e-6, 1e-5);
+    EXPECT_TENSOR_CLOSE(got->b->bias, reference->b->bias, 1e-6, 1e-5);
+  }
 }
 
 TEST(Zero, FormulaByHand) {
