@@ -49,6 +49,8 @@ double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_
 /// Scales all gradients so that their global L2 norm is at most `max_norm`; returns the norm
 /// before scaling.
 double clip_gradients(Transformer& model, double max_norm);
+/// The same for any list of parameters (those without a gradient are skipped).
+double clip_gradients(const std::vector<torch::Tensor>& params, double max_norm);
 
 /// What one optimizer step did.
 struct StepResult {

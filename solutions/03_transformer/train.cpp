@@ -69,14 +69,18 @@ double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_
 }
 
 double clip_gradients(Transformer& model, double max_norm) {
+  return clip_gradients(model->parameters(), max_norm);
+}
+
+double clip_gradients(const std::vector<torch::Tensor>& params, double max_norm) {
   double squares = 0;
-  for (const auto& p : model->parameters()) {
+  for (const auto& p : params) {
     if (p.grad().defined()) squares += p.grad().pow(2).sum().item<double>();
   }
   const double norm = std::sqrt(squares);
   if (max_norm > 0 && norm > max_norm) {
     torch::NoGradGuard no_grad;
-    for (auto& p : model->parameters()) {
+    for (const auto& p : params) {
       if (p.grad().defined()) p.grad().mul_(max_norm / norm);
     }
   }

@@ -10,28 +10,49 @@
 namespace fivefold::ch09 {
 
 namespace {
-// Writes an averaged gradient back: into the existing gradient, or as a new tensor (never a view
-// of the communication buffer, which the optimizer's zero_grad could not detach).
-void set_gradient(torch::Tensor& p, const torch::Tensor& flat) {
-  if (p.grad().defined()) {
-    p.mutable_grad().copy_(flat.view_as(p));
-  } else {
-    p.mutable_grad() = flat.view_as(p).clone();
+// The buffer one all-reduce averages: the gradients of `params`, flattened (zeros where a parameter
+// has none), then one "has a gradient" flag per parameter; all divided by the ranks `n`, so that
+// the sum over ranks is the mean and a flag above zero means some rank had that gradient.
+torch::Tensor pack_gradients(const std::vector<torch::Tensor>& params, int n) {
+  std::vector<torch::Tensor> parts, flags;
+  for (const auto& p : params) {
+    const auto& g = p.grad();
+    parts.push_back(g.defined() ? g.reshape(-1) : torch::zeros({p.numel()}));
+    flags.push_back(torch::full({1}, g.defined() ? 1.0f : 0.0f));
+  }
+  parts.insert(parts.end(), flags.begin(), flags.end());
+  return torch::cat(parts) / static_cast<double>(n);
+}
+
+// Writes the averaged gradients of a reduced pack_gradients buffer back: into each existing
+// gradient, or as a new tensor (never a view of the communication buffer, which the optimizer's
+// zero_grad could not detach). A parameter whose gradient no rank had keeps none.
+void unpack_gradients(std::vector<torch::Tensor>& params, const torch::Tensor& flat) {
+  const int64_t first_flag = flat.size(0) - static_cast<int64_t>(params.size());
+  int64_t offset = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    auto& p = params[k];
+    if (flat[first_flag + static_cast<int64_t>(k)].item<float>() > 0) {
+      auto average = flat.narrow(0, offset, p.numel()).view_as(p);
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(average);
+      } else {
+        p.mutable_grad() = average.clone();
+      }
+    }
+    offset += p.numel();
   }
 }
 }  // namespace
 
 void all_reduce_gradients(dist::Communicator& comm, torch::nn::Module& model) {
-  const double n = comm.size();
   for (auto& p : model.parameters()) {
     if (!p.requires_grad()) continue;
-    // [gradient..., has-gradient flag]: every rank joins every all-reduce, used or not.
-    const bool has = p.grad().defined();
-    auto buffer = torch::cat({has ? p.grad().reshape(-1) : torch::zeros({p.numel()}),
-                              torch::full({1}, has ? 1.0f : 0.0f)}) /
-                  n;
+    // One blocking all-reduce per parameter; every rank joins every one, used or not.
+    std::vector<torch::Tensor> one = {p};
+    auto buffer = pack_gradients(one, comm.size());
     comm.all_reduce(buffer);
-    if (buffer[-1].item<float>() > 0) set_gradient(p, buffer.narrow(0, 0, p.numel()));
+    unpack_gradients(one, buffer);
   }
 }
 
@@ -86,14 +107,9 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 void DistributedDataParallel::launch(size_t b) {
-  std::vector<torch::Tensor> parts, flags;
-  for (size_t i : buckets_[b]) {
-    const auto& g = params_[i].grad();
-    parts.push_back(g.defined() ? g.reshape(-1) : torch::zeros({params_[i].numel()}));
-    flags.push_back(torch::full({1}, g.defined() ? 1.0f : 0.0f));
-  }
-  parts.insert(parts.end(), flags.begin(), flags.end());
-  flat_[b] = torch::cat(parts) / static_cast<double>(comm_->size());  // sum of these = mean
+  std::vector<torch::Tensor> bucket;
+  for (size_t i : buckets_[b]) bucket.push_back(params_[i]);
+  flat_[b] = pack_gradients(bucket, comm_->size());
   work_[b] = comm_->all_reduce_async(flat_[b]);
   ++current_.buckets;
   if (in_backward_sync_) ++current_.launched_in_backward;
@@ -107,14 +123,9 @@ void DistributedDataParallel::finish_gradient_sync() {
   Timer timer;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     work_[b].wait();
-    int64_t offset = 0;
-    const auto& bucket = buckets_[b];
-    for (size_t k = 0; k < bucket.size(); ++k) {
-      auto& p = params_[bucket[k]];
-      const bool anyone = flat_[b][flat_[b].size(0) - bucket.size() + k].item<float>() > 0;
-      if (anyone) set_gradient(p, flat_[b].narrow(0, offset, p.numel()));
-      offset += p.numel();
-    }
+    std::vector<torch::Tensor> bucket;
+    for (size_t i : buckets_[b]) bucket.push_back(params_[i]);
+    unpack_gradients(bucket, flat_[b]);
   }
   current_.wait_seconds = timer.seconds();
   stats_ = current_;

@@ -7,31 +7,17 @@
 #include "09_data_parallel/ddp.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/seed.h"
+#include "fixtures.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
 using namespace fivefold::ch09;
+using fivefold::ch09::testing::global_batches;
+using fivefold::ch09::testing::small_config;
 using fivefold::testing::world;
 namespace dist = fivefold::dist;
 
 namespace {
-ModelConfig small(bool tied) {
-  ModelConfig c;
-  c.vocab_size = 259;
-  c.d_model = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.d_ff = 64;
-  c.tied_embeddings = tied;
-  return c;
-}
-
-const TokenDataset& data() {
-  static const TokenDataset d(ByteTokenizer::encode(synthetic_corpus(0, Split::Train, 400)));
-  return d;
-}
-
 enum class Variant { Naive, Overlapped, AfterBackward };
 
 // K steps of AdamW on the global batch of 8 rows x 16 tokens; `micro` micro-batches per step on
@@ -43,7 +29,7 @@ Transformer run(const ModelConfig& config, dist::CommunicatorPtr comm, Variant v
   t.warmup_steps = 1;
   t.total_steps = 10;
   auto optimizer = make_optimizer(model, t);
-  const BatchSampler sampler(data(), 16, 8, 1);
+  const BatchSampler& sampler = global_batches();
   const int rank = comm ? comm->rank() : 0, size = comm ? comm->size() : 1;
   std::unique_ptr<DistributedDataParallel> ddp;
   if (comm && variant != Variant::Naive) {
@@ -90,7 +76,7 @@ void expect_same_parameters(Transformer& a, Transformer& b) {
 
 TEST(DataParallel, EveryVariantMatchesOneDeviceAfterThreeSteps) {
   for (bool tied : {false, true}) {
-    const auto config = small(tied);
+    const auto config = small_config(tied);
     auto reference = run(config, nullptr, Variant::Naive, 1, 3);
     for (auto variant : {Variant::Naive, Variant::Overlapped, Variant::AfterBackward}) {
       SCOPED_TRACE("variant " + std::to_string(static_cast<int>(variant)) + (tied ? " tied" : ""));
@@ -101,8 +87,8 @@ TEST(DataParallel, EveryVariantMatchesOneDeviceAfterThreeSteps) {
 }
 
 TEST(DataParallel, AveragedGradientsEqualTheWholeBatchGradient) {
-  const auto config = small(true);
-  const BatchSampler sampler(data(), 16, 8, 1);
+  const auto config = small_config(true);
+  const BatchSampler& sampler = global_batches();
   auto reference = Transformer(config);
   loss_of(reference, sampler.batch(0)).backward();
   auto model = Transformer(config);
@@ -119,7 +105,7 @@ TEST(DataParallel, AveragedGradientsEqualTheWholeBatchGradient) {
 }
 
 TEST(DataParallel, NoSyncAccumulationMatchesOneDevice) {
-  const auto config = small(false);
+  const auto config = small_config(false);
   auto reference = run(config, nullptr, Variant::Naive, 1, 3);
   if (8 / world()->size() < 2) GTEST_SKIP() << "needs 2 rows per rank";
   auto parallel = run(config, world(), Variant::Overlapped, 2, 3);
@@ -127,7 +113,7 @@ TEST(DataParallel, NoSyncAccumulationMatchesOneDevice) {
 }
 
 TEST(DataParallel, BucketsOverlapBackwardAndSendEachGradientOnce) {
-  const auto config = small(false);
+  const auto config = small_config(false);
   DdpStats overlapped, after;
   dist::reset_comm_stats();
   run(config, world(), Variant::Overlapped, 1, 1, &overlapped);

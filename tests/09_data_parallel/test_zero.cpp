@@ -9,36 +9,17 @@
 #include "09_data_parallel/zero.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/seed.h"
+#include "fixtures.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
 using namespace fivefold::ch09;
+using fivefold::ch09::testing::global_batches;
+using fivefold::ch09::testing::small_config;
 using fivefold::testing::world;
 namespace dist = fivefold::dist;
 
 namespace {
-// Chapter 03's clip_gradients, for any list of parameters.
-void clip_gradients_of(const std::vector<torch::Tensor>& params, double max_norm) {
-  double squares = 0;
-  for (const auto& p : params)
-    if (p.grad().defined()) squares += p.grad().pow(2).sum().item<double>();
-  const double norm = std::sqrt(squares);
-  if (norm > max_norm)
-    for (const auto& p : params)
-      if (p.grad().defined()) p.grad().mul_(max_norm / norm);
-}
-
-ModelConfig config_for(bool tied) {
-  ModelConfig c;
-  c.d_model = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.d_ff = 64;
-  c.tied_embeddings = tied;
-  return c;
-}
-
 TrainConfig train_config() {
   TrainConfig t;
   t.warmup_steps = 1;
@@ -47,27 +28,21 @@ TrainConfig train_config() {
   return t;
 }
 
-const BatchSampler& sampler() {
-  static const TokenDataset data(ByteTokenizer::encode(synthetic_corpus(0, Split::Train, 400)));
-  static const BatchSampler s(data, 16, 8, 1);
-  return s;
-}
-
 Transformer reference(bool tied, int steps) {
-  Transformer model(config_for(tied));
+  Transformer model(small_config(tied));
   auto optimizer = make_optimizer(model, train_config());
   for (int step = 0; step < steps; ++step)
-    train_step(model, *optimizer, train_config(), {sampler().batch(step)}, step);
+    train_step(model, *optimizer, train_config(), {global_batches().batch(step)}, step);
   return model;
 }
 
 Transformer zero(bool tied, int stage, int steps, ZeroMemory* memory = nullptr) {
   auto comm = world();
-  Transformer model(config_for(tied));
+  Transformer model(small_config(tied));
   ZeroOptimizer optimizer(model.ptr(), comm, stage, train_config());
   for (int step = 0; step < steps; ++step) {
     optimizer.zero_grad();
-    loss_of(model, sampler().batch(step, comm->rank(), comm->size())).backward();
+    loss_of(model, global_batches().batch(step, comm->rank(), comm->size())).backward();
     optimizer.step(step);
   }
   if (memory) *memory = optimizer.memory();
@@ -93,7 +68,7 @@ TEST(Zero, Stages1And2MatchOneDeviceAfterThreeSteps) {
 
 TEST(Zero, KeepsExactlyTheBytesOfTheFormulas) {
   const int64_t n = world()->size();
-  Transformer probe(config_for(false));
+  Transformer probe(small_config(false));
   int64_t psi = 0;
   for (const auto& p : probe->parameters()) psi += p.numel();
   const int64_t shard = (psi + n - 1) / n;  // Ψ/N, padded up to whole numbers
@@ -114,7 +89,7 @@ TEST(Zero, KeepsExactlyTheBytesOfTheFormulas) {
 
 TEST(Zero, SendsWhatDdpSends) {
   const int64_t n = world()->size();
-  Transformer probe(config_for(false));
+  Transformer probe(small_config(false));
   int64_t psi = 0;
   for (const auto& p : probe->parameters()) psi += p.numel();
   const int64_t shard = (psi + n - 1) / n;
@@ -187,7 +162,7 @@ OddNet train_odd(int zero_stage) {
     } else {
       adam->zero_grad();
       net->forward(x, step > 0).pow(2).mean().backward();
-      clip_gradients_of(net->parameters(), t.grad_clip);
+      clip_gradients(net->parameters(), t.grad_clip);
       for (auto& group : adam->param_groups())
         static_cast<torch::optim::AdamWOptions&>(group.options()).lr(learning_rate(t, step));
       adam->step();
