@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "03_transformer/train.h"
@@ -29,6 +30,47 @@ struct ZeroMemory {
 /// The ZeRO formulas, fp32 AdamW, per rank, for Ψ trainable numbers over N ranks (s = ⌈Ψ/N⌉):
 /// stage 0 (DDP) 4Ψ + 4Ψ + 8Ψ; 1: 4Ψ + 4Ψ + 8s; 2: 4Ψ + 4s + 8s; 3: 4s + 4s + 8s.
 ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage);
+
+/// Rank r's shard of a flat vector of parameters (their elements in order, padded with zeros to
+/// a multiple of N and cut into N equal shards), described element by element for AdamW.
+struct ShardLayout {
+  int64_t numel = 0;     ///< the parameters' elements (before padding)
+  int64_t shard = 0;     ///< elements per shard: ceil(numel / N)
+  torch::Tensor decays;  ///< [shard] float: 1 where weight decay applies (make_optimizer's groups)
+  torch::Tensor owner;   ///< [shard] int64: the index of each element's parameter, -1 for padding
+};
+
+/// The layout of `params` (name, tensor) over `ranks`, seen from `rank`. Parameter k's index is
+/// first_index + k. Decay as make_optimizer groups: matrices decay, norms don't, nor does the
+/// embedding unless config.decay_embeddings.
+ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                         int64_t first_index, int ranks, int rank, const ch03::TrainConfig& config);
+
+/// Clips a gradient sharded over `comm` by its global norm (each rank knows the squares of its
+/// own shard: one all-reduce of a number). Returns the norm before clipping.
+double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm);
+
+/// AdamW on this rank's shard: the operations of torch::optim::AdamW, in the same order, element
+/// by element, with make_optimizer's decay mask and one step count per parameter. A parameter
+/// that got a gradient on no rank is skipped, as AdamW skips a parameter without a gradient (its
+/// elements, moments and step count stay as they are). ZeRO-1/2 and FSDP share it.
+class ShardedAdamW {
+ public:
+  /// Zero moments for `layout`'s shard; `n_params` parameters in all (the owners' range).
+  ShardedAdamW(ShardLayout layout, int64_t n_params, ch03::TrainConfig config);
+  /// Updates `shard` [layout.shard] in place with `grad` [same]; `has_gradient` [n_params] > 0
+  /// marks the parameters that take this step. The learning rate is learning_rate(config, step).
+  void step(torch::Tensor& shard, const torch::Tensor& grad, const torch::Tensor& has_gradient,
+            int64_t step);
+  /// Bytes of the two moments (8 per element of the shard).
+  int64_t state_bytes() const { return (exp_avg_.numel() + exp_avg_sq_.numel()) * 4; }
+
+ private:
+  ShardLayout layout_;
+  ch03::TrainConfig config_;
+  torch::Tensor steps_;                 // [n_params]: AdamW steps taken by each parameter
+  torch::Tensor exp_avg_, exp_avg_sq_;  // [shard]
+};
 
 /// ZeRO-1 or ZeRO-2 data parallelism with AdamW: the same update as torch::optim::AdamW with
 /// make_optimizer's two groups (matrices decay, norms and the embedding do not), clipping by the
@@ -54,10 +96,10 @@ class ZeroOptimizer {
   /// The bytes this rank keeps, measured from the tensors it holds.
   ZeroMemory memory() const;
 
-  /// Ψ (trainable numbers) and the shard length ceil(Ψ / N).
-  int64_t numel() const { return numel_; }
+  /// Ψ (trainable numbers).
+  int64_t numel() const { return layout_.numel; }
   /// Numbers per shard (ceil(Ψ / N)).
-  int64_t shard_numel() const { return shard_; }
+  int64_t shard_numel() const { return layout_.shard; }
 
  private:
   std::shared_ptr<torch::nn::Module> model_;
@@ -65,12 +107,9 @@ class ZeroOptimizer {
   int stage_;
   ch03::TrainConfig config_;
   std::vector<torch::Tensor> params_;  // trainable, in registration order
-  int64_t numel_ = 0, shard_ = 0;
-  torch::Tensor decay_mask_;  // [shard]: 1 where weight decay applies
-  torch::Tensor owner_;       // [shard]: index of the parameter of each element, -1: padding
-  torch::Tensor steps_;       // [parameters]: AdamW steps taken by each parameter
-  torch::Tensor exp_avg_, exp_avg_sq_;  // [shard]
-  torch::Tensor grad_shard_;            // [shard] (kept in stage 2)
+  ShardLayout layout_;
+  std::unique_ptr<ShardedAdamW> adam_;
+  torch::Tensor grad_shard_;  // [shard] (kept in stage 2)
 };
 
 }  // namespace fivefold::ch09
