@@ -31,13 +31,21 @@ struct ZeroMemory {
 /// stage 0 (DDP) 4Ψ + 4Ψ + 8Ψ; 1: 4Ψ + 4Ψ + 8s; 2: 4Ψ + 4s + 8s; 3: 4s + 4s + 8s.
 ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage);
 
+/// The part of one parameter that falls in a rank's shard.
+struct ShardSegment {
+  int64_t param = 0;    ///< the parameter's index
+  int64_t first = 0;    ///< its first element in the shard (flat index into the parameter)
+  int64_t begin = 0;    ///< where that element sits in the shard
+  int64_t length = 0;   ///< elements
+  bool decays = false;  ///< weight decay applies (make_optimizer's groups)
+};
+
 /// Rank r's shard of a flat vector of parameters (their elements in order, padded with zeros to
-/// a multiple of N and cut into N equal shards), described element by element for AdamW.
+/// a multiple of N and cut into N equal shards): which pieces of which parameters it holds.
 struct ShardLayout {
-  int64_t numel = 0;     ///< the parameters' elements (before padding)
-  int64_t shard = 0;     ///< elements per shard: ceil(numel / N)
-  torch::Tensor decays;  ///< [shard] float: 1 where weight decay applies (make_optimizer's groups)
-  torch::Tensor owner;   ///< [shard] int64: the index of each element's parameter, -1 for padding
+  int64_t numel = 0;                   ///< the parameters' elements (before padding)
+  int64_t shard = 0;                   ///< elements per shard: ceil(numel / N)
+  std::vector<ShardSegment> segments;  ///< in shard order; the rest of the shard is padding
 };
 
 /// The layout of `params` (name, tensor) over `ranks`, seen from `rank`. Parameter k's index is
@@ -50,13 +58,13 @@ ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>
 /// own shard: one all-reduce of a number). Returns the norm before clipping.
 double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm);
 
-/// AdamW on this rank's shard: the operations of torch::optim::AdamW, in the same order, element
-/// by element, with make_optimizer's decay mask and one step count per parameter. A parameter
-/// that got a gradient on no rank is skipped, as AdamW skips a parameter without a gradient (its
-/// elements, moments and step count stay as they are). ZeRO-1/2 and FSDP share it.
+/// AdamW on this rank's shard: the operations of torch::optim::AdamW, in the same order, on each
+/// parameter's piece of the shard, with make_optimizer's decay and one step count per parameter. A
+/// parameter that got a gradient on no rank is skipped, as AdamW skips a parameter without a
+/// gradient (its elements, moments and step count stay as they are). ZeRO-1/2 and FSDP share it.
 class ShardedAdamW {
  public:
-  /// Zero moments for `layout`'s shard; `n_params` parameters in all (the owners' range).
+  /// Zero moments for `layout`'s shard; `n_params` parameters in all (indices 0 .. n_params − 1).
   ShardedAdamW(ShardLayout layout, int64_t n_params, ch03::TrainConfig config);
   /// Updates `shard` [layout.shard] in place with `grad` [same]; `has_gradient` [n_params] > 0
   /// marks the parameters that take this step. The learning rate is learning_rate(config, step).
@@ -68,7 +76,7 @@ class ShardedAdamW {
  private:
   ShardLayout layout_;
   ch03::TrainConfig config_;
-  torch::Tensor steps_;                 // [n_params]: AdamW steps taken by each parameter
+  std::vector<int64_t> steps_;          // per parameter: AdamW steps taken
   torch::Tensor exp_avg_, exp_avg_sq_;  // [shard]
 };
 

@@ -2,6 +2,7 @@
 
 #include "09_data_parallel/zero.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 
@@ -21,21 +22,21 @@ ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>
                          int64_t first_index, int ranks, int rank,
                          const ch03::TrainConfig& config) {
   ShardLayout layout;
-  std::vector<torch::Tensor> decays, owner;
+  for (const auto& item : params) layout.numel += item.second.numel();
+  layout.shard = (layout.numel + ranks - 1) / ranks;
+  const int64_t lo = rank * layout.shard, hi = lo + layout.shard;  // this rank's flat range
+  int64_t start = 0;  // where parameter k starts in the flat vector
   for (size_t k = 0; k < params.size(); ++k) {
     const auto& [name, p] = params[k];
-    const bool embedding = name == "model.embed_tokens.weight";
-    const bool decay = p.dim() == 2 && (!embedding || config.decay_embeddings);
-    decays.push_back(torch::full({p.numel()}, decay ? 1.0f : 0.0f));
-    owner.push_back(torch::full({p.numel()}, first_index + static_cast<int64_t>(k)));
-    layout.numel += p.numel();
+    const int64_t from = std::max(lo, start), to = std::min(hi, start + p.numel());
+    if (from < to) {
+      const bool embedding = name == "model.embed_tokens.weight";
+      layout.segments.push_back({first_index + static_cast<int64_t>(k), from - start, from - lo,
+                                 to - from,
+                                 p.dim() == 2 && (!embedding || config.decay_embeddings)});
+    }
+    start += p.numel();
   }
-  layout.shard = (layout.numel + ranks - 1) / ranks;
-  // The whole padded vector's masks, then this rank's slice of them.
-  decays.push_back(torch::zeros({layout.shard * ranks - layout.numel}));
-  owner.push_back(torch::full({layout.shard * ranks - layout.numel}, int64_t{-1}));
-  layout.decays = torch::cat(decays).narrow(0, rank * layout.shard, layout.shard).clone();
-  layout.owner = torch::cat(owner).narrow(0, rank * layout.shard, layout.shard).clone();
   return layout;
 }
 
@@ -48,9 +49,8 @@ double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm
 }
 
 ShardedAdamW::ShardedAdamW(ShardLayout layout, int64_t n_params, ch03::TrainConfig config)
-    : layout_(std::move(layout)), config_(config) {
+    : layout_(std::move(layout)), config_(config), steps_(static_cast<size_t>(n_params), 0) {
   config_.validate();
-  steps_ = torch::zeros({n_params}, torch::kLong);
   exp_avg_ = torch::zeros({layout_.shard});
   exp_avg_sq_ = torch::zeros({layout_.shard});
 }
@@ -60,22 +60,21 @@ void ShardedAdamW::step(torch::Tensor& shard, const torch::Tensor& grad,
   torch::NoGradGuard no_grad;
   const auto& c = config_;
   const double lr = ch03::learning_rate(c, step);
-  const auto active_param = has_gradient > 0;
-  steps_ += active_param.to(torch::kLong);
-  // Per element: its parameter's activity and step count (padding: inactive).
-  const auto owner = layout_.owner.clamp_min(0);
-  const auto active = active_param.index_select(0, owner).logical_and(layout_.owner >= 0);
-  const auto t = steps_.index_select(0, owner).to(torch::kDouble).clamp_min(1);
-  const auto bias1 = (1 - torch::pow(c.beta1, t)).to(torch::kFloat);
-  const auto bias2 = (1 - torch::pow(c.beta2, t)).to(torch::kFloat);
-  auto updated = shard * (1 - lr * c.weight_decay * layout_.decays);
-  auto m = exp_avg_ * c.beta1 + grad * (1 - c.beta1);
-  auto v = exp_avg_sq_ * c.beta2 + grad * grad * (1 - c.beta2);
-  auto denom = v.sqrt() / bias2.sqrt() + c.eps;
-  updated = updated - (lr / bias1) * (m / denom);
-  exp_avg_ = torch::where(active, m, exp_avg_);
-  exp_avg_sq_ = torch::where(active, v, exp_avg_sq_);
-  shard.copy_(torch::where(active, updated, shard));
+  const auto active = has_gradient.accessor<float, 1>();
+  for (size_t i = 0; i < steps_.size(); ++i) steps_[i] += active[static_cast<int64_t>(i)] > 0;
+  for (const auto& s : layout_.segments) {
+    if (active[s.param] <= 0) continue;  // no gradient on any rank: AdamW skips the parameter
+    auto p = shard.narrow(0, s.begin, s.length), g = grad.narrow(0, s.begin, s.length);
+    auto m = exp_avg_.narrow(0, s.begin, s.length), v = exp_avg_sq_.narrow(0, s.begin, s.length);
+    // torch::optim::AdamW::step, line by line.
+    if (s.decays) p.mul_(1 - lr * c.weight_decay);
+    m.mul_(c.beta1).add_(g, 1 - c.beta1);
+    v.mul_(c.beta2).addcmul_(g, g, 1 - c.beta2);
+    const auto t = static_cast<double>(steps_[static_cast<size_t>(s.param)]);
+    const double bias1 = 1 - std::pow(c.beta1, t), bias2 = 1 - std::pow(c.beta2, t);
+    auto denom = (v.sqrt() / std::sqrt(bias2)).add_(c.eps);
+    p.addcdiv_(m, denom, -lr / bias1);
+  }
 }
 
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::CommunicatorPtr comm,
@@ -108,35 +107,37 @@ void ZeroOptimizer::zero_grad() {
 
 double ZeroOptimizer::step(int64_t step) {
   torch::NoGradGuard no_grad;
-  const int n = comm_->size(), r = comm_->rank();
-  const int64_t shard = layout_.shard, padding = shard * n - layout_.numel;
+  const int n = comm_->size();
   // 1. The full gradient as one padded flat vector, divided by N: the reduce-scatter's sum is then
   //    the mean, and this rank receives its shard of it.
-  std::vector<torch::Tensor> parts;
+  auto flat = torch::zeros({layout_.shard * n});
   auto has_gradient = torch::zeros({static_cast<int64_t>(params_.size())});
+  int64_t offset = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& g = params_[i].grad();
-    parts.push_back(g.defined() ? g.reshape(-1) : torch::zeros({params_[i].numel()}));
-    has_gradient[static_cast<int64_t>(i)] = g.defined() ? 1.0 : 0.0;
+    if (g.defined()) {
+      flat.narrow(0, offset, g.numel()).copy_(g.reshape(-1));
+      has_gradient[static_cast<int64_t>(i)] = 1.0;
+    }
+    offset += params_[i].numel();
   }
   comm_->all_reduce(has_gradient);  // > 0: some rank has this parameter's gradient
-  parts.push_back(torch::zeros({padding}));
-  auto flat = torch::cat(parts) / static_cast<double>(n);
-  if (stage_ == 2) zero_grad();               // the full gradients go as soon as they are packed
-  grad_shard_ = comm_->reduce_scatter(flat);  // [shard]
+  if (stage_ == 2) zero_grad();     // the full gradients go as soon as they are packed
+  grad_shard_ = comm_->reduce_scatter(flat.div_(n));  // [shard]
   flat = torch::Tensor();
 
   // 2. Global-norm clipping, then 3. AdamW on this rank's shard of the parameters.
   const double norm = clip_sharded_gradient(grad_shard_, *comm_, config_.grad_clip);
-  std::vector<torch::Tensor> all;
-  for (auto& p : params_) all.push_back(p.reshape(-1));
-  all.push_back(torch::zeros({padding}));
-  auto mine = torch::cat(all).narrow(0, r * shard, shard).clone();
+  auto mine = torch::zeros({layout_.shard});
+  for (const auto& s : layout_.segments) {
+    mine.narrow(0, s.begin, s.length)
+        .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
+  }
   adam_->step(mine, grad_shard_, has_gradient, step);
 
   // 4. Everyone's updated shards, back into the model.
   auto gathered = comm_->all_gather(mine);  // [shard * N]
-  int64_t offset = 0;
+  offset = 0;
   for (auto& p : params_) {
     p.copy_(gathered.narrow(0, offset, p.numel()).view_as(p));
     offset += p.numel();

@@ -16,26 +16,12 @@ using namespace fivefold::ch03;
 using namespace fivefold::ch09;
 using fivefold::ch09::testing::global_batches;
 using fivefold::ch09::testing::small_config;
+using fivefold::ch09::testing::train_config;
+using fivefold::ch09::testing::train_on_one_device;
 using fivefold::testing::world;
 namespace dist = fivefold::dist;
 
 namespace {
-TrainConfig train_config() {
-  TrainConfig t;
-  t.warmup_steps = 1;
-  t.total_steps = 10;
-  t.grad_clip = 0.5;  // small enough to clip: the global norm must be right
-  return t;
-}
-
-Transformer reference(bool tied, int steps) {
-  Transformer model(small_config(tied));
-  auto optimizer = make_optimizer(model, train_config());
-  for (int step = 0; step < steps; ++step)
-    train_step(model, *optimizer, train_config(), {global_batches().batch(step)}, step);
-  return model;
-}
-
 Transformer zero(bool tied, int stage, int steps, ZeroMemory* memory = nullptr) {
   auto comm = world();
   Transformer model(small_config(tied));
@@ -52,7 +38,7 @@ Transformer zero(bool tied, int stage, int steps, ZeroMemory* memory = nullptr) 
 
 TEST(Zero, Stages1And2MatchOneDeviceAfterThreeSteps) {
   for (bool tied : {false, true}) {
-    auto expected = reference(tied, 3);
+    auto expected = train_on_one_device(Transformer(small_config(tied)), 3);
     for (int stage : {1, 2}) {
       SCOPED_TRACE("stage " + std::to_string(stage) + (tied ? ", tied" : ""));
       auto got = zero(tied, stage, 3);

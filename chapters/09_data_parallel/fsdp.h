@@ -1,0 +1,100 @@
+#pragma once
+/// @file fsdp.h
+/// @brief Chapter 09: ZeRO-3, fully sharded data parallelism (FSDP) for chapter 03's model. The
+/// parameters themselves are sharded: between steps each rank keeps only its shard of every unit
+/// (the root: embedding, final norm and LM head; then each block), 4Ψ/N bytes in all. A unit is
+/// all-gathered just before its forward and freed just after; gathered again when backward reaches
+/// it; and when backward has moved past it, its gradients are reduce-scattered to their shards and
+/// its parameters freed. Per step: two all-gathers and one reduce-scatter of every parameter,
+/// 3(N − 1)/N·4Ψ bytes on the wire per rank, 1.5x DDP's all-reduce.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "03_transformer/model.h"
+#include "03_transformer/train.h"
+#include "09_data_parallel/zero.h"
+#include "fivefold/dist.h"
+
+namespace fivefold::ch09 {
+
+/// ZeRO-3 data parallelism of a chapter 03 Transformer (with whatever position encoding is
+/// installed) and AdamW, equal to torch::optim::AdamW with make_optimizer's groups and clipping by
+/// the global gradient norm.
+///
+/// Freeing a parameter releases its storage's memory but keeps the tensor, its shape and its place
+/// in autograd's saved tensors; gathering fills the same storage again, without counting as an
+/// in-place change. That is how backward finds the weights it saved in forward. The hooks refer
+/// to this object: keep it alive while a graph built by its forward may still run backward.
+class FullyShardedDataParallel {
+ public:
+  /// Broadcasts rank 0's parameters, keeps this rank's shard of each unit, frees the rest.
+  FullyShardedDataParallel(ch03::Transformer model, dist::CommunicatorPtr comm,
+                           ch03::TrainConfig config);
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  /// tokens [batch, seq] -> logits [batch, seq, vocab], as the model's forward (no KV cache), each
+  /// unit gathered just before its part and freed just after. With gradients enabled, hooks on the
+  /// units' outputs gather each unit again when backward reaches it.
+  torch::Tensor forward(const torch::Tensor& tokens);
+
+  /// After backward (one or more: gradients accumulate in the shards): reduce-scatter the units
+  /// backward left gathered, clip by the global norm, AdamW on this rank's shard with
+  /// learning_rate(config, step). The parameters stay sharded until the next forward. Returns the
+  /// global gradient norm before clipping.
+  double step(int64_t step);
+
+  /// Zeroes the gradient shards before the next step's backward.
+  void zero_grad();
+
+  /// Gathers every unit into the model (for a checkpoint, a comparison, generation) until the next
+  /// step.
+  void gather_full_parameters();
+
+  /// The bytes this rank holds now, measured from the tensors: parameters (shards and any unit
+  /// gathered), gradients (shards and any full gradient), AdamW's moments.
+  ZeroMemory memory() const;
+
+  /// The most bytes of gathered (full) parameters held at once since construction.
+  int64_t peak_gathered_bytes() const { return peak_gathered_bytes_; }
+
+  /// The units' parameter counts: unit 0 is the root (embedding, final norm, LM head, and any
+  /// parameter outside the blocks), unit 1 + i is block i.
+  std::vector<int64_t> unit_numels() const;
+
+  /// The wrapped model. Its parameters are empty while sharded: call gather_full_parameters()
+  /// before using it without this wrapper.
+  ch03::Transformer& model() { return model_; }
+
+ private:
+  struct Unit {
+    std::vector<torch::Tensor> params;         // the model's own tensors, registration order
+    std::vector<int64_t> index;                // their indices in params_ (for has_gradient_)
+    int64_t numel = 0, shard = 0, offset = 0;  // offset: where its shard sits in the local vectors
+    bool gathered = false;
+    bool pending = false;  // gathered by backward: its gradients still to reduce-scatter
+  };
+
+  void gather(Unit& unit);     // all-gather the shards into the parameters' storage
+  void free(Unit& unit);       // release the parameters' storage (shape and autograd state stay)
+  void release(Unit& unit);    // reduce-scatter the gradients into the shard, drop them, free
+  void on_backward(size_t u);  // backward reached unit u: release the unit after it, gather u
+  torch::Tensor param_shard(const Unit& unit) { return shards_.narrow(0, unit.offset, unit.shard); }
+  torch::Tensor grad_shard(const Unit& unit) { return grads_.narrow(0, unit.offset, unit.shard); }
+
+  ch03::Transformer model_;
+  dist::CommunicatorPtr comm_;
+  ch03::TrainConfig config_;
+  std::vector<Unit> units_;            // root, then the blocks
+  std::vector<torch::Tensor> params_;  // all parameters, in the units' order
+  torch::Tensor shards_, grads_;       // this rank's shards of every unit, one after another
+  torch::Tensor has_gradient_;         // [params]: 1 where this rank had a gradient this step
+  std::unique_ptr<ShardedAdamW> adam_;
+  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
+};
+
+}  // namespace fivefold::ch09

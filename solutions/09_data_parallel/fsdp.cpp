@@ -1,0 +1,208 @@
+// Chapter 09: ZeRO-3 / FSDP, units gathered before use, freed after, gathered again for backward.
+
+#include "09_data_parallel/fsdp.h"
+
+#include <c10/core/CPUAllocator.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "fivefold/error.h"
+
+namespace fivefold::ch09 {
+
+namespace {
+// The unit of a parameter: 1 + i for "model.layers.{i}....", 0 (the root) for the rest.
+size_t unit_of(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  if (name.rfind(prefix, 0) != 0) return 0;
+  return 1 + std::stoul(name.substr(prefix.size(), name.find('.', prefix.size()) - prefix.size()));
+}
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
+                                                   dist::CommunicatorPtr comm,
+                                                   ch03::TrainConfig config)
+    : model_(std::move(model)), comm_(std::move(comm)), config_(config) {
+  config_.validate();
+  torch::NoGradGuard no_grad;
+  const int n = comm_->size(), r = comm_->rank();
+  units_.resize(1 + model_->config().n_layers);
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> named(units_.size());
+  for (auto& item : model_->named_parameters()) {
+    const auto& p = item.value();
+    FIVEFOLD_CHECK(p.is_contiguous() && p.storage_offset() == 0 &&
+                       p.storage().nbytes() == static_cast<size_t>(p.numel() * p.element_size()),
+                   "FSDP: parameter ", item.key(), " must own its storage exactly");
+    comm_->broadcast(item.value(), 0);  // every rank starts from rank 0's weights
+    named[unit_of(item.key())].emplace_back(item.key(), p);
+  }
+  // Each unit's parameters, one padded flat vector per unit, cut into N shards: this rank keeps
+  // shard r of each, one after another in shards_ (and the matching gradients in grads_).
+  ShardLayout local;  // all the units' shards, one after another
+  int64_t offset = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Unit& unit = units_[u];
+    const auto layout = shard_layout(named[u], static_cast<int64_t>(params_.size()), n, r, config_);
+    for (const auto& [name, p] : named[u]) {
+      unit.index.push_back(static_cast<int64_t>(params_.size()));
+      unit.params.push_back(p);
+      params_.push_back(p);
+    }
+    unit.numel = layout.numel;
+    unit.shard = layout.shard;
+    unit.offset = offset;
+    for (auto segment : layout.segments) {
+      segment.begin += offset;
+      local.segments.push_back(segment);
+    }
+    offset += layout.shard;
+    local.numel += layout.numel;
+  }
+  shards_ = torch::zeros({offset});
+  grads_ = torch::zeros({offset});
+  has_gradient_ = torch::zeros({static_cast<int64_t>(params_.size())});
+  local.shard = offset;
+  adam_ = std::make_unique<ShardedAdamW>(local, static_cast<int64_t>(params_.size()), config_);
+  for (auto& unit : units_) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& p : unit.params) flat.push_back(p.reshape(-1));
+    flat.push_back(torch::zeros({unit.shard * n - unit.numel}));
+    param_shard(unit).copy_(torch::cat(flat).narrow(0, r * unit.shard, unit.shard));
+    unit.gathered = true;  // the whole model exists now; from here on it lives in shards
+    gathered_bytes_ += unit.numel * 4;
+    free(unit);
+  }
+}
+
+void FullyShardedDataParallel::gather(Unit& unit) {
+  if (unit.gathered) return;
+  auto full = comm_->all_gather(param_shard(unit));  // [shard * N]: the unit's padded vector
+  int64_t offset = 0;
+  for (auto& p : unit.params) {
+    // New memory under the same storage: every tensor that shares it (autograd's saved copies
+    // of this weight included) sees it. Writing through variable_data() leaves the parameter's
+    // version counter alone, so backward accepts the weights it saved as unchanged.
+    const auto bytes = static_cast<size_t>(p.numel() * p.element_size());
+    c10::StorageImpl* storage = p.storage().unsafeGetStorageImpl();
+    storage->set_data_ptr_noswap(c10::GetAllocator(p.device().type())->allocate(bytes));
+    storage->set_nbytes(bytes);
+    p.variable_data().view(-1).copy_(full.narrow(0, offset, p.numel()));
+    offset += p.numel();
+  }
+  unit.gathered = true;
+  gathered_bytes_ += unit.numel * 4;
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+}
+
+void FullyShardedDataParallel::free(Unit& unit) {
+  if (!unit.gathered) return;
+  for (auto& p : unit.params) p.storage().unsafeGetStorageImpl()->reset();  // 0 bytes
+  unit.gathered = false;
+  gathered_bytes_ -= unit.numel * 4;
+}
+
+void FullyShardedDataParallel::release(Unit& unit) {
+  // The unit's gradients as one padded flat vector divided by N: the reduce-scatter's sum is the
+  // mean, and this rank receives its shard of it, added to what earlier backwards left there.
+  const int n = comm_->size();
+  auto flat = torch::zeros({unit.shard * n});
+  int64_t offset = 0;
+  for (size_t k = 0; k < unit.params.size(); ++k) {
+    auto& p = unit.params[k];
+    if (p.grad().defined()) {
+      flat.narrow(0, offset, p.numel()).copy_(p.grad().reshape(-1));
+      has_gradient_[unit.index[k]] = 1.0;
+      p.mutable_grad() = torch::Tensor();  // the full gradient goes
+    }
+    offset += p.numel();
+  }
+  grad_shard(unit).add_(comm_->reduce_scatter(flat.div_(n)));
+  unit.pending = false;
+  free(unit);
+}
+
+void FullyShardedDataParallel::on_backward(size_t u) {
+  // Backward runs the units in reverse: reaching block i means block i + 1 is done (autograd
+  // runs every node of a later block, and its gradient accumulators, before this block's output
+  // node: they were created later in forward, and the engine runs ready nodes latest first).
+  // The root (u = 0) comes first in backward and is released by step().
+  if (u > 0 && u + 1 < units_.size() && units_[u + 1].pending) release(units_[u + 1]);
+  gather(units_[u]);
+  units_[u].pending = true;
+}
+
+torch::Tensor FullyShardedDataParallel::forward(const torch::Tensor& tokens) {
+  FIVEFOLD_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong,
+                 "FSDP: tokens must be int64 [batch, seq], got ", tokens.sizes(), " ",
+                 tokens.scalar_type());
+  auto& trunk = *model_->model;
+  const auto& c = model_->config();
+  FIVEFOLD_CHECK(c.rope_theta == 0 || trunk.layers[0]->as<ch03::BlockImpl>()->self_attn->positions,
+                 "FSDP: the config has rope_theta but the model has no position encoding");
+  // When backward reaches `t` (the output of unit u), gather unit u again.
+  auto on_backward_of = [this](const torch::Tensor& t, size_t u) {
+    if (t.requires_grad()) t.register_hook([this, u](const torch::Tensor&) { on_backward(u); });
+  };
+  gather(units_[0]);  // the root: embedding now, final norm and LM head at the end
+  auto x = trunk.embed_tokens(tokens);
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    Unit& unit = units_[1 + i];
+    gather(unit);
+    x = trunk.layers[i]->as<ch03::BlockImpl>()->forward(x);
+    free(unit);
+    on_backward_of(x, 1 + i);
+  }
+  x = trunk.norm(x);
+  auto logits =
+      c.tied_embeddings ? torch::matmul(x, trunk.embed_tokens->weight.t()) : model_->lm_head(x);
+  free(units_[0]);
+  on_backward_of(logits, 0);
+  return logits;
+}
+
+double FullyShardedDataParallel::step(int64_t step) {
+  torch::NoGradGuard no_grad;
+  // Backward left the first block and the root gathered: release them, in the same order on every
+  // rank. Units gathered by gather_full_parameters are freed: the update makes them stale.
+  for (size_t u = units_.size(); u-- > 0;) {
+    if (units_[u].pending) release(units_[u]);
+    free(units_[u]);
+  }
+  auto has_gradient = has_gradient_.clone();
+  comm_->all_reduce(has_gradient);  // > 0: some rank had this parameter's gradient
+  const double norm = clip_sharded_gradient(grads_, *comm_, config_.grad_clip);
+  adam_->step(shards_, grads_, has_gradient, step);
+  return norm;
+}
+
+void FullyShardedDataParallel::zero_grad() {
+  grads_.zero_();
+  has_gradient_.zero_();
+}
+
+void FullyShardedDataParallel::gather_full_parameters() {
+  torch::NoGradGuard no_grad;
+  for (auto& unit : units_) gather(unit);
+}
+
+ZeroMemory FullyShardedDataParallel::memory() const {
+  ZeroMemory m;
+  m.parameters = shards_.numel() * 4;
+  m.gradients = grads_.numel() * 4;
+  for (const auto& p : params_) {
+    m.parameters += static_cast<int64_t>(p.storage().nbytes());
+    if (p.grad().defined()) m.gradients += p.grad().numel() * p.grad().element_size();
+  }
+  m.optimizer = adam_->state_bytes();
+  return m;
+}
+
+std::vector<int64_t> FullyShardedDataParallel::unit_numels() const {
+  std::vector<int64_t> numels;
+  for (const auto& unit : units_) numels.push_back(unit.numel);
+  return numels;
+}
+
+}  // namespace fivefold::ch09
