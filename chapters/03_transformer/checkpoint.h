@@ -12,11 +12,13 @@
 
 namespace fivefold::ch03 {
 
-/// The config.json keys of `config` (architectures, model_type "llama", hidden_size, ...).
+/// The config.json keys of `config` (architectures, model_type "llama", hidden_size, ...); with
+/// extensions, model_type "deepseek_v3" and their keys.
 nlohmann::json config_to_json(const ModelConfig& config);
 
 /// A ModelConfig from config.json keys. Keys for architectures these chapters do not build yet are
-/// refused by name (chapter 02's reader); informational keys are ignored.
+/// refused by name (chapter 02's reader); informational keys are ignored. For model_type
+/// "deepseek_v3" the MLA and MoE keys are kept in `extensions` for chapters 06 and 07.
 ModelConfig config_from_json(const nlohmann::json& json);
 
 /// Writes `dir`/config.json and `dir`/model.safetensors (creating `dir`), each file atomically: an

@@ -39,6 +39,11 @@ struct ModelConfig {
   /// [rope_scaling] context extension settings, kept as config.json has them and interpreted by
   /// chapter 05 (null: none). Chapter 04's make_model refuses a model that has them.
   nlohmann::json rope_scaling;
+  /// [model_type "deepseek_v3"] the config.json keys of the architectures later chapters build
+  /// (chapter 06: MLA's q_lora_rank, kv_lora_rank, ...; chapter 07: the MoE keys), kept as read
+  /// and written back; null: a Llama model. A model whose config has them needs those chapters'
+  /// make_model: this chapter's build_model refuses it.
+  nlohmann::json extensions;
   uint64_t seed = 0;  ///< initialisation seed (chapter 01: per-parameter-name generators)
 
   /// head_dim, or d_model / n_heads when it is 0.
@@ -59,7 +64,8 @@ struct ModelConfig {
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v);
 
-/// One layer's keys and values of the positions seen so far, for incremental decoding.
+/// What one attention layer keeps of the positions seen so far, for incremental decoding: here its
+/// keys and values (chapter 06's MLA keeps its compressed latent in `keys` and no values).
 struct LayerCache {
   torch::Tensor keys;    ///< [batch, n_kv_heads, length, head_dim], undefined when empty
   torch::Tensor values;  ///< same shape as keys
@@ -99,20 +105,29 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
+/// What a block needs from its attention: x [batch, seq, d_model] -> same shape, reading and
+/// extending the layer's cache when given one. Chapter 03 fills the slot with AttentionImpl; a
+/// later chapter may install its own (chapter 06: Multi-head Latent Attention).
+class AttentionLayer : public torch::nn::Module {
+ public:
+  /// x [batch, seq, d_model] -> [batch, seq, d_model]. With a cache, x holds the positions after
+  /// the cached ones; what they add is appended to it and attention sees all of them.
+  virtual torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) = 0;
+  /// Applied to queries and keys (positions continue after the cached ones); null: no positions.
+  std::shared_ptr<const PositionEncoding> positions;
+};
+
 /// Self-attention with q/k/v/o projections (no biases).
-class AttentionImpl : public torch::nn::Module {
+class AttentionImpl : public AttentionLayer {
  public:
   /// Projections sized from `config`.
   explicit AttentionImpl(const ModelConfig& config);
-  /// x [batch, seq, d_model] -> [batch, seq, d_model]. With a cache, x holds the positions after
-  /// the cached ones; their keys and values are appended to it and attention sees all of them.
-  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr);
+  /// As AttentionLayer::forward; the cache keeps keys and values.
+  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr) override;
   torch::nn::Linear q_proj{nullptr};  ///< d_model -> n_heads·head_dim
   torch::nn::Linear k_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
   torch::nn::Linear v_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
   torch::nn::Linear o_proj{nullptr};  ///< n_heads·head_dim -> d_model
-  /// Applied to q and k (positions continue after the cached ones); null: no positions.
-  std::shared_ptr<const PositionEncoding> positions;
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
@@ -141,8 +156,11 @@ class BlockImpl : public torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr);
   RMSNorm input_layernorm{nullptr};           ///< before attention
   RMSNorm post_attention_layernorm{nullptr};  ///< before the MLP
-  Attention self_attn{nullptr};               ///< attention
+  std::shared_ptr<AttentionLayer> self_attn;  ///< attention (chapter 03's AttentionImpl by default)
   Mlp mlp{nullptr};                           ///< MLP
+  /// Puts `attention` in the attention slot, under the same name (its parameters are then
+  /// model.layers.{i}.self_attn.*).
+  void set_attention(std::shared_ptr<AttentionLayer> attention);
 };
 TORCH_MODULE(Block);
 
@@ -171,6 +189,10 @@ class TransformerImpl : public torch::nn::Module {
   const ModelConfig& config() const { return config_; }
   /// Installs `encoding` in every attention layer (chapter 04 installs RoPE this way).
   void set_position_encoding(std::shared_ptr<const PositionEncoding> encoding);
+  /// Draws every matrix again from its (seed, name) generator (chapter 01). The constructor does
+  /// it; a chapter that replaces modules calls it after, and every matrix the replacement left
+  /// alone gets the value it had.
+  void initialise_parameters();
   Trunk model{nullptr};                ///< embedding, blocks, final norm
   torch::nn::Linear lm_head{nullptr};  ///< absent (null) when the embedding is tied
 
@@ -183,7 +205,8 @@ TORCH_MODULE(Transformer);
 /// later chapter can hand them its own recipe (chapter 04: the model with RoPE installed).
 using ModelBuilder = std::function<Transformer(const ModelConfig&)>;
 
-/// The chapter 03 recipe: the model as constructed, with no position encoding.
+/// The chapter 03 recipe: the model as constructed, with no position encoding. Refuses a config
+/// with `extensions` (a later chapter's architecture).
 Transformer build_model(const ModelConfig& config);
 
 }  // namespace fivefold::ch03

@@ -70,8 +70,10 @@ torch::Tensor scaled_frequencies(const RopeScaling& scaling, int64_t head_dim, d
 /// scaled frequencies, cos and sin multiplied by the attention factor.
 class ScaledRotaryEmbedding : public ch03::PositionEncoding {
  public:
-  /// Throws fivefold::Error for an odd head_dim.
-  ScaledRotaryEmbedding(int64_t head_dim, double base, RopeScaling scaling);
+  /// Throws fivefold::Error for an odd head_dim. `layout`: which features pair up (DeepSeek's
+  /// MLA rotates interleaved pairs, chapter 06).
+  ScaledRotaryEmbedding(int64_t head_dim, double base, RopeScaling scaling,
+                        ch04::RopeLayout layout = ch04::RopeLayout::HalfSplit);
   /// q, k [batch, heads, seq, head_dim] at positions first_position .. -> rotated (q, k).
   std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q, const torch::Tensor& k,
                                                  int64_t first_position) const override;
@@ -80,6 +82,7 @@ class ScaledRotaryEmbedding : public ch03::PositionEncoding {
   int64_t head_dim_;
   double base_;
   RopeScaling scaling_;
+  ch04::RopeLayout layout_;
   double attention_factor_;
   torch::Tensor frequencies_;  // for every type but dynamic
 };

@@ -32,10 +32,53 @@ nlohmann::json config_to_json(const ModelConfig& c) {
   if (c.rope_theta > 0) json["rope_theta"] = c.rope_theta;
   json["max_position_embeddings"] = c.max_position_embeddings;
   if (!c.rope_scaling.is_null()) json["rope_scaling"] = c.rope_scaling;
+  if (!c.extensions.is_null()) {  // a later chapter's architecture: DeepSeek-V3's names
+    json["architectures"] = {"DeepseekV3ForCausalLM"};
+    json["model_type"] = "deepseek_v3";
+    json.erase("head_dim");  // transformers derives it from qk_rope_head_dim for this type
+    json.update(c.extensions);
+  }
   return json;
 }
 
-ModelConfig config_from_json(const nlohmann::json& json) {
+namespace {
+// DeepSeek-V3's config.json keys that chapters 06 (MLA) and 07 (MoE) interpret.
+const char* const kDeepSeekKeys[] = {"q_lora_rank",
+                                     "kv_lora_rank",
+                                     "qk_nope_head_dim",
+                                     "qk_rope_head_dim",
+                                     "v_head_dim",
+                                     "rope_interleave",
+                                     "n_routed_experts",
+                                     "num_experts_per_tok",
+                                     "n_shared_experts",
+                                     "moe_intermediate_size",
+                                     "scoring_func",
+                                     "norm_topk_prob",
+                                     "routed_scaling_factor",
+                                     "n_group",
+                                     "topk_group",
+                                     "topk_method",
+                                     "first_k_dense_replace",
+                                     "moe_layer_freq",
+                                     "aux_loss_alpha",
+                                     "seq_aux"};
+}  // namespace
+
+ModelConfig config_from_json(const nlohmann::json& original) {
+  // A DeepSeek-V3 config: its own keys go to `extensions`, the rest reads as Llama's.
+  nlohmann::json json = original, extensions;
+  if (json.is_object() && json.value("model_type", "") == "deepseek_v3") {
+    for (const char* key : kDeepSeekKeys) {
+      if (!json.contains(key)) continue;
+      extensions[key] = json[key];
+      json.erase(key);
+    }
+    json["model_type"] = "llama";
+    json.erase("head_dim");
+    FIVEFOLD_CHECK(extensions.contains("kv_lora_rank"),
+                   "config: a deepseek_v3 config needs 'kv_lora_rank'");
+  }
   const ch02::TransformerShape shape = ch02::shape_from_hf_config(json);  // validates the keys
   FIVEFOLD_CHECK(!shape.layer_norm && shape.gated_mlp, "config: model_type must be llama here");
   ModelConfig c;
@@ -70,6 +113,7 @@ ModelConfig config_from_json(const nlohmann::json& json) {
   }
   if (json.contains("fivefold_seed") && json["fivefold_seed"].is_number_unsigned())
     c.seed = json["fivefold_seed"];
+  c.extensions = extensions;
   c.validate();
   return c;
 }

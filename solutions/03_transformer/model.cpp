@@ -107,16 +107,20 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
 
 BlockImpl::BlockImpl(const ModelConfig& c) {
   input_layernorm = register_module("input_layernorm", RMSNorm(c.d_model, c.rms_norm_eps));
-  self_attn = register_module("self_attn", Attention(c));
+  self_attn = register_module<AttentionLayer>("self_attn", std::make_shared<AttentionImpl>(c));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.d_model, c.rms_norm_eps));
   mlp = register_module("mlp", Mlp(c));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, LayerCache* cache) {
-  auto h = x + self_attn(input_layernorm(x),
-                         cache);  // pre-norm: the residual stream is never normalised
+  // Pre-norm: the residual stream itself is never normalised.
+  auto h = x + self_attn->forward(input_layernorm(x), cache);
   return h + mlp(post_attention_layernorm(h));
+}
+
+void BlockImpl::set_attention(std::shared_ptr<AttentionLayer> attention) {
+  self_attn = replace_module("self_attn", std::move(attention));
 }
 
 TrunkImpl::TrunkImpl(const ModelConfig& c) {
@@ -131,7 +135,10 @@ TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)
   model = register_module("model", Trunk(config_));
   if (!config_.tied_embeddings)
     lm_head = register_module("lm_head", linear(config_.d_model, config_.vocab_size));
+  initialise_parameters();
+}
 
+void TransformerImpl::initialise_parameters() {
   // Chapter 01: every matrix from its own (seed, name) generator, GPT-2's scheme; norms are ones.
   torch::NoGradGuard no_grad;
   for (auto& item : named_parameters()) {
@@ -150,7 +157,11 @@ void TransformerImpl::set_position_encoding(std::shared_ptr<const PositionEncodi
   for (const auto& layer : *model->layers) layer->as<BlockImpl>()->self_attn->positions = encoding;
 }
 
-Transformer build_model(const ModelConfig& config) { return Transformer(config); }
+Transformer build_model(const ModelConfig& config) {
+  FIVEFOLD_CHECK(config.extensions.is_null(),
+                 "config: a deepseek_v3 model (MLA, MoE) needs chapter 06's make_model");
+  return Transformer(config);
+}
 
 torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
   FIVEFOLD_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong,

@@ -243,10 +243,20 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
   }
   const double peak = (c.peak_gflops > 0 ? c.peak_gflops : measure_matmul_gflops(1024)) * 1e9;
-  const double flops_per_token = ch02::training_flops_per_token(c.model.shape(), c.seq_len);
   const int64_t tokens_per_step = c.batch * c.seq_len;
+  double flops_per_token = ch02::training_flops_per_token(c.model.shape(), c.seq_len);
+  if (!c.model.extensions.is_null()) {
+    // A later chapter's architecture (MLA, MoE), which chapter 02's formula does not describe:
+    // count what one forward and backward of a batch executes instead, then drop its gradients.
+    ch02::FlopCounter counter;
+    loss_of(model, train_batches.batch(0)).backward();
+    flops_per_token = counter.flops() / static_cast<double>(tokens_per_step);
+    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+  }
+  int64_t parameters = 0;
+  for (const auto& p : model->parameters()) parameters += p.numel();
   log() << "training " << c.steps - result.first_step << " steps from step " << result.first_step
-        << ": " << ch02::count_parameters(c.model.shape()).total << " parameters, "
+        << ": " << parameters << " parameters, "
         << tokens_per_step << " tokens a step, " << flops_per_token / 1e6
         << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s";
 

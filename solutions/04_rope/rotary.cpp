@@ -60,6 +60,8 @@ std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::encode(const torch::Ten
 }
 
 ch03::Transformer make_model(const ch03::ModelConfig& config) {
+  FIVEFOLD_CHECK(config.extensions.is_null(),
+                 "config: a deepseek_v3 model (MLA, MoE) needs chapter 06's make_model");
   FIVEFOLD_CHECK(config.rope_scaling.is_null(),
                  "config: 'rope_scaling' (context extension) needs chapter 05's make_model");
   ch03::Transformer model(config);

@@ -115,10 +115,12 @@ torch::Tensor scaled_frequencies(const RopeScaling& s, int64_t head_dim, double 
   return ch04::rope_frequencies(head_dim, base);  // none, or dynamic within the original context
 }
 
-ScaledRotaryEmbedding::ScaledRotaryEmbedding(int64_t head_dim, double base, RopeScaling scaling)
+ScaledRotaryEmbedding::ScaledRotaryEmbedding(int64_t head_dim, double base, RopeScaling scaling,
+                                             ch04::RopeLayout layout)
     : head_dim_(head_dim),
       base_(base),
       scaling_(std::move(scaling)),
+      layout_(layout),
       attention_factor_(attention_factor(scaling_)),
       frequencies_(scaled_frequencies(scaling_, head_dim, base, 0)) {}
 
@@ -134,11 +136,12 @@ std::pair<torch::Tensor, torch::Tensor> ScaledRotaryEmbedding::encode(
   auto [cos, sin] = ch04::rope_angles(frequencies, first_position, seq);  // [seq, d/2]
   cos = cos * attention_factor_;  // YaRN's temperature, folded into both q and k
   sin = sin * attention_factor_;
-  return {ch04::apply_rope(q, cos, sin, ch04::RopeLayout::HalfSplit),
-          ch04::apply_rope(k, cos, sin, ch04::RopeLayout::HalfSplit)};
+  return {ch04::apply_rope(q, cos, sin, layout_), ch04::apply_rope(k, cos, sin, layout_)};
 }
 
 ch03::Transformer make_model(const ch03::ModelConfig& config) {
+  FIVEFOLD_CHECK(config.extensions.is_null(),
+                 "config: a deepseek_v3 model (MLA, MoE) needs chapter 06's make_model");
   const RopeScaling scaling =
       RopeScaling::from_json(config.rope_scaling, config.max_position_embeddings);
   if (scaling.type == "none") {  // chapter 04's model (it accepts no rope_scaling entry)

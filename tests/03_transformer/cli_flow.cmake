@@ -8,29 +8,7 @@ file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 set(model --d-model 32 --n-layers 2 --n-heads 4 --n-kv-heads 2 --d-ff 64 --seq 16 --batch 4)
 
-# Runs the program; fails the test unless the exit status is 0 and the output matches `expect`.
-function(run expect)
-  execute_process(COMMAND ${FIVEFOLD} ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out
-                  ERROR_VARIABLE err TIMEOUT 120)
-  message("$ fivefold ${ARGN}\n${out}${err}")
-  if(NOT status EQUAL 0)
-    message(FATAL_ERROR "exit status ${status}")
-  endif()
-  if(NOT "${out}" MATCHES "${expect}")
-    message(FATAL_ERROR "output does not match: ${expect}")
-  endif()
-  set(output "${out}" PARENT_SCOPE)
-endfunction()
-
-# Runs the program; fails the test unless it exits non-zero and says what `expect` matches.
-function(refused expect)
-  execute_process(COMMAND ${FIVEFOLD} ${ARGN} RESULT_VARIABLE status OUTPUT_VARIABLE out
-                  ERROR_VARIABLE err TIMEOUT 120)
-  message("$ fivefold ${ARGN}\n${out}${err}")
-  if(status EQUAL 0 OR NOT "${out}${err}" MATCHES "${expect}")
-    message(FATAL_ERROR "expected a failure mentioning: ${expect}")
-  endif()
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
 
 set(out ${WORK}/run)
 run("" train --out ${out} --steps 4 --save-every 2 --eval-every 2 --exact-match 4
