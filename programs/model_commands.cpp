@@ -14,7 +14,7 @@
 #include "03_transformer/evaluate.h"
 #include "03_transformer/generate.h"
 #include "03_transformer/trainer.h"
-#include "06_mla/mla.h"
+#include "07_moe/moe.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -83,8 +83,8 @@ int train(int argc, char** argv) {
   args.flag("tied", "LM head shares the embedding matrix");
   args.option("rope-theta", "10000", "rotary position base (chapter 04); 0: no positions");
   args.option("model-config", "",
-              "a Hugging Face config.json for the model (llama, or deepseek_v3 with MLA: "
-              "chapter 06); replaces the model flags above");
+              "a Hugging Face config.json for the model (llama, or deepseek_v3: MLA, chapter "
+              "06, and experts, chapter 07); replaces the model flags above");
   args.option("seed", "0", "initialisation seed");
   args.option("save-every", std::to_string(d.save_every), "checkpoint interval (0: at the end)");
   args.option("keep", std::to_string(d.keep_checkpoints), "checkpoints kept");
@@ -128,7 +128,8 @@ int train(int argc, char** argv) {
   if (!args.str("model-config").empty())
     c.model = ch03::config_from_json(io::read_json(args.str("model-config")));
   c.model.seed = static_cast<uint64_t>(args.integer("seed"));
-  c.build_model = ch06::make_model;  // the most complete model the chapters build
+  c.build_model = ch07::make_model;  // the most complete model the chapters build
+  c.after_step = ch07::after_step;   // expert load and balancing, for models with experts
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -168,7 +169,7 @@ int generate(int argc, char** argv) {
   FIVEFOLD_CHECK(args.given("prompt") != args.given("prompt-ids"),
                  "fivefold generate: give exactly one of --prompt and --prompt-ids");
   Runtime runtime;
-  Transformer model = ch06::load_model(resolve_checkpoint(args.str("checkpoint")));
+  Transformer model = ch07::load_model(resolve_checkpoint(args.str("checkpoint")));
   const int64_t vocab = model->config().vocab_size;
 
   SamplingOptions options;
@@ -223,7 +224,7 @@ int eval(int argc, char** argv) {
                  "fivefold eval: --ids and --logits-out go together");
   Runtime runtime;
   const std::string dir = resolve_checkpoint(args.str("checkpoint"));
-  Transformer model = ch06::load_model(dir);
+  Transformer model = ch07::load_model(dir);
 
   if (args.given("ids")) {
     const auto ids = token_ids(args, "ids", model->config().vocab_size);

@@ -134,13 +134,21 @@ class AttentionImpl : public AttentionLayer {
 };
 TORCH_MODULE(Attention);
 
-/// SwiGLU MLP: down(silu(gate(x)) * up(x)).
-class MlpImpl : public torch::nn::Module {
+/// What a block needs from its feed-forward part: x [batch, seq, d_model] -> same shape, each
+/// position on its own. Chapter 03 fills the slot with MlpImpl; chapter 07 installs experts.
+class FeedForwardLayer : public torch::nn::Module {
  public:
-  /// Projections sized from `config`.
+  /// x [batch, seq, d_model] -> [batch, seq, d_model].
+  virtual torch::Tensor forward(const torch::Tensor& x) = 0;
+};
+
+/// SwiGLU MLP: down(silu(gate(x)) * up(x)).
+class MlpImpl : public FeedForwardLayer {
+ public:
+  /// Projections sized from `config` (d_model -> d_ff -> d_model).
   explicit MlpImpl(const ModelConfig& config);
   /// x [batch, seq, d_model] -> [batch, seq, d_model].
-  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor forward(const torch::Tensor& x) override;
   torch::nn::Linear gate_proj{nullptr};  ///< d_model -> d_ff, through SiLU
   torch::nn::Linear up_proj{nullptr};    ///< d_model -> d_ff
   torch::nn::Linear down_proj{nullptr};  ///< d_ff -> d_model
@@ -157,10 +165,12 @@ class BlockImpl : public torch::nn::Module {
   RMSNorm input_layernorm{nullptr};           ///< before attention
   RMSNorm post_attention_layernorm{nullptr};  ///< before the MLP
   std::shared_ptr<AttentionLayer> self_attn;  ///< attention (chapter 03's AttentionImpl by default)
-  Mlp mlp{nullptr};                           ///< MLP
+  std::shared_ptr<FeedForwardLayer> mlp;      ///< MLP (chapter 03's MlpImpl by default)
   /// Puts `attention` in the attention slot, under the same name (its parameters are then
   /// model.layers.{i}.self_attn.*).
   void set_attention(std::shared_ptr<AttentionLayer> attention);
+  /// Puts `feed_forward` in the MLP slot, under the same name (model.layers.{i}.mlp.*).
+  void set_mlp(std::shared_ptr<FeedForwardLayer> feed_forward);
 };
 TORCH_MODULE(Block);
 

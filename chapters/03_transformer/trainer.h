@@ -18,6 +18,7 @@
 /// is replaced atomically after it, so an interrupted save never leaves a half checkpoint behind.
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -55,6 +56,9 @@ struct RunConfig {
   double peak_gflops = 0;            ///< matmul peak for MFU; 0: measured at start
   bool progress = true;              ///< progress bar on stderr
   ModelBuilder build_model;          ///< makes the model (default: ch03::build_model); not saved
+  /// Runs after each optimizer step; the fields it returns join that step's metrics line
+  /// (chapter 07: expert load, and the router bias update). Not saved.
+  std::function<nlohmann::json(Transformer&)> after_step;
   /// Throws fivefold::Error naming the first inconsistent setting.
   void validate() const;
 };

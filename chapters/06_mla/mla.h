@@ -29,8 +29,7 @@ struct MlaConfig {
   bool rope_interleave = true;     ///< [rope_interleave] rotate adjacent pairs (DeepSeek's order)
 
   /// Reads the keys from `extensions`, Hugging Face's defaults for absent ones. Throws
-  /// fivefold::Error naming a key of the wrong kind, an odd qk_rope_head_dim, or MoE keys
-  /// (chapter 07 builds those).
+  /// fivefold::Error naming a key of the wrong kind or an odd qk_rope_head_dim.
   static MlaConfig from_json(const nlohmann::json& extensions);
   /// The keys as config.json writes them (q_lora_rank 0 as null).
   nlohmann::json to_json() const;
@@ -96,10 +95,14 @@ class MultiHeadLatentAttentionImpl : public ch03::AttentionLayer {
 };
 TORCH_MODULE(MultiHeadLatentAttention);
 
+/// Puts MLA (from model->config().extensions) in every block of `model`, draws the new matrices
+/// (chapter 01's seeded init), and installs RoPE (chapter 05's scaling when rope_scaling is set)
+/// on the qk_rope_head_dim features, interleaved as rope_interleave says.
+void install_mla(ch03::Transformer& model);
+
 /// Chapter 06's recipe: for a config with extensions (model_type deepseek_v3), chapter 03's model
-/// with MLA in every block and RoPE (chapter 05's scaling when rope_scaling is set) on its
-/// qk_rope_head_dim features, interleaved as rope_interleave says; any other config goes to
-/// chapter 05's make_model.
+/// with install_mla; MoE keys are refused (chapter 07's make_model builds those); any other config
+/// goes to chapter 05's make_model.
 ch03::Transformer make_model(const ch03::ModelConfig& config);
 
 /// ch03::load_model with this chapter's make_model.

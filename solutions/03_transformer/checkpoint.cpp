@@ -43,26 +43,14 @@ nlohmann::json config_to_json(const ModelConfig& c) {
 
 namespace {
 // DeepSeek-V3's config.json keys that chapters 06 (MLA) and 07 (MoE) interpret.
-const char* const kDeepSeekKeys[] = {"q_lora_rank",
-                                     "kv_lora_rank",
-                                     "qk_nope_head_dim",
-                                     "qk_rope_head_dim",
-                                     "v_head_dim",
-                                     "rope_interleave",
-                                     "n_routed_experts",
-                                     "num_experts_per_tok",
-                                     "n_shared_experts",
-                                     "moe_intermediate_size",
-                                     "scoring_func",
-                                     "norm_topk_prob",
-                                     "routed_scaling_factor",
-                                     "n_group",
-                                     "topk_group",
-                                     "topk_method",
-                                     "first_k_dense_replace",
-                                     "moe_layer_freq",
-                                     "aux_loss_alpha",
-                                     "seq_aux"};
+const char* const kDeepSeekKeys[] = {
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "rope_interleave", "n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+    "moe_intermediate_size", "scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group",
+    "topk_group", "topk_method", "first_k_dense_replace", "moe_layer_freq", "aux_loss_alpha",
+    "seq_aux",
+    // fivefold's own training settings for chapter 07 (transformers ignores unknown keys)
+    "fivefold_bias_update_speed", "fivefold_capacity_factor"};
 }  // namespace
 
 ModelConfig config_from_json(const nlohmann::json& original) {

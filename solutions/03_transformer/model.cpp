@@ -110,17 +110,21 @@ BlockImpl::BlockImpl(const ModelConfig& c) {
   self_attn = register_module<AttentionLayer>("self_attn", std::make_shared<AttentionImpl>(c));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.d_model, c.rms_norm_eps));
-  mlp = register_module("mlp", Mlp(c));
+  mlp = register_module<FeedForwardLayer>("mlp", std::make_shared<MlpImpl>(c));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, LayerCache* cache) {
   // Pre-norm: the residual stream itself is never normalised.
   auto h = x + self_attn->forward(input_layernorm(x), cache);
-  return h + mlp(post_attention_layernorm(h));
+  return h + mlp->forward(post_attention_layernorm(h));
 }
 
 void BlockImpl::set_attention(std::shared_ptr<AttentionLayer> attention) {
   self_attn = replace_module("self_attn", std::move(attention));
+}
+
+void BlockImpl::set_mlp(std::shared_ptr<FeedForwardLayer> feed_forward) {
+  mlp = replace_module("mlp", std::move(feed_forward));
 }
 
 TrunkImpl::TrunkImpl(const ModelConfig& c) {

@@ -247,20 +247,20 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   double flops_per_token = ch02::training_flops_per_token(c.model.shape(), c.seq_len);
   if (!c.model.extensions.is_null()) {
     // A later chapter's architecture (MLA, MoE), which chapter 02's formula does not describe:
-    // count what one forward and backward of a batch executes instead, then drop its gradients.
+    // count what one forward of a batch executes instead; training is 3x forward (chapter 02).
+    torch::NoGradGuard no_grad;
     ch02::FlopCounter counter;
-    loss_of(model, train_batches.batch(0)).backward();
-    flops_per_token = counter.flops() / static_cast<double>(tokens_per_step);
-    for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
+    loss_of(model, train_batches.batch(0));
+    flops_per_token = 3 * counter.flops() / static_cast<double>(tokens_per_step);
   }
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
   log() << "training " << c.steps - result.first_step << " steps from step " << result.first_step
-        << ": " << parameters << " parameters, "
-        << tokens_per_step << " tokens a step, " << flops_per_token / 1e6
-        << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s";
+        << ": " << parameters << " parameters, " << tokens_per_step << " tokens a step, "
+        << flops_per_token / 1e6 << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s";
 
   ProgressBar bar(c.steps - result.first_step, "train", c.progress);
+  nlohmann::json latest_extra;  // what after_step reported last (its numbers join the eval lines)
   auto evaluate = [&](int64_t done) {
     result.eval = evaluate_loss(model, eval_batches, c.eval_batches);
     nlohmann::json record = {{"kind", "eval"},
@@ -279,6 +279,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
         line << " (" << task << " " << result.exact.accuracy(task) << ")";
       }
     }
+    for (const auto& [key, value] : latest_extra.items())
+      if (value.is_number()) line << ", " << key << " " << value.get<double>();
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     bar.clear();
     log() << line.str();
@@ -297,20 +299,20 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     const double mfu = ch02::model_flops_utilization(tokens_per_s, flops_per_token, peak);
     result.losses.push_back(r.loss);
-    if (metrics.is_open()) {
-      metrics << nlohmann::json({{"kind", "train"},
-                                 {"step", step + 1},
-                                 {"loss", r.loss},
-                                 {"lr", r.lr},
-                                 {"grad_norm", r.grad_norm},
-                                 {"tokens", (step + 1) * tokens_per_step},
-                                 {"step_time_s", seconds},
-                                 {"tokens_per_s", tokens_per_s},
-                                 {"mfu", mfu}})
-                     .dump()
-              << "\n"
-              << std::flush;
+    nlohmann::json record = {{"kind", "train"},
+                             {"step", step + 1},
+                             {"loss", r.loss},
+                             {"lr", r.lr},
+                             {"grad_norm", r.grad_norm},
+                             {"tokens", (step + 1) * tokens_per_step},
+                             {"step_time_s", seconds},
+                             {"tokens_per_s", tokens_per_s},
+                             {"mfu", mfu}};
+    if (requested.after_step) {
+      latest_extra = requested.after_step(model);
+      record.update(latest_extra);
     }
+    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     FIVEFOLD_CHECK(std::isfinite(r.loss), "the loss is not finite at step ", step + 1,
                    " (lower the learning rate?)");
     char status[96];

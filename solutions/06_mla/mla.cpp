@@ -29,10 +29,6 @@ torch::nn::Linear linear(int64_t in, int64_t out) {
 
 MlaConfig MlaConfig::from_json(const nlohmann::json& e) {
   FIVEFOLD_CHECK(e.is_object(), "config: MLA needs the deepseek_v3 keys (kv_lora_rank, ...)");
-  for (const char* key : {"n_routed_experts", "moe_intermediate_size", "n_shared_experts"}) {
-    FIVEFOLD_CHECK(!e.contains(key) || e[key].is_null(), "config: '", key,
-                   "' (Mixture-of-Experts) needs chapter 07, which is not built yet");
-  }
   MlaConfig m;
   // null means "no query compression" (Hugging Face's q_lora_rank: null).
   m.q_lora_rank = e.contains("q_lora_rank") && e["q_lora_rank"].is_null()
@@ -148,12 +144,11 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_absorbed(const torch::Tensor
   return o_proj(out.transpose(1, 2).reshape({batch, seq, heads * dv}));
 }
 
-ch03::Transformer make_model(const ch03::ModelConfig& config) {
-  if (config.extensions.is_null()) return ch05::make_model(config);
+void install_mla(ch03::Transformer& model) {
+  const ch03::ModelConfig& config = model->config();
   const MlaConfig mla = MlaConfig::from_json(config.extensions);
   FIVEFOLD_CHECK(config.rope_theta == 0 || mla.qk_rope_head_dim > 0,
                  "config: rope_theta needs qk_rope_head_dim > 0 (the rotated part of MLA)");
-  ch03::Transformer model(config);
   for (const auto& layer : *model->model->layers) {
     layer->as<ch03::BlockImpl>()->set_attention(
         std::make_shared<MultiHeadLatentAttentionImpl>(config, mla));
@@ -174,6 +169,16 @@ ch03::Transformer make_model(const ch03::ModelConfig& config) {
     }
     model->set_position_encoding(encoding);
   }
+}
+
+ch03::Transformer make_model(const ch03::ModelConfig& config) {
+  if (config.extensions.is_null()) return ch05::make_model(config);
+  for (const char* key : {"n_routed_experts", "moe_intermediate_size", "n_shared_experts"}) {
+    FIVEFOLD_CHECK(!config.extensions.contains(key) || config.extensions[key].is_null(),
+                   "config: '", key, "' (Mixture-of-Experts) needs chapter 07's make_model");
+  }
+  ch03::Transformer model(config);
+  install_mla(model);
   return model;
 }
 

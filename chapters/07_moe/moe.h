@@ -1,0 +1,148 @@
+#pragma once
+/// @file moe.h
+/// @brief Chapter 07: Mixture-of-Experts (DeepSeek-V3's layer). A router scores every token
+/// against E routed experts, each token goes to its k best (within its best groups), their outputs
+/// are summed with renormalised, scaled gates, and shared experts see every token. Parameters grow
+/// with E, FLOPs per token only with k. Load balancing with the Switch auxiliary loss or with
+/// DeepSeek-V3's auxiliary-loss-free bias; optional capacity with token dropping. Hugging Face's
+/// DeepseekV3 names and config keys.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "03_transformer/model.h"
+
+namespace fivefold::ch07 {
+
+/// The MoE settings: DeepSeek-V3's config.json keys (kept in ch03::ModelConfig::extensions), with
+/// Hugging Face's defaults (DeepSeek-V3's values), plus three training settings.
+struct MoeConfig {
+  int64_t n_routed_experts = 256;        ///< [n_routed_experts] E
+  int64_t num_experts_per_tok = 8;       ///< [num_experts_per_tok] k
+  int64_t n_shared_experts = 1;          ///< [n_shared_experts] one MLP of this many experts' width
+  int64_t moe_intermediate_size = 2048;  ///< [moe_intermediate_size] each expert's hidden size
+  std::string scoring_func = "sigmoid";  ///< [scoring_func] sigmoid (V3) or softmax (V2)
+  bool norm_topk_prob = true;            ///< [norm_topk_prob] gates renormalised over the k
+  double routed_scaling_factor = 2.5;    ///< [routed_scaling_factor] multiplies the gates
+  int64_t n_group = 8;                   ///< [n_group] expert groups (node-limited routing)
+  int64_t topk_group = 4;                ///< [topk_group] groups a token may choose from
+  int64_t first_k_dense_replace = 3;     ///< [first_k_dense_replace] layers before: dense MLP
+  int64_t moe_layer_freq = 1;            ///< [moe_layer_freq] every this many layers after
+  double aux_loss_alpha = 0;     ///< [aux_loss_alpha] Switch auxiliary loss weight α (0: off)
+  double bias_update_speed = 0;  ///< [fivefold_bias_update_speed] γ, V3's balancing (0: off)
+  double capacity_factor = 0;    ///< [fivefold_capacity_factor] 0: dropless, else capacity
+
+  /// Reads the keys from `extensions`, defaults for absent ones. Throws fivefold::Error naming a
+  /// key of the wrong kind or an inconsistent value (k > E, groups not dividing E, ...).
+  static MoeConfig from_json(const nlohmann::json& extensions);
+  /// True when layer i has experts: i >= first_k_dense_replace and i % moe_layer_freq == 0.
+  bool is_moe_layer(int64_t layer) const;
+  /// Assignments each expert accepts out of `tokens` tokens: ceil(capacity_factor·k·tokens/E);
+  /// -1 when dropless.
+  int64_t capacity(int64_t tokens) const;
+};
+
+/// Which experts each token goes to, and with what weight.
+struct Routing {
+  torch::Tensor experts;  ///< [tokens, k] int64, the chosen experts
+  torch::Tensor gates;    ///< [tokens, k] their weights, differentiable with respect to scores
+};
+
+/// Top-k routing. `scores` [tokens, E] are the router's probabilities (sigmoid or softmax);
+/// `bias` [E] is added for choosing only. With n_group > 1 a token first keeps its topk_group
+/// best groups (a group's score: the sum of its two best biased scores) and may not choose
+/// outside them. The k best biased scores name the experts; the gates are the *unbiased* scores of
+/// those experts, divided by their sum when norm_topk_prob, times routed_scaling_factor.
+/// **Exercise** (README, "The exercise").
+Routing route(const torch::Tensor& scores, const torch::Tensor& bias, const MoeConfig& config);
+
+/// The router, Hugging Face's `mlp.gate`: a linear map to E logits and the balancing bias.
+class TopkRouterImpl : public torch::nn::Module {
+ public:
+  /// weight [E, d_model]; e_score_correction_bias [E] zeros.
+  TopkRouterImpl(int64_t d_model, const MoeConfig& config);
+  /// x [tokens, d_model] -> scores [tokens, E] (sigmoid or softmax of the logits).
+  torch::Tensor scores(const torch::Tensor& x);
+  torch::Tensor weight;  ///< [E, d_model]
+  /// [E] float32, steers the choice only; changed by the balancing update, never by gradients
+  /// (a parameter without gradient, so that checkpoints, resume and the parallel wrappers carry
+  /// it as they carry weights; Hugging Face keeps it as a buffer under the same name).
+  torch::Tensor e_score_correction_bias;
+
+ private:
+  std::string scoring_func_;
+};
+TORCH_MODULE(TopkRouter);
+
+/// What one MoE layer saw since its counts were last reset (training forwards only).
+struct ExpertLoad {
+  torch::Tensor counts;     ///< [E] int64: assignments each expert received (before any dropping)
+  int64_t assignments = 0;  ///< tokens x k
+  int64_t dropped = 0;      ///< assignments beyond an expert's capacity (their output is lost)
+  double aux_loss = 0;      ///< the last auxiliary loss (0 when α = 0)
+};
+
+/// DeepSeek-V3's MoE layer in chapter 03's MLP slot: `gate`, `experts.{j}` (chapter 03's SwiGLU
+/// MLP with moe_intermediate_size), `shared_experts` (absent when n_shared_experts is 0).
+class MoeImpl : public ch03::FeedForwardLayer {
+ public:
+  /// Sizes from the model (d_model) and `config`.
+  MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config);
+  /// x [batch, seq, d_model] -> same shape: Σ_k gate·expert(x) + shared(x). In training
+  /// (gradients on) it counts the load, and with α > 0 adds the auxiliary loss's gradient to the
+  /// router's in backward (the loss value itself is reported in load(), not added to the model's).
+  torch::Tensor forward(const torch::Tensor& x) override;
+  /// The routing of the last forward (for tests and the demo).
+  const Routing& last_routing() const { return last_routing_; }
+  /// The load since the last reset.
+  const ExpertLoad& load() const { return load_; }
+  /// Auxiliary-loss-free balancing (DeepSeek-V3): bias_i += γ·sign(mean load − load_i) from the
+  /// counts since the last call, then resets the counts. Returns the load it used.
+  ExpertLoad update_bias();
+  /// The settings.
+  const MoeConfig& config() const { return config_; }
+
+  TopkRouter gate{nullptr};                       ///< the router
+  torch::nn::ModuleList experts;                  ///< E routed experts
+  std::shared_ptr<ch03::MlpImpl> shared_experts;  ///< always on; null when none
+
+ private:
+  MoeConfig config_;
+  Routing last_routing_;
+  ExpertLoad load_;
+};
+TORCH_MODULE(Moe);
+
+/// Parameters of a model: all of them, and those one token uses (everything outside the experts,
+/// plus the router, k routed experts and the shared experts of each MoE layer).
+struct MoeParameters {
+  int64_t total = 0;   ///< numel of every parameter
+  int64_t active = 0;  ///< per token
+};
+
+/// The counts from a config's dimensions (chapter 03's attention or chapter 06's MLA; dense or MoE
+/// MLPs). DeepSeek-V3's config gives its published 671 B total, 37 B active.
+MoeParameters count_parameters(const ch03::ModelConfig& config);
+
+/// After each optimizer step (ch03::RunConfig::after_step): applies every MoE layer's bias update
+/// and resets its counts. Returns, over the MoE layers, "moe_load" (each layer's counts),
+/// "moe_max_load" (the largest count over the mean, 1 = balanced), "moe_dropped" (share of the
+/// assignments dropped) and "moe_aux_loss" (mean over layers); {} for a model without experts.
+nlohmann::json after_step(ch03::Transformer& model);
+
+/// Puts experts in the MoE layers of `model` (from model->config().extensions) and draws their
+/// weights (chapter 01's seeded init).
+void install_moe(ch03::Transformer& model);
+
+/// Chapter 07's recipe: a config with MoE keys gets chapter 06's MLA and this chapter's experts
+/// (DeepSeek-V3 in miniature); any other config goes to chapter 06's make_model.
+ch03::Transformer make_model(const ch03::ModelConfig& config);
+
+/// ch03::load_model with this chapter's make_model.
+ch03::Transformer load_model(const std::string& dir);
+
+}  // namespace fivefold::ch07

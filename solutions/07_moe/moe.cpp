@@ -1,0 +1,268 @@
+// Chapter 07 plumbing: the MoE config, the router module, the layer around route(), balancing,
+// statistics, parameter counts and the model recipe.
+
+#include <cmath>
+
+#include "03_transformer/checkpoint.h"
+#include "06_mla/mla.h"
+#include "07_moe/moe.h"
+#include "fivefold/error.h"
+
+namespace fivefold::ch07 {
+
+namespace {
+int64_t integer_or(const nlohmann::json& json, const char* key, int64_t fallback, int64_t minimum) {
+  if (!json.contains(key) || json[key].is_null()) return fallback;
+  FIVEFOLD_CHECK(json[key].is_number_integer() && json[key].get<int64_t>() >= minimum, "config: '",
+                 key, "' must be an integer >= ", minimum, ", got ", json[key].dump());
+  return json[key].get<int64_t>();
+}
+
+double number_or(const nlohmann::json& json, const char* key, double fallback) {
+  if (!json.contains(key) || json[key].is_null()) return fallback;
+  FIVEFOLD_CHECK(json[key].is_number() && json[key].get<double>() >= 0, "config: '", key,
+                 "' must be a number >= 0, got ", json[key].dump());
+  return json[key].get<double>();
+}
+
+// Autograd's way to add a loss that is not part of the model's output: forward passes `output`
+// through; backward also hands `aux` a gradient of 1, as if aux had been added to the final loss.
+class AddAuxiliaryLoss : public torch::autograd::Function<AddAuxiliaryLoss> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, torch::Tensor output,
+                               torch::Tensor aux) {
+    return output.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], torch::ones({})};
+  }
+};
+
+ch03::ModelConfig with_width(const ch03::ModelConfig& model, int64_t d_ff) {
+  ch03::ModelConfig c = model;
+  c.d_ff = d_ff;
+  return c;
+}
+}  // namespace
+
+MoeConfig MoeConfig::from_json(const nlohmann::json& e) {
+  FIVEFOLD_CHECK(e.is_object(), "config: MoE needs the deepseek_v3 keys (n_routed_experts, ...)");
+  MoeConfig c;
+  c.n_routed_experts = integer_or(e, "n_routed_experts", c.n_routed_experts, 1);
+  c.num_experts_per_tok = integer_or(e, "num_experts_per_tok", c.num_experts_per_tok, 1);
+  c.n_shared_experts = integer_or(e, "n_shared_experts", c.n_shared_experts, 0);
+  c.moe_intermediate_size = integer_or(e, "moe_intermediate_size", c.moe_intermediate_size, 1);
+  if (e.contains("scoring_func") && !e["scoring_func"].is_null()) {
+    FIVEFOLD_CHECK(e["scoring_func"] == "sigmoid" || e["scoring_func"] == "softmax",
+                   "config: 'scoring_func' must be \"sigmoid\" or \"softmax\", got ",
+                   e["scoring_func"].dump());
+    c.scoring_func = e["scoring_func"];
+  }
+  if (e.contains("norm_topk_prob") && !e["norm_topk_prob"].is_null()) {
+    FIVEFOLD_CHECK(e["norm_topk_prob"].is_boolean(),
+                   "config: 'norm_topk_prob' must be true or "
+                   "false");
+    c.norm_topk_prob = e["norm_topk_prob"];
+  }
+  c.routed_scaling_factor = number_or(e, "routed_scaling_factor", c.routed_scaling_factor);
+  c.n_group = integer_or(e, "n_group", c.n_group, 1);
+  c.topk_group = integer_or(e, "topk_group", c.topk_group, 1);
+  c.first_k_dense_replace = integer_or(e, "first_k_dense_replace", c.first_k_dense_replace, 0);
+  c.moe_layer_freq = integer_or(e, "moe_layer_freq", c.moe_layer_freq, 1);
+  c.aux_loss_alpha = number_or(e, "aux_loss_alpha", c.aux_loss_alpha);
+  c.bias_update_speed = number_or(e, "fivefold_bias_update_speed", c.bias_update_speed);
+  c.capacity_factor = number_or(e, "fivefold_capacity_factor", c.capacity_factor);
+  FIVEFOLD_CHECK(c.num_experts_per_tok <= c.n_routed_experts, "config: num_experts_per_tok (",
+                 c.num_experts_per_tok, ") exceeds n_routed_experts (", c.n_routed_experts, ")");
+  FIVEFOLD_CHECK(c.n_routed_experts % c.n_group == 0, "config: n_group (", c.n_group,
+                 ") must divide n_routed_experts (", c.n_routed_experts, ")");
+  FIVEFOLD_CHECK(c.topk_group <= c.n_group, "config: topk_group (", c.topk_group,
+                 ") exceeds n_group (", c.n_group, ")");
+  FIVEFOLD_CHECK(c.num_experts_per_tok <= c.topk_group * (c.n_routed_experts / c.n_group),
+                 "config: num_experts_per_tok (", c.num_experts_per_tok,
+                 ") exceeds the experts in topk_group groups");
+  return c;
+}
+
+bool MoeConfig::is_moe_layer(int64_t layer) const {
+  return layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
+}
+
+int64_t MoeConfig::capacity(int64_t tokens) const {
+  if (capacity_factor <= 0) return -1;
+  return static_cast<int64_t>(
+      std::ceil(capacity_factor * static_cast<double>(num_experts_per_tok * tokens) /
+                static_cast<double>(n_routed_experts)));
+}
+
+TopkRouterImpl::TopkRouterImpl(int64_t d_model, const MoeConfig& config)
+    : scoring_func_(config.scoring_func) {
+  weight = register_parameter("weight", torch::empty({config.n_routed_experts, d_model}));
+  e_score_correction_bias = register_parameter(
+      "e_score_correction_bias", torch::zeros({config.n_routed_experts}), /*requires_grad=*/false);
+}
+
+torch::Tensor TopkRouterImpl::scores(const torch::Tensor& x) {
+  auto logits = torch::nn::functional::linear(x, weight);  // [tokens, E]
+  return scoring_func_ == "sigmoid" ? torch::sigmoid(logits) : torch::softmax(logits, -1);
+}
+
+MoeImpl::MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config) : config_(config) {
+  gate = register_module("gate", TopkRouter(model.d_model, config));
+  experts = register_module("experts", torch::nn::ModuleList());
+  const auto expert = with_width(model, config.moe_intermediate_size);
+  for (int64_t j = 0; j < config.n_routed_experts; ++j) experts->push_back(ch03::Mlp(expert));
+  if (config.n_shared_experts > 0) {
+    shared_experts = register_module(
+        "shared_experts", std::make_shared<ch03::MlpImpl>(with_width(
+                              model, config.n_shared_experts * config.moe_intermediate_size)));
+  }
+  load_.counts = torch::zeros({config.n_routed_experts}, torch::kLong);
+}
+
+torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
+  const auto& c = config_;
+  const int64_t d = input.size(-1), k = c.num_experts_per_tok;
+  const auto x = input.reshape({-1, d});  // [tokens, d]
+  const int64_t tokens = x.size(0);
+  const auto scores = gate->scores(x);  // [tokens, E]
+  last_routing_ = route(scores, gate->e_score_correction_bias, c);
+  auto experts_of = last_routing_.experts.reshape(-1);  // [tokens·k], token-major
+  auto gates = last_routing_.gates.reshape(-1);
+  const auto token_of = torch::arange(tokens).repeat_interleave(k);
+
+  // Capacity: each expert takes its assignments in token order until it is full; the rest are
+  // dropped (their gate's output is lost; the residual stream carries the token on).
+  auto kept = torch::ones({tokens * k}, torch::kBool);
+  const int64_t capacity = c.capacity(tokens);
+  if (capacity >= 0) {
+    auto one_hot = torch::one_hot(experts_of, c.n_routed_experts);  // [tokens·k, E]
+    auto place = (one_hot.cumsum(0) * one_hot).sum(-1) - 1;         // rank within its expert
+    kept = place < capacity;
+  }
+
+  auto out = torch::zeros_like(x);
+  for (int64_t j = 0; j < c.n_routed_experts; ++j) {
+    const auto slots = (experts_of == j).logical_and(kept).nonzero().squeeze(1);
+    if (slots.numel() == 0) continue;
+    const auto rows = token_of.index_select(0, slots);
+    auto y = experts[j]->as<ch03::MlpImpl>()->forward(x.index_select(0, rows));
+    out = out.index_add(0, rows, y * gates.index_select(0, slots).unsqueeze(1));
+  }
+  if (shared_experts) out = out + shared_experts->forward(x);
+
+  if (torch::GradMode::is_enabled()) {  // training: count the load, balance
+    const auto counts = torch::bincount(experts_of, {}, c.n_routed_experts);
+    load_.counts += counts;
+    load_.assignments += tokens * k;
+    load_.dropped += (tokens * k) - kept.sum().item<int64_t>();
+    if (c.aux_loss_alpha > 0) {
+      // Switch: α·E·Σ f_i·P_i, f_i the share of assignments expert i got (not differentiable),
+      // P_i its mean probability (scores normalised per token, as DeepSeek normalises sigmoids).
+      const auto f = counts.to(torch::kFloat) / static_cast<double>(tokens * k);
+      const auto p = (scores / scores.sum(-1, true)).mean(0);
+      const auto aux = c.aux_loss_alpha * c.n_routed_experts * (f * p).sum();
+      load_.aux_loss = aux.item<double>();
+      out = AddAuxiliaryLoss::apply(out, aux);
+    }
+  }
+  return out.view(input.sizes());
+}
+
+ExpertLoad MoeImpl::update_bias() {
+  ExpertLoad used = load_;
+  if (config_.bias_update_speed > 0 && used.assignments > 0) {
+    torch::NoGradGuard no_grad;
+    const auto load = used.counts.to(torch::kFloat);
+    // Overloaded experts become less attractive, underloaded ones more, by γ each step.
+    gate->e_score_correction_bias.add_(config_.bias_update_speed * torch::sign(load.mean() - load));
+  }
+  load_ = ExpertLoad{};
+  load_.counts = torch::zeros({config_.n_routed_experts}, torch::kLong);
+  return used;
+}
+
+MoeParameters count_parameters(const ch03::ModelConfig& c) {
+  const int64_t d = c.d_model, h = c.n_heads;
+  int64_t attention;                                                       // per layer
+  if (!c.extensions.is_null() && c.extensions.contains("kv_lora_rank")) {  // MLA (chapter 06)
+    const auto m = ch06::MlaConfig::from_json(c.extensions);
+    const int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+    attention = (m.q_lora_rank > 0 ? d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk
+                                   : d * h * qk) +
+                d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank +
+                m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d;
+  } else {  // chapter 03's grouped-query attention
+    const int64_t hd = c.resolved_head_dim();
+    attention = d * h * hd + 2 * d * c.n_kv_heads * hd + h * hd * d;
+  }
+  const bool moe = !c.extensions.is_null() && c.extensions.contains("n_routed_experts") &&
+                   !c.extensions["n_routed_experts"].is_null();
+  const MoeConfig e = moe ? MoeConfig::from_json(c.extensions) : MoeConfig{};
+  const int64_t expert = 3 * d * e.moe_intermediate_size;
+  MoeParameters p;
+  p.total = c.vocab_size * d * (c.tied_embeddings ? 1 : 2) + d;  // embedding, head, final norm
+  p.active = p.total;
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    const int64_t common = 2 * d + attention;  // two norms and attention
+    if (moe && e.is_moe_layer(i)) {
+      const int64_t router = e.n_routed_experts * d + e.n_routed_experts,
+                    shared = e.n_shared_experts * expert;
+      p.total += common + router + e.n_routed_experts * expert + shared;
+      p.active += common + router + e.num_experts_per_tok * expert + shared;
+    } else {
+      p.total += common + 3 * d * c.d_ff;
+      p.active += common + 3 * d * c.d_ff;
+    }
+  }
+  return p;
+}
+
+nlohmann::json after_step(ch03::Transformer& model) {
+  nlohmann::json loads = nlohmann::json::array();
+  double max_load = 0, dropped = 0, assignments = 0, aux = 0;
+  for (const auto& layer : *model->model->layers) {
+    auto moe = std::dynamic_pointer_cast<MoeImpl>(layer->as<ch03::BlockImpl>()->mlp);
+    if (!moe) continue;
+    const ExpertLoad load = moe->update_bias();
+    if (load.assignments == 0) continue;
+    const auto counts = load.counts.to(torch::kDouble);
+    max_load = std::max(max_load, (counts.max() / counts.mean()).item<double>());
+    dropped += static_cast<double>(load.dropped);
+    assignments += static_cast<double>(load.assignments);
+    aux += load.aux_loss;
+    loads.push_back(std::vector<int64_t>(load.counts.data_ptr<int64_t>(),
+                                         load.counts.data_ptr<int64_t>() + load.counts.numel()));
+  }
+  if (loads.empty()) return nlohmann::json::object();
+  return {{"moe_load", loads},
+          {"moe_max_load", max_load},
+          {"moe_dropped", dropped / assignments},
+          {"moe_aux_loss", aux / static_cast<double>(loads.size())}};
+}
+
+void install_moe(ch03::Transformer& model) {
+  const ch03::ModelConfig& config = model->config();
+  const MoeConfig moe = MoeConfig::from_json(config.extensions);
+  for (int64_t i = 0; i < config.n_layers; ++i) {
+    if (!moe.is_moe_layer(i)) continue;
+    model->model->layers[i]->as<ch03::BlockImpl>()->set_mlp(std::make_shared<MoeImpl>(config, moe));
+  }
+  model->initialise_parameters();  // the experts' and routers' matrices, by (seed, name)
+}
+
+ch03::Transformer make_model(const ch03::ModelConfig& config) {
+  if (config.extensions.is_null() || !config.extensions.contains("n_routed_experts") ||
+      config.extensions["n_routed_experts"].is_null()) {
+    return ch06::make_model(config);
+  }
+  ch03::Transformer model(config);
+  ch06::install_mla(model);
+  install_moe(model);
+  return model;
+}
+
+ch03::Transformer load_model(const std::string& dir) { return ch03::load_model(dir, make_model); }
+
+}  // namespace fivefold::ch07
