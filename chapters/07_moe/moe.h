@@ -96,7 +96,7 @@ class MoeImpl : public ch03::FeedForwardLayer {
   /// (gradients on) it counts the load, and with α > 0 adds the auxiliary loss's gradient to the
   /// router's in backward (the loss value itself is reported in load(), not added to the model's).
   torch::Tensor forward(const torch::Tensor& x) override;
-  /// The routing of the last forward (for tests and the demo).
+  /// The routing of the last forward, gates detached (for tests and the demo).
   const Routing& last_routing() const { return last_routing_; }
   /// The load since the last reset.
   const ExpertLoad& load() const { return load_; }

@@ -127,9 +127,10 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
   const auto x = input.reshape({-1, d});  // [tokens, d]
   const int64_t tokens = x.size(0);
   const auto scores = gate->scores(x);  // [tokens, E]
-  last_routing_ = route(scores, gate->e_score_correction_bias, c);
-  auto experts_of = last_routing_.experts.reshape(-1);  // [tokens·k], token-major
-  auto gates = last_routing_.gates.reshape(-1);
+  const Routing routing = route(scores, gate->e_score_correction_bias, c);
+  last_routing_ = {routing.experts, routing.gates.detach()};  // kept without the graph
+  auto experts_of = routing.experts.reshape(-1);              // [tokens·k], token-major
+  auto gates = routing.gates.reshape(-1);
   const auto token_of = torch::arange(tokens).repeat_interleave(k);
 
   // Capacity: each expert takes its assignments in token order until it is full; the rest are
