@@ -3,7 +3,8 @@
 //   fivefold info                 what this process sees: launcher, rank, backend, threads, BLAS
 //   mpirun -np 4 fivefold info    the same on every rank (checks a launch works)
 //   fivefold plan --config config.json [--tokens 2e12] [--budget 1e23] [--dp 64] [--json]
-//                                 parameters, FLOPs, training time and memory (chapter 02)
+//                                 parameters, FLOPs, training time and memory (chapter 02;
+//                                 deepseek_v3 configs: total and active parameters, chapter 07)
 //   fivefold train / generate / eval
 //                                 chapter 03's model (programs/model_commands.cpp)
 
@@ -13,6 +14,8 @@
 #include <string>
 
 #include "02_flops_6np/flops.h"
+#include "03_transformer/checkpoint.h"
+#include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "commands.h"
 #include "fivefold/blas.h"
@@ -57,13 +60,67 @@ std::string si(double value, const char* unit = "") {
   return text;
 }
 
+// `fivefold plan` for a deepseek_v3 config (MLA and experts, chapters 06-07), which chapter 02's
+// shape does not describe: parameters total and active (count_parameters), the 6N rule on the
+// active ones (the FLOPs a token costs), memory from the total (every expert is stored).
+int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double mfu,
+                  int64_t devices, int64_t dp, bool as_json) {
+  const auto config = fivefold::ch03::config_from_json(json);
+  const auto p = fivefold::ch07::count_parameters(config);
+  nlohmann::json out = {
+      {"parameters", {{"total", p.total}, {"active", p.active}}},
+      {"flops_per_token", {{"six_n_active", 6.0 * static_cast<double>(p.active)}}},
+      {"memory_per_device_bytes", {{"total_without_activations", 16 * p.total}}}};
+  if (tokens > 0) {
+    const double flops = 6.0 * static_cast<double>(p.active) * tokens;
+    out["training"] = {{"tokens", tokens},
+                       {"flops", flops},
+                       {"days", flops / (peak * mfu * static_cast<double>(devices)) / 86400}};
+  }
+  for (int stage = 0; dp > 0 && stage <= 3; ++stage) {
+    const auto m = fivefold::ch09::zero_memory_formula(p.total, dp, stage);
+    out["zero"][std::to_string(stage)] = {{"total", m.parameters + m.gradients + m.optimizer}};
+  }
+  if (as_json) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  std::printf("parameters      total %s   active per token %s (%.1f%%)\n",
+              si(static_cast<double>(p.total)).c_str(), si(static_cast<double>(p.active)).c_str(),
+              100.0 * static_cast<double>(p.active) / static_cast<double>(p.total));
+  std::printf("FLOPs/token     training 6N on the active parameters: %s (attention not included)\n",
+              si(6.0 * static_cast<double>(p.active)).c_str());
+  std::printf(
+      "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes for every "
+      "parameter, all experts; activations not included)\n",
+      si(16.0 * static_cast<double>(p.total), "B").c_str());
+  if (out.contains("zero")) {
+    std::printf("memory/rank     dp %lld:", static_cast<long long>(dp));
+    const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
+    for (int stage = 0; stage <= 3; ++stage)
+      std::printf("  %s %s", names[stage],
+                  si(out["zero"][std::to_string(stage)]["total"].get<double>(), "B").c_str());
+    std::printf("\n");
+  }
+  if (out.contains("training")) {
+    std::printf(
+        "training        %s tokens: %s FLOPs; %.1f days on %lld devices at %s FLOP/s, "
+        "MFU %.2f\n",
+        si(tokens).c_str(), si(out["training"]["flops"].get<double>()).c_str(),
+        out["training"]["days"].get<double>(), static_cast<long long>(devices), si(peak).c_str(),
+        mfu);
+  }
+  return 0;
+}
+
 int plan(int argc, char** argv) {
   fivefold::ArgParser args(
       "fivefold plan",
       "Parameters, FLOPs per token (exact and 6N), training time and memory of a "
       "transformer, from a Hugging Face config.json or from flags.");
   args.option("config", "",
-              "config.json (Llama or GPT-2 keys); or give the shape with the flags below");
+              "config.json (Llama, GPT-2 or DeepSeek-V3 keys); or give the shape with the flags "
+              "below");
   args.option("vocab", "32000", "vocabulary size").option("d-model", "", "hidden size");
   args.option("n-layers", "", "transformer blocks").option("n-heads", "", "query heads");
   args.option("n-kv-heads", "", "key/value heads (default: n-heads)");
@@ -89,6 +146,15 @@ int plan(int argc, char** argv) {
   int64_t context = 2048;
   if (args.given("config")) {
     const auto config = fivefold::io::read_json(args.str("config"));
+    if (config.is_object() && config.value("model_type", "") == "deepseek_v3") {
+      FIVEFOLD_CHECK(args.integer("dp") >= 0, "--dp must be >= 0");
+      try {
+        return plan_deepseek(config, args.real("tokens"), args.real("peak"), args.real("mfu"),
+                             args.integer("devices"), args.integer("dp"), args.on("json"));
+      } catch (const fivefold::Error& e) {
+        throw fivefold::Error(args.str("config") + ": " + e.what());
+      }
+    }
     try {
       shape = fivefold::ch02::shape_from_hf_config(config);
     } catch (const fivefold::Error& e) {
