@@ -15,6 +15,7 @@
 #include <string>
 
 #include "03_transformer/model.h"
+#include "fivefold/dist.h"
 
 namespace fivefold::ch07 {
 
@@ -101,8 +102,10 @@ class MoeImpl : public ch03::FeedForwardLayer {
   /// The load since the last reset.
   const ExpertLoad& load() const { return load_; }
   /// Auxiliary-loss-free balancing (DeepSeek-V3): bias_i += γ·sign(mean load − load_i) from the
-  /// counts since the last call, then resets the counts. Returns the load it used.
-  ExpertLoad update_bias();
+  /// counts since the last call, then resets the counts. Returns the load it used. With `comm`
+  /// (data parallelism), the counts are first summed over its ranks, so that every rank applies
+  /// the update the whole global batch calls for and the biases stay equal.
+  ExpertLoad update_bias(dist::Communicator* comm = nullptr);
   /// The settings.
   const MoeConfig& config() const { return config_; }
 
@@ -132,7 +135,8 @@ MoeParameters count_parameters(const ch03::ModelConfig& config);
 /// and resets its counts. Returns, over the MoE layers, "moe_load" (each layer's counts),
 /// "moe_max_load" (the largest count over the mean, 1 = balanced), "moe_dropped" (share of the
 /// assignments dropped) and "moe_aux_loss" (mean over layers); {} for a model without experts.
-nlohmann::json after_step(ch03::Transformer& model);
+/// Under data parallelism pass the data-parallel communicator: loads are summed over it.
+nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm = nullptr);
 
 /// Puts experts in the MoE layers of `model` (from model->config().extensions) and draws their
 /// weights (chapter 01's seeded init).

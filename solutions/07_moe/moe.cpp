@@ -98,7 +98,8 @@ int64_t MoeConfig::capacity(int64_t tokens) const {
 
 TopkRouterImpl::TopkRouterImpl(int64_t d_model, const MoeConfig& config)
     : scoring_func_(config.scoring_func) {
-  weight = register_parameter("weight", torch::empty({config.n_routed_experts, d_model}));
+  // N(0, 0.02²) from the global generator; a model redraws it by name (chapter 01's init).
+  weight = register_parameter("weight", 0.02 * torch::randn({config.n_routed_experts, d_model}));
   e_score_correction_bias = register_parameter(
       "e_score_correction_bias", torch::zeros({config.n_routed_experts}), /*requires_grad=*/false);
 }
@@ -171,8 +172,15 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
   return out.view(input.sizes());
 }
 
-ExpertLoad MoeImpl::update_bias() {
+ExpertLoad MoeImpl::update_bias(dist::Communicator* comm) {
   ExpertLoad used = load_;
+  if (comm != nullptr && comm->size() > 1) {  // the global batch's load, on every rank
+    auto totals = torch::cat({used.counts, torch::tensor({used.assignments, used.dropped})});
+    comm->all_reduce(totals);
+    used.counts = totals.narrow(0, 0, config_.n_routed_experts).clone();
+    used.assignments = totals[config_.n_routed_experts].item<int64_t>();
+    used.dropped = totals[config_.n_routed_experts + 1].item<int64_t>();
+  }
   if (config_.bias_update_speed > 0 && used.assignments > 0) {
     torch::NoGradGuard no_grad;
     const auto load = used.counts.to(torch::kFloat);
@@ -220,13 +228,13 @@ MoeParameters count_parameters(const ch03::ModelConfig& c) {
   return p;
 }
 
-nlohmann::json after_step(ch03::Transformer& model) {
+nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm) {
   nlohmann::json loads = nlohmann::json::array();
   double max_load = 0, dropped = 0, assignments = 0, aux = 0;
   for (const auto& layer : *model->model->layers) {
     auto moe = std::dynamic_pointer_cast<MoeImpl>(layer->as<ch03::BlockImpl>()->mlp);
     if (!moe) continue;
-    const ExpertLoad load = moe->update_bias();
+    const ExpertLoad load = moe->update_bias(comm);
     if (load.assignments == 0) continue;
     const auto counts = load.counts.to(torch::kDouble);
     max_load = std::max(max_load, (counts.max() / counts.mean()).item<double>());

@@ -349,7 +349,7 @@ TEST(Moe, SmallModelTrainsAndReportsItsLoad) {
   ch03::RunConfig c;
   c.model = tiny_model();
   c.build_model = make_model;
-  c.after_step = after_step;
+  c.after_step = [](Transformer& m) { return after_step(m); };
   c.steps = c.train.total_steps = 40;
   c.train.warmup_steps = 4;
   c.seq_len = 32;
