@@ -66,22 +66,7 @@ int main(int argc, char** argv) {
     Runtime runtime;
 
     // 1. Parameters buy capacity, active parameters cost FLOPs (6 per active parameter a token).
-    const auto v3 = config_from_json(nlohmann::json{{"model_type", "deepseek_v3"},
-                                                    {"vocab_size", 129280},
-                                                    {"hidden_size", 7168},
-                                                    {"intermediate_size", 18432},
-                                                    {"num_hidden_layers", 61},
-                                                    {"num_attention_heads", 128},
-                                                    {"q_lora_rank", 1536},
-                                                    {"kv_lora_rank", 512},
-                                                    {"qk_nope_head_dim", 128},
-                                                    {"qk_rope_head_dim", 64},
-                                                    {"v_head_dim", 128},
-                                                    {"n_routed_experts", 256},
-                                                    {"num_experts_per_tok", 8},
-                                                    {"n_shared_experts", 1},
-                                                    {"moe_intermediate_size", 2048},
-                                                    {"first_k_dense_replace", 3}});
+    const auto v3 = ch07::deepseek_v3_config();
     std::printf("%-20s %16s %16s %8s %18s\n", "model", "parameters", "active", "share",
                 "6·active / token");
     for (const auto& [name, config] : {std::pair<const char*, ModelConfig>{"DeepSeek-V3", v3},

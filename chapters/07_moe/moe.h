@@ -142,6 +142,12 @@ nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm = n
 /// weights (chapter 01's seeded init).
 void install_moe(ch03::Transformer& model);
 
+/// DeepSeek-V3's architecture as its config.json describes it (the keys that fix parameters:
+/// vocabulary 129,280, hidden 7,168, 61 layers, 128 heads, MLA ranks 1,536 / 512, 256 experts of
+/// 2,048 with 8 active and 1 shared, the first 3 layers dense with 18,432), read through chapter
+/// 03's config reader. For counting (count_parameters), not for building: 671 B parameters.
+ch03::ModelConfig deepseek_v3_config();
+
 /// Chapter 07's recipe: a config with MoE keys gets chapter 06's MLA and this chapter's experts
 /// (DeepSeek-V3 in miniature); any other config goes to chapter 06's make_model.
 ch03::Transformer make_model(const ch03::ModelConfig& config);

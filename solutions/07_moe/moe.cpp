@@ -261,6 +261,29 @@ void install_moe(ch03::Transformer& model) {
   model->initialise_parameters();  // the experts' and routers' matrices, by (seed, name)
 }
 
+ch03::ModelConfig deepseek_v3_config() {
+  return ch03::config_from_json(nlohmann::json{{"model_type", "deepseek_v3"},
+                                               {"vocab_size", 129280},
+                                               {"hidden_size", 7168},
+                                               {"intermediate_size", 18432},
+                                               {"num_hidden_layers", 61},
+                                               {"num_attention_heads", 128},
+                                               {"num_key_value_heads", 128},
+                                               {"q_lora_rank", 1536},
+                                               {"kv_lora_rank", 512},
+                                               {"qk_nope_head_dim", 128},
+                                               {"qk_rope_head_dim", 64},
+                                               {"v_head_dim", 128},
+                                               {"n_routed_experts", 256},
+                                               {"num_experts_per_tok", 8},
+                                               {"n_shared_experts", 1},
+                                               {"moe_intermediate_size", 2048},
+                                               {"first_k_dense_replace", 3},
+                                               {"n_group", 8},
+                                               {"topk_group", 4},
+                                               {"tie_word_embeddings", false}});
+}
+
 ch03::Transformer make_model(const ch03::ModelConfig& config) {
   if (config.extensions.is_null() || !config.extensions.contains("n_routed_experts") ||
       config.extensions["n_routed_experts"].is_null()) {

@@ -290,26 +290,7 @@ TEST(Moe, ParameterCountsMatchNumelAndDeepSeekV3) {
   EXPECT_EQ(counted.active, numel - unused);
   // DeepSeek-V3's config.json (the keys that change parameters): 671 B total, 37 B active
   // (the paper's figures, without the 14 B multi-token-prediction module).
-  const auto v3 = ch03::config_from_json(nlohmann::json{{"model_type", "deepseek_v3"},
-                                                        {"vocab_size", 129280},
-                                                        {"hidden_size", 7168},
-                                                        {"intermediate_size", 18432},
-                                                        {"num_hidden_layers", 61},
-                                                        {"num_attention_heads", 128},
-                                                        {"num_key_value_heads", 128},
-                                                        {"q_lora_rank", 1536},
-                                                        {"kv_lora_rank", 512},
-                                                        {"qk_nope_head_dim", 128},
-                                                        {"qk_rope_head_dim", 64},
-                                                        {"v_head_dim", 128},
-                                                        {"n_routed_experts", 256},
-                                                        {"num_experts_per_tok", 8},
-                                                        {"n_shared_experts", 1},
-                                                        {"moe_intermediate_size", 2048},
-                                                        {"first_k_dense_replace", 3},
-                                                        {"n_group", 8},
-                                                        {"topk_group", 4},
-                                                        {"tie_word_embeddings", false}});
+  const auto v3 = deepseek_v3_config();
   const auto p = count_parameters(v3);
   std::printf("DeepSeek-V3: %.1f B parameters, %.1f B active\n", p.total / 1e9, p.active / 1e9);
   EXPECT_NEAR(p.total / 1e9, 671, 1);
