@@ -29,6 +29,9 @@ namespace fivefold::ch09 {
 /// in autograd's saved tensors; gathering fills the same storage again, without counting as an
 /// in-place change. That is how backward finds the weights it saved in forward. The hooks refer
 /// to this object: keep it alive while a graph built by its forward may still run backward.
+/// Only the optimizer changes parameters here: a parameter updated by other code between steps
+/// (chapter 07's balancing bias) would have to be updated in its shard, which this class does not
+/// offer yet.
 class FullyShardedDataParallel {
  public:
   /// Broadcasts rank 0's parameters, keeps this rank's shard of each unit, frees the rest.
