@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "03_transformer/train.h"
+#include "07_moe/moe.h"
 #include "09_data_parallel/fsdp.h"
 #include "09_data_parallel/zero.h"
 #include "fivefold/comm_stats.h"
@@ -158,4 +159,28 @@ TEST(Fsdp, SendsOneAndAHalfTimesWhatDdpSends) {
   // 3 (N − 1)/N · 4Ψ per rank: 1.5x DDP's 2 (N − 1)/N · 4Ψ.
   EXPECT_DOUBLE_EQ(bytes, 3.0 * static_cast<double>(n - 1) / n * 4.0 * static_cast<double>(padded));
   EXPECT_DOUBLE_EQ(bytes, 1.5 * zero_bytes);
+}
+
+TEST(Fsdp, MatchesOneDeviceWithLatentAttentionAndExperts) {
+  // Chapters 06 and 07's DeepSeek-V3 in miniature: MLA in every block, 8 experts (2 per token) and
+  // a shared one from layer 1 on. Experts that no token of a rank chose have no gradient there.
+  ModelConfig c = small_config(false);
+  c.rope_theta = 10000;
+  c.n_kv_heads = c.n_heads;
+  c.extensions = {{"q_lora_rank", 16},
+                  {"kv_lora_rank", 16},
+                  {"qk_nope_head_dim", 8},
+                  {"qk_rope_head_dim", 8},
+                  {"v_head_dim", 8},
+                  {"n_routed_experts", 8},
+                  {"num_experts_per_tok", 2},
+                  {"n_shared_experts", 1},
+                  {"moe_intermediate_size", 16},
+                  {"n_group", 1},
+                  {"topk_group", 1},
+                  {"first_k_dense_replace", 1}};
+  auto expected = train_on_one_device(fivefold::ch07::make_model(c), 3);
+  FullyShardedDataParallel fsdp(fivefold::ch07::make_model(c), world(), train_config());
+  train_fsdp(fsdp, 3);
+  expect_same_parameters(fsdp.model(), expected);
 }
