@@ -75,8 +75,8 @@ class FullyShardedDataParallel {
 
  private:
   struct Unit {
-    std::vector<torch::Tensor> params;         // the model's own tensors, registration order
-    std::vector<int64_t> index;                // their indices in params_ (for has_gradient_)
+    std::vector<torch::Tensor> params;  // the model's own tensors, registration order
+    int64_t first = 0;  // index of its first parameter in params_ (the rest follow in order)
     int64_t numel = 0, shard = 0, offset = 0;  // offset: where its shard sits in the local vectors
     bool gathered = false;
     bool pending = false;  // gathered by backward: its gradients still to reduce-scatter

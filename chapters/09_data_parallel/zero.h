@@ -54,6 +54,13 @@ struct ShardLayout {
 ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>>& params,
                          int64_t first_index, int ranks, int rank, const ch03::TrainConfig& config);
 
+/// The gradients of `params` as one flat vector of `padded_numel` numbers (at least their total:
+/// zeros pad the end and stand in for a missing gradient), divided by `ranks` so that a sum over
+/// the ranks is their mean: what ZeRO reduce-scatters. Sets has_gradient[first_index + k] to 1 for
+/// each parameter k that has a gradient.
+torch::Tensor pack_padded_gradients(const std::vector<torch::Tensor>& params, int64_t padded_numel,
+                                    int ranks, torch::Tensor& has_gradient, int64_t first_index);
+
 /// Clips a gradient sharded over `comm` by its global norm (each rank knows the squares of its
 /// own shard: one all-reduce of a number). Returns the norm before clipping.
 double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm);

@@ -45,8 +45,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
   for (size_t u = 0; u < units_.size(); ++u) {
     Unit& unit = units_[u];
     const auto layout = shard_layout(named[u], static_cast<int64_t>(params_.size()), n, r, config_);
+    unit.first = static_cast<int64_t>(params_.size());
     for (const auto& [name, p] : named[u]) {
-      unit.index.push_back(static_cast<int64_t>(params_.size()));
       unit.params.push_back(p);
       params_.push_back(p);
     }
@@ -107,18 +107,9 @@ void FullyShardedDataParallel::release(Unit& unit) {
   // The unit's gradients as one padded flat vector divided by N: the reduce-scatter's sum is the
   // mean, and this rank receives its shard of it, added to what earlier backwards left there.
   const int n = comm_->size();
-  auto flat = torch::zeros({unit.shard * n});
-  int64_t offset = 0;
-  for (size_t k = 0; k < unit.params.size(); ++k) {
-    auto& p = unit.params[k];
-    if (p.grad().defined()) {
-      flat.narrow(0, offset, p.numel()).copy_(p.grad().reshape(-1));
-      has_gradient_[unit.index[k]] = 1.0;
-      p.mutable_grad() = torch::Tensor();  // the full gradient goes
-    }
-    offset += p.numel();
-  }
-  grad_shard(unit).add_(comm_->reduce_scatter(flat.div_(n)));
+  auto flat = pack_padded_gradients(unit.params, unit.shard * n, n, has_gradient_, unit.first);
+  for (auto& p : unit.params) p.mutable_grad() = torch::Tensor();  // the full gradients go
+  grad_shard(unit).add_(comm_->reduce_scatter(flat));
   unit.pending = false;
   free(unit);
 }

@@ -40,6 +40,21 @@ ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>
   return layout;
 }
 
+torch::Tensor pack_padded_gradients(const std::vector<torch::Tensor>& params, int64_t padded_numel,
+                                    int ranks, torch::Tensor& has_gradient, int64_t first_index) {
+  auto flat = torch::zeros({padded_numel});
+  int64_t offset = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const auto& g = params[k].grad();
+    if (g.defined()) {
+      flat.narrow(0, offset, g.numel()).copy_(g.reshape(-1));
+      has_gradient[first_index + static_cast<int64_t>(k)] = 1.0;
+    }
+    offset += params[k].numel();
+  }
+  return flat.div_(ranks);
+}
+
 double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm) {
   auto squares = grad_shard.pow(2).sum().to(torch::kDouble).reshape({1});
   comm.all_reduce(squares);
@@ -110,20 +125,11 @@ double ZeroOptimizer::step(int64_t step) {
   const int n = comm_->size();
   // 1. The full gradient as one padded flat vector, divided by N: the reduce-scatter's sum is then
   //    the mean, and this rank receives its shard of it.
-  auto flat = torch::zeros({layout_.shard * n});
   auto has_gradient = torch::zeros({static_cast<int64_t>(params_.size())});
-  int64_t offset = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& g = params_[i].grad();
-    if (g.defined()) {
-      flat.narrow(0, offset, g.numel()).copy_(g.reshape(-1));
-      has_gradient[static_cast<int64_t>(i)] = 1.0;
-    }
-    offset += params_[i].numel();
-  }
-  comm_->all_reduce(has_gradient);  // > 0: some rank has this parameter's gradient
-  if (stage_ == 2) zero_grad();     // the full gradients go as soon as they are packed
-  grad_shard_ = comm_->reduce_scatter(flat.div_(n));  // [shard]
+  auto flat = pack_padded_gradients(params_, layout_.shard * n, n, has_gradient, 0);
+  comm_->all_reduce(has_gradient);            // > 0: some rank has this parameter's gradient
+  if (stage_ == 2) zero_grad();               // the full gradients go as soon as they are packed
+  grad_shard_ = comm_->reduce_scatter(flat);  // [shard]
   flat = torch::Tensor();
 
   // 2. Global-norm clipping, then 3. AdamW on this rank's shard of the parameters.
@@ -137,7 +143,7 @@ double ZeroOptimizer::step(int64_t step) {
 
   // 4. Everyone's updated shards, back into the model.
   auto gathered = comm_->all_gather(mine);  // [shard * N]
-  offset = 0;
+  int64_t offset = 0;
   for (auto& p : params_) {
     p.copy_(gathered.narrow(0, offset, p.numel()).view_as(p));
     offset += p.numel();
