@@ -77,6 +77,8 @@ struct KVCache {
   std::vector<LayerCache> layers;  ///< resized by the model on first use
   /// Positions cached so far (the position of the next token).
   int64_t length() const;
+  /// Bytes of the tensors held, over all layers (what the cache formulas count).
+  int64_t bytes() const;
 };
 
 /// Encodes positions into queries and keys before attention (chapter 04: rotary embeddings).

@@ -34,15 +34,6 @@ ModelConfig small(bool mla) {
   }
   return c;
 }
-
-int64_t cache_bytes(const KVCache& cache) {
-  int64_t bytes = 0;
-  for (const auto& layer : cache.layers) {
-    for (const auto& t : {layer.keys, layer.values})
-      if (t.defined()) bytes += t.numel() * t.element_size();
-  }
-  return bytes;
-}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,7 +73,7 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       KVCache cache;
       model(torch::tensor(prompt).unsqueeze(0), &cache);
-      const int64_t per_token = cache_bytes(cache) / static_cast<int64_t>(prompt.size());
+      const int64_t per_token = cache.bytes() / static_cast<int64_t>(prompt.size());
       Timer timer;
       const auto out = generate(model, prompt, args.integer("decode"));
       const double seconds = timer.seconds();

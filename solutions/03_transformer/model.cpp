@@ -13,6 +13,15 @@ int64_t KVCache::length() const {
   return layers.empty() || !layers[0].keys.defined() ? 0 : layers[0].keys.size(2);
 }
 
+int64_t KVCache::bytes() const {
+  int64_t total = 0;
+  for (const auto& layer : layers) {
+    for (const auto& t : {layer.keys, layer.values})
+      if (t.defined()) total += t.numel() * t.element_size();
+  }
+  return total;
+}
+
 int64_t ModelConfig::resolved_head_dim() const {
   return head_dim > 0 ? head_dim : d_model / n_heads;
 }

@@ -72,13 +72,8 @@ TEST(KVCache, BytesEqualTheFormula) {
     KVCache cache;
     const int64_t batch = 3, tokens = 10;
     model->forward(torch::zeros({batch, tokens}, torch::kLong), &cache);
-    int64_t bytes = 0;
-    for (const auto& layer : cache.layers) {
-      bytes += layer.keys.numel() * layer.keys.element_size();
-      bytes += layer.values.numel() * layer.values.element_size();
-    }
     // notes/03_transformer.md section 2: 2 · L · h_kv · d_head · b · n · e
-    EXPECT_EQ(bytes, 2 * c.n_layers * n_kv * c.resolved_head_dim() * batch * tokens * 4);
+    EXPECT_EQ(cache.bytes(), 2 * c.n_layers * n_kv * c.resolved_head_dim() * batch * tokens * 4);
   }
 }
 

@@ -101,13 +101,8 @@ TEST(Mla, CacheBytesPerTokenEqualTheFormula) {
   ch03::KVCache cache;
   torch::NoGradGuard no_grad;
   model(tokens(3, 7), &cache);
-  int64_t bytes = 0;
-  for (const auto& layer : cache.layers) {
-    bytes += layer.keys.numel() * layer.keys.element_size();
-    if (layer.values.defined()) bytes += layer.values.numel() * layer.values.element_size();
-  }
   // (d_c + d_h^R) fp32 numbers per token per layer: 3 rows x 7 tokens x 2 layers x 24 x 4 bytes.
-  EXPECT_EQ(bytes, 3 * 7 * config.n_layers * kv_cache_elements_mla(mla) * 4);
+  EXPECT_EQ(cache.bytes(), 3 * 7 * config.n_layers * kv_cache_elements_mla(mla) * 4);
   EXPECT_EQ(kv_cache_elements_mla(mla), 24);
   // Against chapter 03's cache of the same model shape with multi-head attention: 2·n_h·d_h.
   ModelConfig llama = config;
@@ -116,10 +111,7 @@ TEST(Mla, CacheBytesPerTokenEqualTheFormula) {
   Transformer mha = make_model(llama);
   ch03::KVCache mha_cache;
   mha(tokens(3, 7), &mha_cache);
-  int64_t mha_bytes = 0;
-  for (const auto& layer : mha_cache.layers)
-    mha_bytes += (layer.keys.numel() + layer.values.numel()) * 4;
-  EXPECT_EQ(mha_bytes, 3 * 7 * config.n_layers * kv_cache_elements_gqa(4, 16) * 4);
+  EXPECT_EQ(mha_cache.bytes(), 3 * 7 * config.n_layers * kv_cache_elements_gqa(4, 16) * 4);
 }
 
 TEST(Mla, CacheFormulaWithDeepSeekDimensions) {
