@@ -60,6 +60,30 @@ std::string si(double value, const char* unit = "") {
   return text;
 }
 
+// Chapter 09: what each of `dp` data-parallel ranks keeps per ZeRO stage (0: DDP) for psi
+// parameters in fp32 AdamW, as plan's JSON writes it.
+nlohmann::json zero_memory(int64_t psi, int64_t dp) {
+  nlohmann::json zero;
+  for (int stage = 0; stage <= 3; ++stage) {
+    const auto m = fivefold::ch09::zero_memory_formula(psi, dp, stage);
+    zero[std::to_string(stage)] = {{"parameters", m.parameters},
+                                   {"gradients", m.gradients},
+                                   {"optimizer", m.optimizer},
+                                   {"total", m.parameters + m.gradients + m.optimizer}};
+  }
+  return zero;
+}
+
+// The table's line for zero_memory's figures.
+void print_zero_memory(const nlohmann::json& zero, int64_t dp) {
+  std::printf("memory/rank     dp %lld, fp32 AdamW (weights + gradients + Adam):",
+              static_cast<long long>(dp));
+  const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
+  for (int stage = 0; stage <= 3; ++stage)
+    std::printf("  %s %s", names[stage], si(zero[std::to_string(stage)]["total"], "B").c_str());
+  std::printf("\n");
+}
+
 // `fivefold plan` for a deepseek_v3 config (MLA and experts, chapters 06-07), which chapter 02's
 // shape does not describe: parameters total and active (count_parameters), the 6N rule on the
 // active ones (the FLOPs a token costs), memory from the total (every expert is stored).
@@ -77,10 +101,7 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
                        {"flops", flops},
                        {"days", flops / (peak * mfu * static_cast<double>(devices)) / 86400}};
   }
-  for (int stage = 0; dp > 0 && stage <= 3; ++stage) {
-    const auto m = fivefold::ch09::zero_memory_formula(p.total, dp, stage);
-    out["zero"][std::to_string(stage)] = {{"total", m.parameters + m.gradients + m.optimizer}};
-  }
+  if (dp > 0) out["zero"] = zero_memory(p.total, dp);
   if (as_json) {
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
@@ -94,14 +115,7 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
       "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes for every "
       "parameter, all experts; activations not included)\n",
       si(16.0 * static_cast<double>(p.total), "B").c_str());
-  if (out.contains("zero")) {
-    std::printf("memory/rank     dp %lld:", static_cast<long long>(dp));
-    const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
-    for (int stage = 0; stage <= 3; ++stage)
-      std::printf("  %s %s", names[stage],
-                  si(out["zero"][std::to_string(stage)]["total"].get<double>(), "B").c_str());
-    std::printf("\n");
-  }
+  if (dp > 0) print_zero_memory(out["zero"], dp);
   if (out.contains("training")) {
     std::printf(
         "training        %s tokens: %s FLOPs; %.1f days on %lld devices at %s FLOP/s, "
@@ -193,16 +207,7 @@ int plan(int argc, char** argv) {
   auto result = out;
   const int64_t dp = args.integer("dp");
   FIVEFOLD_CHECK(dp >= 0, "--dp must be >= 0");
-  if (dp > 0) {  // chapter 09: what each data-parallel rank keeps, per ZeRO stage
-    const int64_t psi = fivefold::ch02::count_parameters(shape).total;
-    for (int stage = 0; stage <= 3; ++stage) {
-      const auto m = fivefold::ch09::zero_memory_formula(psi, dp, stage);
-      result["zero"][std::to_string(stage)] = {{"parameters", m.parameters},
-                                               {"gradients", m.gradients},
-                                               {"optimizer", m.optimizer},
-                                               {"total", m.parameters + m.gradients + m.optimizer}};
-    }
-  }
+  if (dp > 0) result["zero"] = zero_memory(fivefold::ch02::count_parameters(shape).total, dp);
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
     return 0;
@@ -224,16 +229,7 @@ int plan(int argc, char** argv) {
       "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes a parameter; "
       "activations not included; no sharding)\n",
       si(out["memory_per_device_bytes"]["total_without_activations"], "B").c_str());
-  if (dp > 0) {
-    std::printf("memory/rank     dp %lld, fp32 AdamW (weights + gradients + Adam):",
-                static_cast<long long>(dp));
-    const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
-    for (int stage = 0; stage <= 3; ++stage) {
-      std::printf("  %s %s", names[stage],
-                  si(result["zero"][std::to_string(stage)]["total"], "B").c_str());
-    }
-    std::printf("\n");
-  }
+  if (dp > 0) print_zero_memory(result["zero"], dp);
   if (out.contains("training")) {
     const auto& t = out["training"];
     std::printf(
