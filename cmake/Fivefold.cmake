@@ -129,5 +129,5 @@ endfunction()
 # allowed, and ranks yield the core while they wait (2 cores often run 8-16 ranks).
 set(FIVEFOLD_MPIRUN ${MPIEXEC_EXECUTABLE} --oversubscribe --mca mpi_yield_when_idle 1 CACHE INTERNAL "")
 # OMP_WAIT_POLICY=passive: idle OpenMP threads sleep instead of spinning; with several processes
-# on 2 cores, spinning threads made a 1 s test take 15 s (measured, see notes/00_foundation.md).
+# on 2 cores, spinning threads made a 1 s test take 15 s (measured, see notes/foundation.md, "Threads and cores").
 set(FIVEFOLD_MPI_ENV "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OMP_WAIT_POLICY=passive" CACHE INTERNAL "")

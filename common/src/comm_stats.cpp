@@ -20,8 +20,8 @@ void record_comm(const std::string& communicator, Op op, int64_t bytes, double w
   std::lock_guard<std::mutex> lock(stats_mutex());
   OpCounts& counts = stats_table()[communicator][op];
   counts.calls += 1;
-  counts.bytes += bytes;
-  counts.wire_bytes += wire_bytes;
+  counts.payload_bytes += bytes;
+  counts.modelled_wire_bytes += wire_bytes;
 }
 
 CommStats comm_stats() {
@@ -45,13 +45,13 @@ OpCounts comm_counts(const std::string& communicator, Op op) {
 std::string format_comm_stats(const CommStats& stats) {
   std::ostringstream out;
   out << std::left << std::setw(16) << "communicator" << std::setw(16) << "op" << std::right
-      << std::setw(10) << "calls" << std::setw(16) << "bytes" << std::setw(16) << "wire bytes"
+      << std::setw(10) << "calls" << std::setw(16) << "payload bytes" << std::setw(16) << "modelled wire"
       << "\n";
   for (const auto& [comm, ops] : stats) {
     for (const auto& [op, counts] : ops) {
       out << std::left << std::setw(16) << comm << std::setw(16) << op_name(op) << std::right
-          << std::setw(10) << counts.calls << std::setw(16) << counts.bytes << std::setw(16)
-          << std::fixed << std::setprecision(0) << counts.wire_bytes << "\n";
+          << std::setw(10) << counts.calls << std::setw(16) << counts.payload_bytes << std::setw(16)
+          << std::fixed << std::setprecision(0) << counts.modelled_wire_bytes << "\n";
     }
   }
   return out.str();

@@ -5,7 +5,7 @@
 namespace fivefold {
 
 TensorDiff compare_tensors(const torch::Tensor& actual, const torch::Tensor& expected, double atol,
-                           double rtol) {
+                           double rtol, bool nan_equal) {
   TensorDiff diff;
   if (actual.sizes() != expected.sizes()) {
     diff.shape_mismatch = true;
@@ -22,7 +22,9 @@ TensorDiff compare_tensors(const torch::Tensor& actual, const torch::Tensor& exp
   auto e = expected.detach().to(torch::kCPU, torch::kDouble).contiguous().view(-1);
   auto both_nan = a.isnan() & e.isnan();
   auto abs_err = (a - e).abs().masked_fill(both_nan, 0.0);
-  auto bad = (abs_err > (atol + rtol * e.abs())) | (a.isnan() != e.isnan());
+  // A comparison with NaN is false, so NaN would pass `abs_err > tolerance`: count it explicitly.
+  auto nan_bad = nan_equal ? (a.isnan() != e.isnan()) : (a.isnan() | e.isnan());
+  auto bad = (abs_err > (atol + rtol * e.abs())) | nan_bad;
   auto rel_err = (abs_err / e.abs()).masked_fill(e == 0, 0.0).masked_fill(both_nan, 0.0);
   diff.bad_count = bad.sum().item<int64_t>();
   diff.close = diff.bad_count == 0;

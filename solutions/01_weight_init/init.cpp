@@ -48,7 +48,7 @@ torch::Tensor init_weight_shard(const std::string& name, int64_t out_features, i
                                 const InitSpec& spec, uint64_t seed, int64_t dim, int64_t index,
                                 int64_t count) {
   // Draw the whole tensor, then keep our part: costs memory for the full tensor once, and in
-  // exchange every layout gets exactly the single-device numbers (DESIGN.md, "Numerics").
+  // exchange every layout gets exactly the single-device numbers (notes/01_weight_init.md).
   return shard(init_weight(name, out_features, in_features, spec, seed), dim, index, count).clone();
 }
 

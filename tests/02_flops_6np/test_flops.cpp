@@ -29,7 +29,7 @@ TEST(FlopCounter, MlpForwardAndBackward) {
     EXPECT_DOUBLE_EQ(counter.flops(), forward);
     y.sum().backward();
     // Backward is 2x forward, except that the first layer computes no gradient for an input
-    // that does not need one: 3F - F_first (REFERENCES.md, "Op-level FLOP counting").
+    // that does not need one: 3F - F_first (notes/02_flops_6np.md).
     const double first = 2.0 * batch * 24 * 40;
     EXPECT_DOUBLE_EQ(counter.flops(), input_needs_grad ? 3 * forward : 3 * forward - first);
   }

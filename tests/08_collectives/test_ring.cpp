@@ -24,8 +24,10 @@ TEST(Ring, ReduceScatterEqualsTheLibrarys) {
   auto comm = world();
   for (int64_t rows : row_counts(comm->size())) {
     auto x = input_of(comm->rank(), "rs" + std::to_string(rows), {rows, 3});
+    const auto before = x.clone();
     SCOPED_TRACE(std::to_string(rows) + " rows");
     EXPECT_TENSOR_EQ(ring_reduce_scatter(*comm, x), comm->reduce_scatter(x));
+    EXPECT_TENSOR_EQ(x, before);  // the ring works on its own buffers: the input is untouched
   }
 }
 
@@ -34,8 +36,10 @@ TEST(Ring, AllGatherEqualsTheLibrarys) {
   for (int64_t rows : row_counts(comm->size())) {
     const auto sizes = chunk_sizes(rows, comm->size());
     auto mine = input_of(comm->rank(), "ag" + std::to_string(rows), {sizes[comm->rank()], 2, 2});
+    const auto before = mine.clone();
     SCOPED_TRACE(std::to_string(rows) + " rows");
     EXPECT_TENSOR_EQ(ring_all_gather(*comm, mine, sizes), comm->all_gather(mine, sizes));
+    EXPECT_TENSOR_EQ(mine, before);
   }
 }
 
@@ -45,8 +49,10 @@ TEST(Ring, AllReduceEqualsTheLibrarys) {
     auto x = input_of(comm->rank(), "ar" + std::to_string(rows), {rows, 5});
     auto expected = x.clone();
     comm->all_reduce(expected);
+    const auto before = x.clone();
     SCOPED_TRACE(std::to_string(rows) + " rows");
     EXPECT_TENSOR_EQ(ring_all_reduce(*comm, x), expected);
+    EXPECT_TENSOR_EQ(x, before);
   }
 }
 
@@ -59,16 +65,16 @@ TEST(Ring, SendsExactlyTheFormulasBytes) {
     auto mine = ring_reduce_scatter(*comm, x);
     auto rs = dist::comm_counts(comm->name(), dist::Op::SendRecv);
     EXPECT_EQ(rs.calls, n - 1);
-    EXPECT_EQ(rs.bytes, ring_reduce_scatter_bytes(x, r, n)) << rows << " rows";
+    EXPECT_EQ(rs.payload_bytes, ring_reduce_scatter_bytes(x, r, n)) << rows << " rows";
     const auto sizes = chunk_sizes(rows, n);
     dist::reset_comm_stats();
     ring_all_gather(*comm, mine, sizes);
     auto ag = dist::comm_counts(comm->name(), dist::Op::SendRecv);
-    EXPECT_EQ(ag.bytes, ring_all_gather_bytes(sizes, 4 * 4, r)) << rows << " rows";
+    EXPECT_EQ(ag.payload_bytes, ring_all_gather_bytes(sizes, 4 * 4, r)) << rows << " rows";
     // With N dividing the rows, each is (N − 1)/N of the data, and all-reduce twice that.
     if (rows % n == 0) {
-      EXPECT_EQ(rs.bytes * n, (n - 1) * x.numel() * 4);
-      EXPECT_EQ((rs.bytes + ag.bytes) * n, 2 * (n - 1) * x.numel() * 4);
+      EXPECT_EQ(rs.payload_bytes * n, (n - 1) * x.numel() * 4);
+      EXPECT_EQ((rs.payload_bytes + ag.payload_bytes) * n, 2 * (n - 1) * x.numel() * 4);
     }
   }
 }

@@ -127,7 +127,7 @@ TEST(DataParallel, BucketsOverlapBackwardAndSendEachGradientOnce) {
   }
   // One all-reduce per bucket, carrying each gradient once plus one flag per parameter.
   EXPECT_EQ(counts.calls, overlapped.buckets);
-  EXPECT_EQ(counts.bytes, 4 * (elements + params));
+  EXPECT_EQ(counts.payload_bytes, 4 * (elements + params));
   EXPECT_GT(overlapped.buckets, 3);
   // With overlap, every bucket starts while backward is still running; without, none does.
   EXPECT_EQ(overlapped.launched_in_backward, overlapped.buckets);

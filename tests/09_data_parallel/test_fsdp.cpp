@@ -137,17 +137,18 @@ TEST(Fsdp, SendsOneAndAHalfTimesWhatDdpSends) {
     one_step();
     const auto rs = dist::comm_counts(world()->name(), dist::Op::ReduceScatter);
     const auto ag = dist::comm_counts(world()->name(), dist::Op::AllGather);
-    return std::tuple(rs.calls, ag.calls, rs.wire_bytes + ag.wire_bytes);
+    return std::tuple(rs.calls, ag.calls, rs.modelled_wire_bytes + ag.modelled_wire_bytes,
+                      rs.payload_bytes + ag.payload_bytes);
   };
   // ZeRO-2 sends exactly an all-reduce of the gradients, what DDP sends (Zero.SendsWhatDdpSends).
   Transformer zero_model(small_config(false));
   ZeroOptimizer zero(zero_model.ptr(), world(), 2, train_config());
-  const auto [zero_rs, zero_ag, zero_bytes] = measure([&] {
+  const auto [zero_rs, zero_ag, zero_bytes, zero_payload] = measure([&] {
     loss(zero_model(batch.inputs), batch).backward();
     zero.step(0);
   });
   FullyShardedDataParallel fsdp(Transformer(small_config(false)), world(), train_config());
-  const auto [rs, ag, bytes] = measure([&] {
+  const auto [rs, ag, bytes, payload] = measure([&] {
     loss(fsdp.forward(batch.inputs), batch).backward();
     fsdp.step(0);
   });
@@ -156,7 +157,12 @@ TEST(Fsdp, SendsOneAndAHalfTimesWhatDdpSends) {
   EXPECT_EQ(rs, units);      // and its gradients reduce-scattered once
   int64_t padded = 0;
   for (int64_t numel : fsdp.unit_numels()) padded += (numel + n - 1) / n * n;
-  // 3 (N − 1)/N · 4Ψ per rank: 1.5x DDP's 2 (N − 1)/N · 4Ψ.
+  // Measured: the payloads handed to the collectives, 4Ψ (padded) for each of the two
+  // all-gathers and the reduce-scatter, against ZeRO-2's one reduce-scatter and one all-gather.
+  EXPECT_EQ(payload, 3 * 4 * padded);
+  EXPECT_EQ(zero_payload, 2 * 4 * zero.shard_numel() * n);
+  // Modelled wire bytes (ring factor (N − 1)/N on each measured payload): 3 (N − 1)/N · 4Ψ per
+  // rank, 1.5x DDP's (and ZeRO-2's) 2 (N − 1)/N · 4Ψ.
   EXPECT_DOUBLE_EQ(bytes, 3.0 * static_cast<double>(n - 1) / n * 4.0 * static_cast<double>(padded));
   EXPECT_DOUBLE_EQ(bytes, 1.5 * zero_bytes);
 }

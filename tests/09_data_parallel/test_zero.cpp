@@ -84,11 +84,14 @@ TEST(Zero, SendsWhatDdpSends) {
     zero(false, stage, 1);
     const auto rs = dist::comm_counts(world()->name(), dist::Op::ReduceScatter);
     const auto ag = dist::comm_counts(world()->name(), dist::Op::AllGather);
-    // Reduce-scatter the gradients, all-gather the parameters: (N−1)/N·4·(padded Ψ) each, which is
-    // 2(N−1)/N·4Ψ together, an all-reduce's worth: the same as DDP.
+    // Measured: reduce-scatter the gradients, all-gather the parameters, 4·(padded Ψ) payload
+    // each. Modelled on the wire: (N−1)/N of each, 2(N−1)/N·4Ψ together, an all-reduce's worth:
+    // the same as DDP.
     EXPECT_EQ(rs.calls, 1);
     EXPECT_EQ(ag.calls, 1);
-    EXPECT_DOUBLE_EQ(rs.wire_bytes + ag.wire_bytes,
+    EXPECT_EQ(rs.payload_bytes, 4 * shard * n);
+    EXPECT_EQ(ag.payload_bytes, 4 * shard * n);
+    EXPECT_DOUBLE_EQ(rs.modelled_wire_bytes + ag.modelled_wire_bytes,
                      2.0 * static_cast<double>(n - 1) / n * 4.0 * static_cast<double>(shard * n));
   }
 }

@@ -248,24 +248,24 @@ TEST(Communicator, StatisticsCountExactlyWhatWasIssued) {
   const double ring = (n - 1.0) / n;
   auto ar = comm_counts("world", Op::AllReduce);
   EXPECT_EQ(ar.calls, 2);
-  EXPECT_EQ(ar.bytes, 2 * 256);
-  EXPECT_DOUBLE_EQ(ar.wire_bytes, 2 * 2 * ring * 256);
+  EXPECT_EQ(ar.payload_bytes, 2 * 256);
+  EXPECT_DOUBLE_EQ(ar.modelled_wire_bytes, 2 * 2 * ring * 256);
   auto ag = comm_counts("world", Op::AllGather);
   EXPECT_EQ(ag.calls, 1);
-  EXPECT_EQ(ag.bytes, 48 * n);
-  EXPECT_DOUBLE_EQ(ag.wire_bytes, ring * 48 * n);
+  EXPECT_EQ(ag.payload_bytes, 48 * n);
+  EXPECT_DOUBLE_EQ(ag.modelled_wire_bytes, ring * 48 * n);
   auto rs = comm_counts("world", Op::ReduceScatter);
-  EXPECT_EQ(rs.bytes, 16 * n);
-  EXPECT_DOUBLE_EQ(rs.wire_bytes, ring * 16 * n);
+  EXPECT_EQ(rs.payload_bytes, 16 * n);
+  EXPECT_DOUBLE_EQ(rs.modelled_wire_bytes, ring * 16 * n);
   auto bc = comm_counts("world", Op::Broadcast);
-  EXPECT_EQ(bc.bytes, 80);
+  EXPECT_EQ(bc.payload_bytes, 80);
   auto a2a = comm_counts("world", Op::AllToAll);
-  EXPECT_EQ(a2a.bytes, 2 * n * 5 * 4);
-  EXPECT_DOUBLE_EQ(a2a.wire_bytes, (n - 1) * 2 * 5 * 4.0);  // rows to other ranks only
+  EXPECT_EQ(a2a.payload_bytes, 2 * n * 5 * 4);
+  EXPECT_DOUBLE_EQ(a2a.modelled_wire_bytes, (n - 1) * 2 * 5 * 4.0);  // rows to other ranks only
   auto sr = comm_counts("world", Op::SendRecv);
   EXPECT_EQ(sr.calls, 1);
-  EXPECT_EQ(sr.bytes, 28);
-  EXPECT_DOUBLE_EQ(sr.wire_bytes, n > 1 ? 28.0 : 0.0);  // to itself: nothing on the wire
+  EXPECT_EQ(sr.payload_bytes, 28);
+  EXPECT_DOUBLE_EQ(sr.modelled_wire_bytes, n > 1 ? 28.0 : 0.0);  // to itself: nothing on the wire
   EXPECT_EQ(comm_counts("world", Op::Barrier).calls, 1);
   EXPECT_EQ(comm_counts("world", Op::Send).calls, 0);
   EXPECT_NE(format_comm_stats(comm_stats()).find("all_reduce"), std::string::npos);
@@ -277,9 +277,9 @@ TEST(Communicator, StatisticsCountExactlyWhatWasIssued) {
       auto r = torch::empty({9});
       comm->recv(r, 0);
     }
-    EXPECT_EQ(comm_counts("world", Op::Send).bytes, me == 0 ? 36 : 0);
-    EXPECT_EQ(comm_counts("world", Op::Recv).bytes, me == 1 ? 36 : 0);
-    EXPECT_DOUBLE_EQ(comm_counts("world", Op::Recv).wire_bytes, 0.0);
+    EXPECT_EQ(comm_counts("world", Op::Send).payload_bytes, me == 0 ? 36 : 0);
+    EXPECT_EQ(comm_counts("world", Op::Recv).payload_bytes, me == 1 ? 36 : 0);
+    EXPECT_DOUBLE_EQ(comm_counts("world", Op::Recv).modelled_wire_bytes, 0.0);
   }
 }
 

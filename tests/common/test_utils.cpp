@@ -97,9 +97,27 @@ TEST(CompareTensors, ReportsTheWorstElement) {
   EXPECT_NE(diff.report().find("[1, 2]"), std::string::npos);
   EXPECT_TRUE(fivefold::compare_tensors(actual, expected, 0.6, 0).close);
   EXPECT_TRUE(fivefold::compare_tensors(actual, actual, 0, 0).close);
-  EXPECT_TRUE(fivefold::compare_tensors(torch::full({2}, NAN), torch::full({2}, NAN), 0, 0).close);
+  // NaN is close to nothing, itself included, unless the caller asks.
+  EXPECT_FALSE(fivefold::compare_tensors(torch::full({2}, NAN), torch::full({2}, NAN), 0, 0).close);
+  EXPECT_FALSE(fivefold::compare_tensors(torch::full({2}, NAN), torch::full({2}, NAN), 1, 1).close);
+  EXPECT_TRUE(
+      fivefold::compare_tensors(torch::full({2}, NAN), torch::full({2}, NAN), 0, 0, true).close);
+  EXPECT_FALSE(
+      fivefold::compare_tensors(torch::full({2}, NAN), torch::zeros({2}), 1, 1, true).close);
   EXPECT_FALSE(fivefold::compare_tensors(torch::full({2}, NAN), torch::zeros({2}), 1, 1).close);
   EXPECT_TRUE(fivefold::compare_tensors(torch::zeros({3}), torch::zeros({2}), 1, 1).shape_mismatch);
+}
+
+TEST(CompareTensors, AssertionsEvaluateEachArgumentOnce) {
+  int calls = 0;
+  auto counted = [&calls] {
+    ++calls;
+    return torch::ones({2});
+  };
+  EXPECT_TENSOR_EQ(counted(), counted());
+  EXPECT_EQ(calls, 2);
+  EXPECT_TENSOR_CLOSE(counted(), counted(), 0, 0);
+  EXPECT_EQ(calls, 4);
 }
 
 namespace {

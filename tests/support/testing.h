@@ -46,16 +46,23 @@ class ScratchDir {
 }  // namespace fivefold::testing
 
 /// Expects |actual - expected| <= atol + rtol * |expected| everywhere; reports the worst element.
+/// Each argument is evaluated once; a NaN anywhere fails.
 #define EXPECT_TENSOR_CLOSE(actual, expected, atol, rtol)                                          \
   do {                                                                                             \
     const auto fivefold_diff_ = ::fivefold::compare_tensors((actual), (expected), (atol), (rtol)); \
     EXPECT_TRUE(fivefold_diff_.close) << #actual " vs " #expected ": " << fivefold_diff_.report(); \
   } while (0)
 
-/// Expects bit-identical tensors (same shape, dtype and values).
+/// Expects bit-identical tensors (same shape, dtype and values). Each argument is evaluated once;
+/// a NaN anywhere fails (call compare_tensors with nan_equal to accept NaN in the same place).
+/// The arguments are held by value (a reference count), so a tensor borrowed from a temporary
+/// stays alive.
 #define EXPECT_TENSOR_EQ(actual, expected)                                                         \
   do {                                                                                             \
-    EXPECT_EQ((actual).scalar_type(), (expected).scalar_type());                                   \
-    const auto fivefold_diff_ = ::fivefold::compare_tensors((actual), (expected), 0.0, 0.0);       \
+    const torch::Tensor fivefold_actual_ = (actual);                                               \
+    const torch::Tensor fivefold_expected_ = (expected);                                           \
+    EXPECT_EQ(fivefold_actual_.scalar_type(), fivefold_expected_.scalar_type());                   \
+    const auto fivefold_diff_ =                                                                    \
+        ::fivefold::compare_tensors(fivefold_actual_, fivefold_expected_, 0.0, 0.0);               \
     EXPECT_TRUE(fivefold_diff_.close) << #actual " vs " #expected ": " << fivefold_diff_.report(); \
   } while (0)

@@ -2,7 +2,7 @@
 /// @file blas.h
 /// @brief Startup check that matrix multiply does not run on the reference BLAS. Debian's LibTorch
 /// reaches BLAS through the alternatives system; with only the reference library installed a
-/// 1024^2 matmul runs ~15x slower (4 vs 62 GFLOP/s on 2 cores, see REFERENCES.md).
+/// 1024^2 matmul runs ~15x slower (4 vs 62 GFLOP/s on 2 cores, measured here).
 
 #include <string>
 

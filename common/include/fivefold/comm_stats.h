@@ -3,15 +3,18 @@
 /// @brief Counts of every Communicator operation on this rank, per communicator name and op,
 /// so tests and notes can compare measured communication with the formulas.
 ///
-/// Two byte counts are kept per operation:
-/// - `bytes`: the payload this rank hands to the operation: the tensor reduced (all_reduce,
-///   reduce_scatter input), the full gathered result (all_gather output), the tensor broadcast,
-///   sent (send, send_recv's send side) or received (recv), all_to_all's input.
-/// - `wire_bytes`: what this rank sends over the network. Exact for send, send_recv and all_to_all
-///   (rows addressed to other ranks). For the library collectives, whose internal algorithm is the
-///   backend's, the bandwidth-optimal (ring) volume per rank, as nccl-tests' bus bandwidth assumes,
-///   with S = payload and N = ranks: all_reduce 2(N-1)/N S, all_gather and reduce_scatter (N-1)/N
-///   S, broadcast (N-1)/N S, recv and barrier 0.
+/// Two byte counts are kept per operation, one measured and one modelled:
+/// - `payload_bytes` (**measured**): the bytes this rank handed to the operation, counted from the
+///   tensors themselves: the tensor reduced (all_reduce, reduce_scatter input), the full gathered
+///   result (all_gather output), the tensor broadcast, sent (send, send_recv's send side) or
+///   received (recv), all_to_all's input. A test or note that says "measured" means this.
+/// - `modelled_wire_bytes` (**modelled**): what this rank would send over the network under a
+///   formula per algorithm. For send, send_recv and all_to_all it is exact (rows addressed to
+///   other ranks). For the library collectives, whose internal algorithm is the backend's and
+///   cannot be observed, it is the bandwidth-optimal ring volume per rank, as nccl-tests' bus
+///   bandwidth assumes, with S = payload and N = ranks: all_reduce 2(N-1)/N S, all_gather and
+///   reduce_scatter (N-1)/N S, broadcast (N-1)/N S, recv and barrier 0. Chapter 08's own ring
+///   algorithms are built from send_recv, so their wire bytes are exact.
 
 #include <cstdint>
 #include <map>
@@ -24,8 +27,8 @@ namespace fivefold::dist {
 /// Totals for one (communicator, op) pair.
 struct OpCounts {
   int64_t calls = 0;      ///< operations issued
-  int64_t bytes = 0;      ///< payload bytes (see file comment)
-  double wire_bytes = 0;  ///< bytes sent by this rank (see file comment)
+  int64_t payload_bytes = 0;       ///< measured: bytes handed to the operations (file comment)
+  double modelled_wire_bytes = 0;  ///< modelled: bytes this rank sends (file comment)
 };
 
 /// communicator name -> op -> counts.

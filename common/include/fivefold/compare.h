@@ -22,8 +22,9 @@ struct TensorDiff {
   std::string report() const;
 };
 
-/// Compares two tensors (any dtype; computed in float64). NaN in the same place counts as equal.
+/// Compares two tensors (any dtype; computed in float64). A NaN is never close to anything, another
+/// NaN included, unless `nan_equal` (then NaN in the same place counts as equal).
 TensorDiff compare_tensors(const torch::Tensor& actual, const torch::Tensor& expected, double atol,
-                           double rtol);
+                           double rtol, bool nan_equal = false);
 
 }  // namespace fivefold
