@@ -1,6 +1,7 @@
 // fivefold train / generate / eval: chapter 03's model from the command line.
 //
 //   fivefold train --out runs/ch03 [--steps 300] [--data FILE] [--resume] ...
+//   mpirun -np 4 fivefold train --zero 1 ...     data parallel over 4 ranks (chapter 09)
 //   fivefold generate --checkpoint runs/ch03 --prompt "12+35=" --max-new-tokens 8 --greedy
 //   fivefold generate --checkpoint DIR --prompt-ids 3,1,4 --max-new-tokens N --greedy
 //   fivefold eval --checkpoint runs/ch03 [--data FILE] [--exact-match 200]
@@ -15,6 +16,7 @@
 #include "03_transformer/generate.h"
 #include "03_transformer/trainer.h"
 #include "07_moe/moe.h"
+#include "09_data_parallel/step.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -51,8 +53,9 @@ int train(int argc, char** argv) {
   const RunConfig d;  // defaults, shown in --help
   ArgParser args(
       "fivefold train",
-      "Trains the chapters' transformer (chapter 03, with chapter 04's rotary positions) "
-      "on one process: on the built-in synthetic "
+      "Trains the chapters' transformer (chapter 03, with chapter 04's rotary positions; "
+      "MLA and experts from a deepseek_v3 --model-config), on one process or data-parallel "
+      "under mpirun (chapter 09): on the built-in synthetic "
       "corpus (arithmetic, copying, reversal, key-value recall), a UTF-8 text file or "
       "a nanoGPT-style uint16 .bin. Writes OUT/metrics.jsonl and checkpoints "
       "OUT/step-N (Hugging Face layout plus optimizer and RNG state); --resume "
@@ -66,8 +69,19 @@ int train(int argc, char** argv) {
               "lines of synthetic training text");
   args.option("val-fraction", "0.1", "share of a data file held out (its end)");
   args.option("seq", std::to_string(d.seq_len), "tokens per sequence");
-  args.option("batch", std::to_string(d.batch), "sequences per optimizer step");
-  args.option("accum", "1", "micro-batches per step (gradient accumulation; divides --batch)");
+  args.option("batch", std::to_string(d.batch),
+              "sequences per optimizer step, over all ranks (the global batch)");
+  args.option("accum", "1",
+              "micro-batches per data-parallel rank and step (gradient accumulation; "
+              "dp x accum divides --batch)");
+  args.option("dp", "", "data-parallel ranks (default: the world size / (tp x pp x cp))");
+  args.option("zero", "0",
+              "with --dp > 1: 0 DDP, 1 shard AdamW's state, 2 and the gradients, 3 and the "
+              "parameters (ZeRO, chapter 09)");
+  args.option("tp", "1", "tensor-parallel ranks (chapter 10; only 1 for now)");
+  args.option("pp", "1", "pipeline stages (chapter 11; only 1 for now)");
+  args.option("cp", "1", "context-parallel ranks (chapter 12; only 1 for now)");
+  args.option("ep", "1", "expert-parallel ranks (chapter 13; only 1 for now)");
   args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
   args.option("warmup", "20", "linear warm-up steps");
   args.option("decay-steps", "", "steps of the cosine decay (default: --steps)");
@@ -96,9 +110,23 @@ int train(int argc, char** argv) {
   args.option("peak-gflops", "0", "matmul peak for MFU (0: measured at start)");
   args.flag("no-progress", "no progress bar");
   if (!args.parse(argc, argv)) return 0;
+  // The layout, checked before anything starts: every rank sees the same flags and the same
+  // world size, so every rank refuses the same way, before any communication.
+  const char* later[][2] = {{"tp", "10 (tensor parallelism)"},
+                            {"pp", "11 (pipeline parallelism)"},
+                            {"cp", "12 (context parallelism)"},
+                            {"ep", "13 (expert parallelism)"}};
+  for (const auto& [flag, chapter] : later) {
+    FIVEFOLD_CHECK(args.integer(flag) == 1, "--", flag, " ", args.integer(flag),
+                   ": only 1 is supported until chapter ", chapter, " is written");
+  }
+  const int zero = static_cast<int>(args.integer("zero"));
+  FIVEFOLD_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
   Runtime runtime;
-  FIVEFOLD_CHECK(runtime.world()->size() == 1,
-                 "fivefold train runs on one process in chapter 03 (data parallelism: chapter 09)");
+  auto world = runtime.world();
+  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size();
+  FIVEFOLD_CHECK(dp == world->size(), "--dp ", dp, " x tp 1 x pp 1 x cp 1 must equal the ",
+                 "number of processes, ", world->size());
 
   RunConfig c;
   c.out_dir = args.str("out");
@@ -129,7 +157,13 @@ int train(int argc, char** argv) {
     c.model = ch03::config_from_json(io::read_json(args.str("model-config")));
   c.model.seed = static_cast<uint64_t>(args.integer("seed"));
   c.build_model = ch07::make_model;  // the most complete model the chapters build
-  c.after_step = [](Transformer& m) { return ch07::after_step(m); };  // expert load, balancing
+  // Expert load and the balancing update, with the load summed over the data-parallel ranks.
+  c.after_step = [world](Transformer& m) { return ch07::after_step(m, world.get()); };
+  c.placement.data_rank = world->rank();
+  c.placement.data_ranks = dp;
+  c.placement.processes = world->size();
+  c.placement.writer = world->rank() == 0;
+  if (world->size() > 1 || zero > 0) c.make_step = ch09::data_parallel_step(world, zero);
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -141,7 +175,7 @@ int train(int argc, char** argv) {
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
 
   const RunResult r = run_training(c, args.on("resume"));
-  log() << "done: " << r.losses.size() << " steps, final training loss "
+  log0() << "done: " << r.losses.size() << " steps, final training loss "
         << (r.losses.empty() ? 0.0 : r.losses.back()) << ", held-out loss " << r.eval.loss
         << ", checkpoint " << (r.checkpoint.empty() ? "(none)" : r.checkpoint);
   return 0;

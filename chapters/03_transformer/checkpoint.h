@@ -31,14 +31,11 @@ void save_model(const std::string& dir, Transformer& model);
 /// naming the folder and the problem.
 Transformer load_model(const std::string& dir, const ModelBuilder& build = {});
 
-/// Writes AdamW's state atomically to `path` (a safetensors file) under the parameters' names:
-/// `{name}.exp_avg`, `{name}.exp_avg_sq` (float32, the parameter's shape) and `{name}.step`
-/// (int64). Names, not positions in a list, so that a differently sharded run can read it.
-/// Parameters without state yet (before the first step) are left out.
+/// Writes AdamW's state (optimizer_state, train.h: by parameter name) atomically to `path`, a
+/// safetensors file.
 void save_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer);
 
-/// Restores the state written by save_optimizer into `optimizer`, whose parameters are `model`'s.
-/// A tensor of the wrong shape or a name the model lacks is a fivefold::Error naming the file.
+/// Restores the state written by save_optimizer (load_optimizer_state, train.h).
 void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer);
 
 /// The CPU random generator's state as a tensor, and back (for exact resume of anything random).

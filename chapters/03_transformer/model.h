@@ -59,10 +59,44 @@ struct ModelConfig {
 /// each of the n_kv_heads key/value heads serves n_heads / n_kv_heads consecutive query heads.
 /// q: [batch, n_heads, seq_q, head_dim]; k, v: [batch, n_kv_heads, seq_k, head_dim] with
 /// seq_q <= seq_k: the queries are the last seq_q positions (query i is at seq_k - seq_q + i), as
-/// when generating with a KV cache. Returns [batch, n_heads, seq_q, head_dim].
+/// when generating with a KV cache. Returns [batch, n_heads, seq_q, head_dim]. When `lse` is given
+/// it receives each query's log-sum-exp of its scaled, masked scores, [batch, n_heads, seq_q]: what
+/// lets partial results over different keys be merged later (chapter 12).
 /// **Exercise** (README, "The exercise").
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v);
+                               const torch::Tensor& v, torch::Tensor* lse = nullptr);
+
+/// What an attention kernel returns.
+struct AttentionOutput {
+  torch::Tensor output;  ///< [batch, n_heads, seq_q, v_dim]
+  torch::Tensor lse;     ///< [batch, n_heads, seq_q]: log Σ_j exp(scale·q·k_j) over visible keys
+};
+
+/// The attention computation itself, q, k, v -> output and log-sum-exp: the slot a kernel that
+/// splits the keys (chapter 12's ring and all-gather attention) or a faster one fills. Chapter
+/// 03's attention and chapter 06's MLA both call it.
+class AttentionKernel {
+ public:
+  virtual ~AttentionKernel() = default;
+  /// q [batch, n_heads, seq_q, d], k [batch, n_kv_heads, seq_k, d], v [batch, n_kv_heads, seq_k,
+  /// v_dim]; q_positions [seq_q] and k_positions [seq_k] (int64) are the tokens' positions in
+  /// their sequence: a query sees the keys at positions <= its own. Scores are scale·q·k.
+  virtual AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k,
+                                 const torch::Tensor& v, const torch::Tensor& q_positions,
+                                 const torch::Tensor& k_positions, double scale) const = 0;
+};
+
+/// Chapter 03's kernel: causal_attention. It needs the layout causal_attention assumes (keys at
+/// consecutive positions, queries the last of them) and refuses any other with fivefold::Error.
+class CausalAttentionKernel : public AttentionKernel {
+ public:
+  AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& q_positions, const torch::Tensor& k_positions,
+                         double scale) const override;
+};
+
+/// The positions first .. first + count - 1, int64 [count].
+torch::Tensor position_range(int64_t first, int64_t count);
 
 /// What one attention layer keeps of the positions seen so far, for incremental decoding: here its
 /// keys and values (chapter 06's MLA keeps its compressed latent in `keys` and no values).
@@ -87,10 +121,11 @@ class PositionEncoding {
  public:
   virtual ~PositionEncoding() = default;
   /// q [batch, n_heads, seq, head_dim] and k [batch, n_kv_heads, seq, head_dim] of the tokens at
-  /// positions first_position .. first_position + seq - 1 -> the encoded (q, k).
+  /// `positions` (int64 [seq], any order: a sequence shard need not be contiguous) -> the
+  /// encoded (q, k).
   virtual std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q,
                                                          const torch::Tensor& k,
-                                                         int64_t first_position) const = 0;
+                                                         const torch::Tensor& positions) const = 0;
 };
 
 /// RMSNorm: x / sqrt(mean(x²) + eps) · weight, over the last dimension.
@@ -107,16 +142,25 @@ class RMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(RMSNorm);
 
-/// What a block needs from its attention: x [batch, seq, d_model] -> same shape, reading and
-/// extending the layer's cache when given one. Chapter 03 fills the slot with AttentionImpl; a
-/// later chapter may install its own (chapter 06: Multi-head Latent Attention).
+/// What a block needs from its attention: x [batch, seq, d_model] at `positions` -> same shape,
+/// reading and extending the layer's cache when given one. Chapter 03 fills the slot with
+/// AttentionImpl; a later chapter may install its own (chapter 06: Multi-head Latent Attention).
 class AttentionLayer : public torch::nn::Module {
  public:
-  /// x [batch, seq, d_model] -> [batch, seq, d_model]. With a cache, x holds the positions after
-  /// the cached ones; what they add is appended to it and attention sees all of them.
-  virtual torch::Tensor forward(const torch::Tensor& x, LayerCache* cache) = 0;
-  /// Applied to queries and keys (positions continue after the cached ones); null: no positions.
-  std::shared_ptr<const PositionEncoding> positions;
+  /// x [batch, seq, d_model] of the tokens at `positions` (int64 [seq]) -> [batch, seq, d_model].
+  /// With a cache, x holds the positions after the cached ones (0 .. length - 1); what they add
+  /// is appended to it and attention sees all of them.
+  virtual torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                LayerCache* cache) = 0;
+  /// Applied to queries and keys; null: no positions.
+  std::shared_ptr<const PositionEncoding> encoding;
+  /// Computes attention from q, k, v (chapter 03's CausalAttentionKernel by default).
+  std::shared_ptr<const AttentionKernel> kernel = std::make_shared<CausalAttentionKernel>();
+
+ protected:
+  /// The positions of the keys attention sees: the cached ones (0 .. cached - 1), then
+  /// `positions`.
+  static torch::Tensor key_positions(const torch::Tensor& positions, int64_t cached);
 };
 
 /// Self-attention with q/k/v/o projections (no biases).
@@ -125,7 +169,8 @@ class AttentionImpl : public AttentionLayer {
   /// Projections sized from `config`.
   explicit AttentionImpl(const ModelConfig& config);
   /// As AttentionLayer::forward; the cache keeps keys and values.
-  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr) override;
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
+                        LayerCache* cache = nullptr) override;
   torch::nn::Linear q_proj{nullptr};  ///< d_model -> n_heads·head_dim
   torch::nn::Linear k_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
   torch::nn::Linear v_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
@@ -162,8 +207,9 @@ class BlockImpl : public torch::nn::Module {
  public:
   /// Sub-modules sized from `config`.
   explicit BlockImpl(const ModelConfig& config);
-  /// x [batch, seq, d_model] -> same shape; `cache` as in AttentionImpl::forward.
-  torch::Tensor forward(const torch::Tensor& x, LayerCache* cache = nullptr);
+  /// x [batch, seq, d_model] at `positions` -> same shape; `cache` as in AttentionLayer::forward.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
+                        LayerCache* cache = nullptr);
   RMSNorm input_layernorm{nullptr};           ///< before attention
   RMSNorm post_attention_layernorm{nullptr};  ///< before the MLP
   std::shared_ptr<AttentionLayer> self_attn;  ///< attention (chapter 03's AttentionImpl by default)
@@ -176,20 +222,66 @@ class BlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+/// The token embedding slot: tokens [batch, seq] int64 -> [batch, seq, d_model]. Chapter 03's
+/// EmbeddingImpl looks rows up in a [vocab, d_model] table; chapter 10 installs one that holds a
+/// slice of the vocabulary on each tensor-parallel rank.
+class TokenEmbedding : public torch::nn::Module {
+ public:
+  /// tokens [batch, seq] int64 -> [batch, seq, d_model].
+  virtual torch::Tensor forward(const torch::Tensor& tokens) = 0;
+};
+
+/// The embedding table: row t is token t's vector.
+class EmbeddingImpl : public TokenEmbedding {
+ public:
+  /// A [vocab, d_model] table (initialised by the model).
+  EmbeddingImpl(int64_t vocab, int64_t d_model);
+  torch::Tensor forward(const torch::Tensor& tokens) override;
+  torch::Tensor weight;  ///< [vocab, d_model]
+};
+TORCH_MODULE(Embedding);
+
+/// The output slot: the LM head and the loss, from the final norm's output. Chapter 10 installs a
+/// vocabulary-parallel version whose loss never builds the full logits.
+class OutputLayer : public torch::nn::Module {
+ public:
+  /// hidden [..., d_model] -> logits [..., vocab].
+  virtual torch::Tensor logits(const torch::Tensor& hidden) = 0;
+  /// Mean next-token cross-entropy of hidden [batch, seq, d_model] against targets [batch, seq]
+  /// int64; a target of -100 (PyTorch's ignore_index) is padding and counts for nothing.
+  /// By default: cross-entropy of logits(hidden).
+  virtual torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& targets);
+};
+
+/// The LM head: logits = hidden · W^T, W its own [vocab, d_model] matrix (registered as
+/// "lm_head.weight") or, tied, the embedding table (not registered again).
+class LanguageModelHeadImpl : public OutputLayer {
+ public:
+  /// Its own matrix when `tied_weight` is undefined, else that tensor, shared.
+  LanguageModelHeadImpl(int64_t vocab, int64_t d_model, torch::Tensor tied_weight = {});
+  torch::Tensor logits(const torch::Tensor& hidden) override;
+  torch::Tensor weight;  ///< [vocab, d_model]
+};
+TORCH_MODULE(LanguageModelHead);
+
 /// The trunk, registered as "model" so that names read model.layers.{i}...
 class TrunkImpl : public torch::nn::Module {
  public:
   /// Embedding, blocks and final norm sized from `config`.
   explicit TrunkImpl(const ModelConfig& config);
-  torch::nn::Embedding embed_tokens{nullptr};  ///< [vocab, d_model]
-  torch::nn::ModuleList layers;                ///< the blocks
-  RMSNorm norm{nullptr};                       ///< final norm
+  std::shared_ptr<TokenEmbedding> embed_tokens;  ///< chapter 03's EmbeddingImpl by default
+  torch::nn::ModuleList layers;                  ///< the blocks
+  RMSNorm norm{nullptr};                         ///< final norm
 };
 TORCH_MODULE(Trunk);
 
 /// The language model. Parameters are initialised on construction (chapter 01: GPT-2 scheme,
 /// N(0, 0.02²), o_proj and down_proj scaled by 1/sqrt(2·n_layers), norms 1), each drawn from the
 /// generator of (config.seed, its Hugging Face name).
+///
+/// The forward pass runs in parts, so that a parallel chapter can run or replace one of them:
+/// embed (tokens) -> forward_layers (blocks [first, last) by their global index, at given
+/// positions) -> logits or loss (final norm, head).
 class TransformerImpl : public torch::nn::Module {
  public:
   /// Builds and initialises the model; throws fivefold::Error for an invalid config.
@@ -197,16 +289,33 @@ class TransformerImpl : public torch::nn::Module {
   /// tokens [batch, seq] int64 -> logits [batch, seq, vocab]. With a cache, `tokens` continue the
   /// cached sequence (they sit at positions cache->length() onwards) and are appended to it.
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
+  /// Part 1: tokens [batch, seq] int64 -> the embedding slot's output [batch, seq, d_model].
+  torch::Tensor embed(const torch::Tensor& tokens);
+  /// Part 2: blocks first .. last - 1 on x [batch, seq, d_model] of the tokens at `positions`
+  /// (int64 [seq]) -> same shape. With a cache (whole model only), positions follow the cached
+  /// ones.
+  torch::Tensor forward_layers(torch::Tensor x, const torch::Tensor& positions, int64_t first,
+                               int64_t last, KVCache* cache = nullptr);
+  /// Part 3: final norm and head, hidden [..., d_model] -> logits [..., vocab].
+  torch::Tensor logits(const torch::Tensor& hidden);
+  /// Part 3 for training: final norm and the output slot's loss against targets [batch, seq].
+  torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& targets);
   /// The configuration.
   const ModelConfig& config() const { return config_; }
   /// Installs `encoding` in every attention layer (chapter 04 installs RoPE this way).
   void set_position_encoding(std::shared_ptr<const PositionEncoding> encoding);
+  /// Installs `kernel` in every attention layer (chapter 12: ring attention).
+  void set_attention_kernel(std::shared_ptr<const AttentionKernel> kernel);
+  /// Puts `embedding` in the embedding slot (model.embed_tokens.*).
+  void set_embedding(std::shared_ptr<TokenEmbedding> embedding);
+  /// Puts `output` in the output slot (lm_head.*).
+  void set_output_layer(std::shared_ptr<OutputLayer> output);
   /// Draws every matrix again from its (seed, name) generator (chapter 01). The constructor does
   /// it; a chapter that replaces modules calls it after, and every matrix the replacement left
   /// alone gets the value it had.
   void initialise_parameters();
-  Trunk model{nullptr};                ///< embedding, blocks, final norm
-  torch::nn::Linear lm_head{nullptr};  ///< absent (null) when the embedding is tied
+  Trunk model{nullptr};                  ///< embedding, blocks, final norm
+  std::shared_ptr<OutputLayer> lm_head;  ///< chapter 03's LanguageModelHeadImpl by default
 
  private:
   ModelConfig config_;

@@ -6,11 +6,14 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "03_transformer/data.h"
 #include "03_transformer/model.h"
+#include "fivefold/io.h"
 
 namespace fivefold::ch03 {
 
@@ -63,5 +66,59 @@ struct StepResult {
 /// the learning rate of every group, step.
 StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainConfig& config,
                       const std::vector<Batch>& micro_batches, int64_t step);
+
+/// The training step as an object: what the training run (trainer.h) calls, so that one loop
+/// serves every layout. Chapter 03's SingleProcessStep is train_step on one process; chapter 09
+/// implements it with data parallelism (DDP, ZeRO-1/2/3), later chapters with more.
+class TrainingStep {
+ public:
+  virtual ~TrainingStep() = default;
+  /// Step `step` on this process's micro-batches (its rows of the global batch, in equal
+  /// slices). Returns the loss averaged over the whole global batch, the global gradient norm
+  /// before clipping, and the learning rate.
+  virtual StepResult step(const std::vector<Batch>& micro_batches, int64_t step) = 0;
+  /// The model as this process holds it (a sharded step may hold parameters only in part).
+  virtual Transformer& model() = 0;
+  /// The whole model with its current parameters, for evaluation and checkpoints. A sharded step
+  /// gathers it: collective, every rank calls it.
+  virtual Transformer& full_model() = 0;
+  /// The optimizer's state under parameter names (optimizer_state's layout), complete on every
+  /// rank. Collective.
+  virtual io::TensorMap optimizer_state() = 0;
+  /// Restores a state in that layout (read from `source`, named in errors); each rank keeps its
+  /// part.
+  virtual void load_optimizer_state(const io::TensorMap& state, const std::string& source) = 0;
+};
+
+/// Chapter 03's step: AdamW from make_optimizer and train_step, on one process.
+class SingleProcessStep : public TrainingStep {
+ public:
+  /// The step for `model` with AdamW configured by `config`.
+  SingleProcessStep(Transformer model, const TrainConfig& config);
+  StepResult step(const std::vector<Batch>& micro_batches, int64_t step) override;
+  Transformer& model() override { return model_; }
+  Transformer& full_model() override { return model_; }
+  io::TensorMap optimizer_state() override;
+  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
+
+ private:
+  Transformer model_;
+  TrainConfig config_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+};
+
+/// Makes the training step for a model (the training run calls it once).
+using StepFactory =
+    std::function<std::unique_ptr<TrainingStep>(Transformer model, const TrainConfig& config)>;
+
+/// AdamW's state under the parameters' names: `{name}.exp_avg`, `{name}.exp_avg_sq` (float32, the
+/// parameter's shape) and `{name}.step` (int64). Names, not positions in a list, so that a run
+/// with another layout can read it. Parameters without state yet (no step taken) are left out.
+io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer);
+/// Restores a state written by optimizer_state into `optimizer`, whose parameters are `model`'s.
+/// A tensor of the wrong shape, a missing one or a name the model lacks is a fivefold::Error
+/// naming `source`.
+void load_optimizer_state(const io::TensorMap& state, const std::string& source,
+                          Transformer& model, torch::optim::AdamW& optimizer);
 
 }  // namespace fivefold::ch03

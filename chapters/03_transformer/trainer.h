@@ -38,6 +38,15 @@ struct DataConfig {
   double val_fraction = 0.1;           ///< of a file's tokens, held out at its end
 };
 
+/// This process's place in a job of several (set by a parallel program; the defaults are one
+/// process). Not saved: a run may resume in another layout.
+struct Placement {
+  int64_t data_rank = 0;   ///< which slice of each global batch this process trains on
+  int64_t data_ranks = 1;  ///< slices (data-parallel ranks); batch / data_ranks rows each
+  int64_t processes = 1;   ///< processes doing the work (MFU divides by their peak)
+  bool writer = true;      ///< writes metrics, checkpoints, logs and the progress bar
+};
+
 /// A whole training run.
 struct RunConfig {
   ModelConfig model;                 ///< the model (ignored on resume: the checkpoint's is used)
@@ -45,7 +54,7 @@ struct RunConfig {
   DataConfig data;                   ///< tokens
   int64_t seq_len = 64;              ///< tokens per row
   int64_t batch = 16;                ///< rows per optimizer step (global batch)
-  int64_t micro_batches = 1;         ///< gradient accumulation: batch is split into this many
+  int64_t micro_batches = 1;         ///< gradient accumulation: micro-batches per data rank
   int64_t steps = 300;               ///< train until this many steps are done
   std::string out_dir;               ///< metrics and checkpoints; empty: write nothing
   int64_t save_every = 100;          ///< checkpoint interval in steps (0: only at the end)
@@ -56,6 +65,10 @@ struct RunConfig {
   double peak_gflops = 0;            ///< matmul peak for MFU; 0: measured at start
   bool progress = true;              ///< progress bar on stderr
   ModelBuilder build_model;          ///< makes the model (default: ch03::build_model); not saved
+  /// Makes the training step (default: SingleProcessStep; chapter 09: data parallelism). Not
+  /// saved.
+  StepFactory make_step;
+  Placement placement;  ///< this process's share of the work; not saved
   /// Runs after each optimizer step; the fields it returns join that step's metrics line
   /// (chapter 07: expert load, and the router bias update). Not saved.
   std::function<nlohmann::json(Transformer&)> after_step;

@@ -33,6 +33,9 @@ torch::Tensor rope_frequencies(int64_t head_dim, double base);
 /// [count, d/2] tensors (angles computed in float64).
 std::pair<torch::Tensor, torch::Tensor> rope_angles(const torch::Tensor& frequencies, int64_t first,
                                                     int64_t count);
+/// The same at any positions (int64 [count], e.g. a sequence shard that is not contiguous).
+std::pair<torch::Tensor, torch::Tensor> rope_angles(const torch::Tensor& frequencies,
+                                                    const torch::Tensor& positions);
 
 /// Rotates each pair of x's last dimension: (a, b) -> (a·cos − b·sin, a·sin + b·cos).
 /// x [..., seq, head_dim]; cos, sin [seq, head_dim/2] (broadcast over the leading dimensions).
@@ -57,9 +60,9 @@ class RotaryEmbedding : public ch03::PositionEncoding {
   /// Throws fivefold::Error for an odd head_dim or a non-positive base.
   RotaryEmbedding(int64_t head_dim, double base, RopeLayout layout = RopeLayout::HalfSplit,
                   int64_t cached_positions = 4096);
-  /// q, k [batch, heads, seq, head_dim] at positions first_position .. -> rotated (q, k).
+  /// q, k [batch, heads, seq, head_dim] at `positions` (int64 [seq]) -> rotated (q, k).
   std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q, const torch::Tensor& k,
-                                                 int64_t first_position) const override;
+                                                 const torch::Tensor& positions) const override;
 
  private:
   RopeLayout layout_;

@@ -74,9 +74,9 @@ class ScaledRotaryEmbedding : public ch03::PositionEncoding {
   /// MLA rotates interleaved pairs, chapter 06).
   ScaledRotaryEmbedding(int64_t head_dim, double base, RopeScaling scaling,
                         ch04::RopeLayout layout = ch04::RopeLayout::HalfSplit);
-  /// q, k [batch, heads, seq, head_dim] at positions first_position .. -> rotated (q, k).
+  /// q, k [batch, heads, seq, head_dim] at `positions` (int64 [seq]) -> rotated (q, k).
   std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q, const torch::Tensor& k,
-                                                 int64_t first_position) const override;
+                                                 const torch::Tensor& positions) const override;
 
  private:
   int64_t head_dim_;

@@ -55,19 +55,22 @@ class MultiHeadLatentAttentionImpl : public ch03::AttentionLayer {
   MultiHeadLatentAttentionImpl(const ch03::ModelConfig& model, const MlaConfig& mla);
 
   /// Without a cache: forward_naive (training). With one: forward_absorbed (inference).
-  torch::Tensor forward(const torch::Tensor& x, ch03::LayerCache* cache = nullptr) override;
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
+                        ch03::LayerCache* cache = nullptr) override;
 
-  /// The training path, x [batch, seq, d_model] at positions 0.. -> [batch, seq, d_model]: keys
+  /// The training path, x [batch, seq, d_model] at `positions` (int64 [seq]) -> [batch, seq,
+  /// d_model]: keys
   /// and values up-projected from the latent for every head, the decoupled rotary key repeated
   /// for every head, causal attention with softmax_scale(), o_proj.
   /// **Exercise** (README, "The exercise").
-  torch::Tensor forward_naive(const torch::Tensor& x);
+  torch::Tensor forward_naive(const torch::Tensor& x, const torch::Tensor& positions);
 
   /// The inference path: W^UK folded into the queries and W^UV applied after attention, so
   /// attention runs over the latent itself: multi-query attention whose one key per position is
   /// [c_KV | k^R] (d_c + d_h^R wide) and whose value is c_KV. `cache.keys` keeps exactly that,
-  /// [batch, 1, length, d_c + d_h^R]; x's positions follow the cached ones.
-  torch::Tensor forward_absorbed(const torch::Tensor& x, ch03::LayerCache& cache);
+  /// [batch, 1, length, d_c + d_h^R]; x's `positions` follow the cached ones.
+  torch::Tensor forward_absorbed(const torch::Tensor& x, const torch::Tensor& positions,
+                                 ch03::LayerCache& cache);
 
   /// Queries before rotation, [batch, n_heads, seq, qk_nope_head_dim + qk_rope_head_dim].
   torch::Tensor queries(const torch::Tensor& x);
@@ -86,8 +89,10 @@ class MultiHeadLatentAttentionImpl : public ch03::AttentionLayer {
   torch::nn::Linear o_proj{nullptr};              ///< n_h·v_head_dim -> d_model
 
  private:
-  /// Causal attention (chapter 03's) with this layer's scale instead of 1/√(q's width).
-  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+  /// The attention kernel (chapter 03's slot) with this layer's scale; queries at `positions`,
+  /// keys at key_positions(positions, cached).
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& positions, int64_t cached);
 
   int64_t n_heads_;
   MlaConfig mla_;

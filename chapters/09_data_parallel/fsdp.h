@@ -12,8 +12,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
+#include "03_transformer/data.h"
 #include "03_transformer/model.h"
 #include "03_transformer/train.h"
 #include "09_data_parallel/zero.h"
@@ -44,6 +47,8 @@ class FullyShardedDataParallel {
   /// unit gathered just before its part and freed just after. With gradients enabled, hooks on the
   /// units' outputs gather each unit again when backward reaches it.
   torch::Tensor forward(const torch::Tensor& tokens);
+  /// The mean loss of `batch` (the model's output slot), computed as forward does.
+  torch::Tensor loss(const ch03::Batch& batch);
 
   /// After backward (one or more: gradients accumulate in the shards): reduce-scatter the units
   /// backward left gathered, clip by the global norm, AdamW on this rank's shard with
@@ -73,6 +78,16 @@ class FullyShardedDataParallel {
   /// before using it without this wrapper.
   ch03::Transformer& model() { return model_; }
 
+  /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state).
+  io::TensorMap optimizer_state() const { return adam_->state(named_, *comm_); }
+  /// Keeps this rank's part of a state in that layout.
+  void load_optimizer_state(const io::TensorMap& state, const std::string& source) {
+    adam_->load_state(state, named_, source);
+  }
+  /// The last step's gradient shards (the mean over the ranks, after clipping), whole, by
+  /// parameter name; complete on every rank (collective).
+  io::TensorMap gradients() const { return unshard(adam_->layout(), grads_, named_, *comm_); }
+
  private:
   struct Unit {
     std::vector<torch::Tensor> params;  // the model's own tensors, registration order
@@ -86,6 +101,10 @@ class FullyShardedDataParallel {
   void free(Unit& unit);       // release the parameters' storage (shape and autograd state stay)
   void release(Unit& unit);    // reduce-scatter the gradients into the shard, drop them, free
   void on_backward(size_t u);  // backward reached unit u: release the unit after it, gather u
+  // Embedding and every block, each unit gathered for its part; the root is left gathered.
+  torch::Tensor hidden(const torch::Tensor& tokens);
+  // Frees the root after the head, and gathers it again when backward reaches `output`.
+  torch::Tensor finish(const torch::Tensor& output);
   torch::Tensor param_shard(const Unit& unit) { return shards_.narrow(0, unit.offset, unit.shard); }
   torch::Tensor grad_shard(const Unit& unit) { return grads_.narrow(0, unit.offset, unit.shard); }
 
@@ -94,6 +113,7 @@ class FullyShardedDataParallel {
   ch03::TrainConfig config_;
   std::vector<Unit> units_;            // root, then the blocks
   std::vector<torch::Tensor> params_;  // all parameters, in the units' order
+  std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
   torch::Tensor shards_, grads_;       // this rank's shards of every unit, one after another
   torch::Tensor has_gradient_;         // [params]: 1 where this rank had a gradient this step
   std::unique_ptr<ShardedAdamW> adam_;

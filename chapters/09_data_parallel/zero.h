@@ -17,6 +17,7 @@
 
 #include "03_transformer/train.h"
 #include "fivefold/dist.h"
+#include "fivefold/io.h"
 
 namespace fivefold::ch09 {
 
@@ -61,6 +62,14 @@ ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>
 torch::Tensor pack_padded_gradients(const std::vector<torch::Tensor>& params, int64_t padded_numel,
                                     int ranks, torch::Tensor& has_gradient, int64_t first_index);
 
+/// The whole tensors of `params` ((name, parameter), index order; only shapes are read) from
+/// every rank's `shard` laid out as `layout` (this rank's): each rank writes its pieces into zeroed
+/// full-size tensors and one all-reduce sums them, every element living on exactly one rank.
+/// Collective. Used to consolidate sharded optimizer state and gradients by parameter name.
+io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
+                      const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                      dist::Communicator& comm);
+
 /// Clips a gradient sharded over `comm` by its global norm (each rank knows the squares of its
 /// own shard: one all-reduce of a number). Returns the norm before clipping.
 double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm);
@@ -79,6 +88,18 @@ class ShardedAdamW {
             int64_t step);
   /// Bytes of the two moments (8 per element of the shard).
   int64_t state_bytes() const { return (exp_avg_.numel() + exp_avg_sq_.numel()) * 4; }
+
+  /// The whole state under parameter names, in ch03::optimizer_state's layout, on every rank of
+  /// `comm` (collective, unshard). `params`: (name, parameter) in index order (the parameters'
+  /// shapes are read; their storage may be freed).
+  io::TensorMap state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                      dist::Communicator& comm) const;
+  /// Keeps this rank's pieces of `state` (that layout, read from `source`, named in errors).
+  void load_state(const io::TensorMap& state,
+                  const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                  const std::string& source);
+  /// The shard's layout.
+  const ShardLayout& layout() const { return layout_; }
 
  private:
   ShardLayout layout_;
@@ -116,12 +137,23 @@ class ZeroOptimizer {
   /// Numbers per shard (ceil(Ψ / N)).
   int64_t shard_numel() const { return layout_.shard; }
 
+  /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state).
+  io::TensorMap optimizer_state() const { return adam_->state(named_, *comm_); }
+  /// Keeps this rank's part of a state in that layout.
+  void load_optimizer_state(const io::TensorMap& state, const std::string& source) {
+    adam_->load_state(state, named_, source);
+  }
+  /// The last step's gradient shards (the mean over the ranks, after clipping), whole, by
+  /// parameter name; complete on every rank (collective).
+  io::TensorMap gradients() const { return unshard(layout_, grad_shard_, named_, *comm_); }
+
  private:
   std::shared_ptr<torch::nn::Module> model_;
   dist::CommunicatorPtr comm_;
   int stage_;
   ch03::TrainConfig config_;
   std::vector<torch::Tensor> params_;  // trainable, in registration order
+  std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
   ShardLayout layout_;
   std::unique_ptr<ShardedAdamW> adam_;
   torch::Tensor grad_shard_;  // [shard] (kept in stage 2)

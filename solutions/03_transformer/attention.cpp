@@ -7,7 +7,7 @@
 namespace fivefold::ch03 {
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v) {
+                               const torch::Tensor& v, torch::Tensor* lse) {
   const int64_t n_heads = q.size(1), n_kv_heads = k.size(1), head_dim = q.size(3);
   const int64_t seq_q = q.size(2), seq_k = k.size(2);
   torch::Tensor keys = k, values = v;
@@ -22,6 +22,8 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
   // position p = seq_k - seq_q + i and may look at keys j <= p only.
   auto future = torch::ones({seq_q, seq_k}, torch::kBool).triu(seq_k - seq_q + 1);
   scores.masked_fill_(future, -INFINITY);   // in place: one pass, no new [.., seq_q, seq_k]
+  // Each query's log Σ exp(score) over the keys it sees, [batch, n_heads, seq_q], on request.
+  if (lse != nullptr) *lse = torch::logsumexp(scores, -1);
   auto probs = torch::softmax(scores, -1);  // rows sum to 1
   return torch::matmul(probs, values);      // [batch, n_heads, seq_q, head_dim]
 }

@@ -154,7 +154,7 @@ std::string state_key(const torch::Tensor& p) {
 }
 }  // namespace
 
-void save_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
+io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer) {
   io::TensorMap tensors;
   for (const auto& item : model->named_parameters()) {
     auto found = optimizer.state().find(state_key(item.value()));
@@ -164,11 +164,11 @@ void save_optimizer(const std::string& path, Transformer& model, torch::optim::A
     tensors[item.key() + ".exp_avg_sq"] = state.exp_avg_sq();
     tensors[item.key() + ".step"] = torch::tensor(state.step(), torch::kLong);
   }
-  io::save_safetensors(path, tensors, {{"format", "fivefold-adamw"}});
+  return tensors;
 }
 
-void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
-  io::TensorMap tensors = io::load_safetensors(path);
+void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
+                          Transformer& model, torch::optim::AdamW& optimizer) {
   std::set<std::string> used;
   for (const auto& item : model->named_parameters()) {
     const std::string& name = item.key();
@@ -185,15 +185,23 @@ void load_optimizer(const std::string& path, Transformer& model, torch::optim::A
       used.insert(found->first);
     }
     auto state = std::make_unique<torch::optim::AdamWParamState>();
-    state->step(tensors[name + ".step"].item<int64_t>());
-    state->exp_avg(tensors[name + ".exp_avg"].to(torch::kFloat).clone());
-    state->exp_avg_sq(tensors[name + ".exp_avg_sq"].to(torch::kFloat).clone());
+    state->step(tensors.at(name + ".step").item<int64_t>());
+    state->exp_avg(tensors.at(name + ".exp_avg").to(torch::kFloat).clone());
+    state->exp_avg_sq(tensors.at(name + ".exp_avg_sq").to(torch::kFloat).clone());
     optimizer.state()[state_key(item.value())] = std::move(state);
   }
   for (const auto& [name, tensor] : tensors) {
     FIVEFOLD_CHECK(used.count(name), "optimizer state '", path, "': '", name,
                    "' belongs to no parameter of this model");
   }
+}
+
+void save_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
+  io::save_safetensors(path, optimizer_state(model, optimizer), {{"format", "fivefold-adamw"}});
+}
+
+void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
+  load_optimizer_state(io::load_safetensors(path), path, model, optimizer);
 }
 
 torch::Tensor rng_state() { return at::detail::getDefaultCPUGenerator().get_state(); }

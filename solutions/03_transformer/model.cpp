@@ -2,6 +2,7 @@
 
 #include "03_transformer/model.h"
 
+#include <cmath>
 #include <tuple>
 
 #include "01_weight_init/weight_init.h"
@@ -20,6 +21,31 @@ int64_t KVCache::bytes() const {
       if (t.defined()) total += t.numel() * t.element_size();
   }
   return total;
+}
+
+torch::Tensor position_range(int64_t first, int64_t count) {
+  return torch::arange(first, first + count, torch::kLong);
+}
+
+AttentionOutput CausalAttentionKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
+                                              const torch::Tensor& v,
+                                              const torch::Tensor& q_positions,
+                                              const torch::Tensor& k_positions,
+                                              double scale) const {
+  // causal_attention's layout: keys at consecutive positions, the queries the last of them.
+  const int64_t seq_q = q.size(2), seq_k = k.size(2);
+  FIVEFOLD_CHECK(seq_q <= seq_k && k_positions.size(0) == seq_k && q_positions.size(0) == seq_q &&
+                     torch::equal(k_positions - k_positions[0], position_range(0, seq_k)) &&
+                     torch::equal(q_positions, k_positions.narrow(0, seq_k - seq_q, seq_q)),
+                 "chapter 03's attention kernel needs keys at consecutive positions and queries "
+                 "at the last of them; other layouts need another kernel (chapter 12)");
+  AttentionOutput result;
+  // causal_attention divides q by √(its width); multiplying by √width · scale leaves `scale`.
+  const double width = static_cast<double>(q.size(-1));
+  const double factor = scale * std::sqrt(width);
+  result.output =
+      causal_attention(std::abs(factor - 1.0) < 1e-12 ? q : q * factor, k, v, &result.lse);
+  return result;
 }
 
 int64_t ModelConfig::resolved_head_dim() const {
@@ -79,7 +105,12 @@ AttentionImpl::AttentionImpl(const ModelConfig& c)
   o_proj = register_module("o_proj", linear(n_heads_ * head_dim_, c.d_model));
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, LayerCache* cache) {
+torch::Tensor AttentionLayer::key_positions(const torch::Tensor& positions, int64_t cached) {
+  return cached == 0 ? positions : torch::cat({position_range(0, cached), positions});
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                     LayerCache* cache) {
   const int64_t batch = x.size(0), seq = x.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
   auto heads = [&](const torch::Tensor& t, int64_t n) {
@@ -87,19 +118,18 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, LayerCache* cache) 
   };
   auto q = heads(q_proj(x), n_heads_);
   auto k = heads(k_proj(x), n_kv_heads_), v = heads(v_proj(x), n_kv_heads_);
-  if (positions) {  // these tokens come after the cached ones
-    const int64_t first = cache != nullptr && cache->keys.defined() ? cache->keys.size(2) : 0;
-    std::tie(q, k) = positions->encode(q, k, first);
-  }
+  if (encoding) std::tie(q, k) = encoding->encode(q, k, positions);
+  const int64_t cached = cache != nullptr && cache->keys.defined() ? cache->keys.size(2) : 0;
   if (cache != nullptr) {  // prepend the cached positions: [batch, n_kv_heads, cached + seq, hd]
-    if (cache->keys.defined()) {
+    if (cached > 0) {
       k = torch::cat({cache->keys, k}, 2);
       v = torch::cat({cache->values, v}, 2);
     }
     cache->keys = k;
     cache->values = v;
   }
-  auto out = causal_attention(q, k, v);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  auto out = kernel->attend(q, k, v, positions, key_positions(positions, cached), scale).output;
   // [batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]
   return o_proj(out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_}));
 }
@@ -122,9 +152,10 @@ BlockImpl::BlockImpl(const ModelConfig& c) {
   mlp = register_module<FeedForwardLayer>("mlp", std::make_shared<MlpImpl>(c));
 }
 
-torch::Tensor BlockImpl::forward(const torch::Tensor& x, LayerCache* cache) {
+torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                 LayerCache* cache) {
   // Pre-norm: the residual stream itself is never normalised.
-  auto h = x + self_attn->forward(input_layernorm(x), cache);
+  auto h = x + self_attn->forward(input_layernorm(x), positions, cache);
   return h + mlp->forward(post_attention_layernorm(h));
 }
 
@@ -136,8 +167,31 @@ void BlockImpl::set_mlp(std::shared_ptr<FeedForwardLayer> feed_forward) {
   mlp = replace_module("mlp", std::move(feed_forward));
 }
 
+EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t d_model) {
+  weight = register_parameter("weight", torch::empty({vocab, d_model}));
+}
+
+torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
+  return torch::embedding(weight, tokens);  // row tokens[b, s] of the table
+}
+
+torch::Tensor OutputLayer::loss(const torch::Tensor& hidden, const torch::Tensor& targets) {
+  auto scores = logits(hidden);  // [batch, seq, vocab]
+  return torch::cross_entropy_loss(scores.view({-1, scores.size(-1)}), targets.reshape({-1}));
+}
+
+LanguageModelHeadImpl::LanguageModelHeadImpl(int64_t vocab, int64_t d_model,
+                                             torch::Tensor tied_weight)
+    : weight(tied_weight.defined() ? tied_weight
+                                   : register_parameter("weight", torch::empty({vocab, d_model}))) {}
+
+torch::Tensor LanguageModelHeadImpl::logits(const torch::Tensor& hidden) {
+  return torch::matmul(hidden, weight.t());  // [..., d_model] x [d_model, vocab]
+}
+
 TrunkImpl::TrunkImpl(const ModelConfig& c) {
-  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(c.vocab_size, c.d_model));
+  embed_tokens = register_module<TokenEmbedding>("embed_tokens",
+                                                 Embedding(c.vocab_size, c.d_model).ptr());
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layers; ++i) layers->push_back(Block(c));
   norm = register_module("norm", RMSNorm(c.d_model, c.rms_norm_eps));
@@ -146,8 +200,10 @@ TrunkImpl::TrunkImpl(const ModelConfig& c) {
 TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)) {
   config_.validate();
   model = register_module("model", Trunk(config_));
-  if (!config_.tied_embeddings)
-    lm_head = register_module("lm_head", linear(config_.d_model, config_.vocab_size));
+  torch::Tensor tied;
+  if (config_.tied_embeddings) tied = model->embed_tokens->as<EmbeddingImpl>()->weight;
+  lm_head = register_module<OutputLayer>(
+      "lm_head", LanguageModelHead(config_.vocab_size, config_.d_model, tied).ptr());
   initialise_parameters();
 }
 
@@ -167,7 +223,20 @@ void TransformerImpl::initialise_parameters() {
 }
 
 void TransformerImpl::set_position_encoding(std::shared_ptr<const PositionEncoding> encoding) {
-  for (const auto& layer : *model->layers) layer->as<BlockImpl>()->self_attn->positions = encoding;
+  for (const auto& layer : *model->layers) layer->as<BlockImpl>()->self_attn->encoding = encoding;
+}
+
+void TransformerImpl::set_attention_kernel(std::shared_ptr<const AttentionKernel> kernel) {
+  FIVEFOLD_CHECK(kernel != nullptr, "set_attention_kernel: no kernel");
+  for (const auto& layer : *model->layers) layer->as<BlockImpl>()->self_attn->kernel = kernel;
+}
+
+void TransformerImpl::set_embedding(std::shared_ptr<TokenEmbedding> embedding) {
+  model->embed_tokens = model->replace_module("embed_tokens", std::move(embedding));
+}
+
+void TransformerImpl::set_output_layer(std::shared_ptr<OutputLayer> output) {
+  lm_head = replace_module("lm_head", std::move(output));
 }
 
 Transformer build_model(const ModelConfig& config) {
@@ -176,22 +245,46 @@ Transformer build_model(const ModelConfig& config) {
   return Transformer(config);
 }
 
-torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
+torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens) {
   FIVEFOLD_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong,
                  "Transformer: tokens must be int64 [batch, seq], got ", tokens.sizes(), " ",
                  tokens.scalar_type());
+  return model->embed_tokens->forward(tokens);  // [batch, seq, d_model]
+}
+
+torch::Tensor TransformerImpl::forward_layers(torch::Tensor x, const torch::Tensor& positions,
+                                              int64_t first, int64_t last, KVCache* cache) {
+  FIVEFOLD_CHECK(0 <= first && first <= last && last <= config_.n_layers,
+                 "Transformer: layers [", first, ", ", last, ") outside 0 .. ", config_.n_layers);
+  FIVEFOLD_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong &&
+                     positions.size(0) == x.size(1),
+                 "Transformer: positions must be int64 [seq] with seq = ", x.size(1));
   FIVEFOLD_CHECK(
-      config_.rope_theta == 0 || model->layers[0]->as<BlockImpl>()->self_attn->positions != nullptr,
+      config_.rope_theta == 0 || model->layers[0]->as<BlockImpl>()->self_attn->encoding != nullptr,
       "Transformer: the config has rope_theta = ", config_.rope_theta,
       " but no position encoding is installed: build the model with chapter 04's "
       "make_model (or load_model)");
   if (cache != nullptr) cache->layers.resize(config_.n_layers);
-  auto x = model->embed_tokens(tokens);  // [batch, seq, d_model]
-  for (int64_t i = 0; i < config_.n_layers; ++i) {
-    x = model->layers[i]->as<BlockImpl>()->forward(x, cache ? &cache->layers[i] : nullptr);
+  for (int64_t i = first; i < last; ++i) {
+    x = model->layers[i]->as<BlockImpl>()->forward(x, positions,
+                                                   cache ? &cache->layers[i] : nullptr);
   }
-  x = model->norm(x);
-  return config_.tied_embeddings ? torch::matmul(x, model->embed_tokens->weight.t()) : lm_head(x);
+  return x;
+}
+
+torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
+  return lm_head->logits(model->norm(hidden));
+}
+
+torch::Tensor TransformerImpl::loss(const torch::Tensor& hidden, const torch::Tensor& targets) {
+  return lm_head->loss(model->norm(hidden), targets);
+}
+
+torch::Tensor TransformerImpl::forward(const torch::Tensor& tokens, KVCache* cache) {
+  auto x = embed(tokens);
+  const int64_t first = cache != nullptr ? cache->length() : 0;
+  x = forward_layers(x, position_range(first, tokens.size(1)), 0, config_.n_layers, cache);
+  return logits(x);
 }
 
 }  // namespace fivefold::ch03

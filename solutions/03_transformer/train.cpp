@@ -4,6 +4,7 @@
 
 #include <cmath>
 
+#include "03_transformer/checkpoint.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -49,8 +50,12 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const Tr
 }
 
 torch::Tensor loss_of(Transformer& model, const Batch& batch) {
-  auto logits = model(batch.inputs);  // [rows, seq, vocab]
-  return torch::cross_entropy_loss(logits.view({-1, logits.size(-1)}), batch.targets.reshape({-1}));
+  // The model's parts: embedding, every block, then the output slot's loss (which a
+  // vocabulary-parallel head computes without building the logits).
+  auto x = model->embed(batch.inputs);  // [rows, seq, d_model]
+  const auto positions = position_range(0, batch.inputs.size(1));
+  x = model->forward_layers(x, positions, 0, model->config().n_layers);
+  return model->loss(x, batch.targets);
 }
 
 double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_batches) {
@@ -99,6 +104,22 @@ StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const 
   }
   optimizer.step();
   return result;
+}
+
+SingleProcessStep::SingleProcessStep(Transformer model, const TrainConfig& config)
+    : model_(std::move(model)), config_(config), optimizer_(make_optimizer(model_, config)) {}
+
+StepResult SingleProcessStep::step(const std::vector<Batch>& micro_batches, int64_t step) {
+  return train_step(model_, *optimizer_, config_, micro_batches, step);
+}
+
+io::TensorMap SingleProcessStep::optimizer_state() {
+  return ch03::optimizer_state(model_, *optimizer_);
+}
+
+void SingleProcessStep::load_optimizer_state(const io::TensorMap& state,
+                                             const std::string& source) {
+  ch03::load_optimizer_state(state, source, model_, *optimizer_);
 }
 
 }  // namespace fivefold::ch03

@@ -27,8 +27,13 @@ void RunConfig::validate() const {
   train.validate();
   FIVEFOLD_CHECK(seq_len >= 1 && batch >= 1 && steps >= 1,
                  "run config: seq_len, batch and steps must be >= 1");
-  FIVEFOLD_CHECK(micro_batches >= 1 && batch % micro_batches == 0, "run config: micro_batches (",
-                 micro_batches, ") must divide batch (", batch, ")");
+  const int64_t slices = placement.data_ranks * micro_batches;
+  FIVEFOLD_CHECK(micro_batches >= 1 && placement.data_ranks >= 1 && batch % slices == 0,
+                 "run config: the batch (", batch, " rows) must split into ", placement.data_ranks,
+                 " data-parallel ranks x ", micro_batches, " micro-batches of equal rows");
+  FIVEFOLD_CHECK(placement.data_rank >= 0 && placement.data_rank < placement.data_ranks &&
+                     placement.processes >= placement.data_ranks,
+                 "run config: inconsistent placement");
   FIVEFOLD_CHECK(save_every >= 0 && eval_every >= 0 && eval_batches >= 1 &&
                      exact_match_examples >= 0 && keep_checkpoints >= 1 && peak_gflops >= 0,
                  "run config: save_every, eval_every, exact_match_examples >= 0; eval_batches, "
@@ -148,16 +153,20 @@ std::string resolve_checkpoint(const std::string& path) {
 namespace {
 
 // Writes OUT/step-NNNNNNNN as a whole: into a temporary folder, renamed when complete; then
-// `latest` points at it and folders beyond keep_checkpoints are deleted.
-std::string save_checkpoint(const RunConfig& c, Transformer& model, torch::optim::AdamW& optimizer,
-                            int64_t next_step) {
+// `latest` points at it and folders beyond keep_checkpoints are deleted. Every rank calls it (the
+// step may gather what it holds in shards); the writer writes.
+std::string save_checkpoint(const RunConfig& c, TrainingStep& trainer, int64_t next_step) {
+  Transformer& model = trainer.full_model();
+  const io::TensorMap optimizer = trainer.optimizer_state();
   char name[32];
   std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(next_step));
   const fs::path out(c.out_dir), final_dir = out / name, temp = out / (std::string(".") + name);
+  if (!c.placement.writer) return final_dir.string();
   fs::remove_all(temp);
   fs::create_directories(temp);
   save_model(temp.string(), model);
-  save_optimizer((temp / "optimizer.safetensors").string(), model, optimizer);
+  io::save_safetensors((temp / "optimizer.safetensors").string(), optimizer,
+                       {{"format", "fivefold-adamw"}});
   io::save_safetensors((temp / "rng.safetensors").string(), {{"cpu", rng_state()}});
   io::write_json((temp / "trainer_state.json").string(),
                  {{"step", next_step}, {"run", run_to_json(c)}});
@@ -205,6 +214,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     c.out_dir = requested.out_dir;
     c.progress = requested.progress;
     c.peak_gflops = requested.peak_gflops;
+    c.placement = requested.placement;
     result.first_step = state.at("step").get<int64_t>();
     FIVEFOLD_CHECK(result.first_step < c.steps, "resume: '", start, "' is at step ",
                    result.first_step, ", nothing to do for --steps ", c.steps);
@@ -220,29 +230,13 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                  "the data has token id ", std::max(train_data.max_token(), val_data.max_token()),
                  " but the model's vocabulary has ", vocab, " tokens");
 
-  // Inputs are good: build the model and optimizer (from the checkpoint when resuming).
+  // Inputs are good: build the model (from the checkpoint when resuming).
+  const Placement& place = c.placement;
   const ModelBuilder build = requested.build_model ? requested.build_model : build_model;
   Transformer model = resume ? load_model(start, build) : build(c.model);
   c.model = model->config();
-  auto optimizer = make_optimizer(model, c.train);
-  if (resume) {
-    load_optimizer(start + "/optimizer.safetensors", model, *optimizer);
-    set_rng_state(io::load_safetensors(start + "/rng.safetensors").at("cpu"));
-  } else {
-    torch::manual_seed(c.model.seed);  // anything random a later chapter adds starts seeded
-  }
   const BatchSampler train_batches(train_data, c.seq_len, c.batch, c.data.seed);
   const BatchSampler eval_batches(val_data, c.seq_len, c.batch, c.data.seed + 1);
-
-  std::ofstream metrics;
-  if (!c.out_dir.empty()) {
-    fs::create_directories(c.out_dir);
-    const std::string path = c.out_dir + "/metrics.jsonl";
-    if (resume) truncate_metrics(path, result.first_step);
-    metrics.open(path, resume ? std::ios::app : std::ios::trunc);
-    FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
-  }
-  const double peak = (c.peak_gflops > 0 ? c.peak_gflops : measure_matmul_gflops(1024)) * 1e9;
   const int64_t tokens_per_step = c.batch * c.seq_len;
   double flops_per_token = ch02::training_flops_per_token(c.model.shape(), c.seq_len);
   if (!c.model.extensions.is_null()) {
@@ -255,13 +249,41 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   }
   int64_t parameters = 0;
   for (const auto& p : model->parameters()) parameters += p.numel();
-  log() << "training " << c.steps - result.first_step << " steps from step " << result.first_step
-        << ": " << parameters << " parameters, " << tokens_per_step << " tokens a step, "
-        << flops_per_token / 1e6 << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s";
 
-  ProgressBar bar(c.steps - result.first_step, "train", c.progress);
+  // The training step owns the model from here (a sharded step keeps only its part).
+  const StepFactory make_step =
+      requested.make_step ? requested.make_step : [](Transformer m, const TrainConfig& t) {
+        return std::unique_ptr<TrainingStep>(new SingleProcessStep(std::move(m), t));
+      };
+  std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
+  if (resume) {
+    const std::string path = start + "/optimizer.safetensors";
+    trainer->load_optimizer_state(io::load_safetensors(path), path);
+    set_rng_state(io::load_safetensors(start + "/rng.safetensors").at("cpu"));
+  } else {
+    torch::manual_seed(c.model.seed);  // anything random a later chapter adds starts seeded
+  }
+
+  std::ofstream metrics;
+  if (!c.out_dir.empty() && place.writer) {
+    fs::create_directories(c.out_dir);
+    const std::string path = c.out_dir + "/metrics.jsonl";
+    if (resume) truncate_metrics(path, result.first_step);
+    metrics.open(path, resume ? std::ios::app : std::ios::trunc);
+    FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
+  }
+  // MFU: the model's FLOPs against the peak of every process doing the work.
+  const double peak = (c.peak_gflops > 0 ? c.peak_gflops : measure_matmul_gflops(1024)) * 1e9 *
+                      static_cast<double>(place.processes);
+  log0() << "training " << c.steps - result.first_step << " steps from step " << result.first_step
+         << ": " << parameters << " parameters, " << tokens_per_step << " tokens a step, "
+         << flops_per_token / 1e6 << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s"
+         << (place.processes > 1 ? " (all processes)" : "");
+
+  ProgressBar bar(c.steps - result.first_step, "train", c.progress && place.writer);
   nlohmann::json latest_extra;  // what after_step reported last (its numbers join the eval lines)
   auto evaluate = [&](int64_t done) {
+    Transformer& model = trainer->full_model();
     result.eval = evaluate_loss(model, eval_batches, c.eval_batches);
     nlohmann::json record = {{"kind", "eval"},
                              {"step", done},
@@ -283,18 +305,19 @@ RunResult run_training(const RunConfig& requested, bool resume) {
       if (value.is_number()) line << ", " << key << " " << value.get<double>();
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     bar.clear();
-    log() << line.str();
+    log0() << line.str();
   };
 
   for (int64_t step = result.first_step; step < c.steps; ++step) {
-    const Batch global = train_batches.batch(step);
-    std::vector<Batch> micro;  // gradient accumulation: equal slices of the global batch's rows
-    const auto inputs = global.inputs.chunk(c.micro_batches),
-               targets = global.targets.chunk(c.micro_batches);
+    // This rank's rows of the global batch, in micro-batches of equal rows (accumulation).
+    const Batch local = train_batches.batch(step, static_cast<int>(place.data_rank), static_cast<int>(place.data_ranks));
+    std::vector<Batch> micro;
+    const auto inputs = local.inputs.chunk(c.micro_batches),
+               targets = local.targets.chunk(c.micro_batches);
     for (int64_t i = 0; i < c.micro_batches; ++i) micro.push_back({inputs[i], targets[i]});
 
     Timer timer;
-    const StepResult r = train_step(model, *optimizer, c.train, micro, step);
+    const StepResult r = trainer->step(micro, step);
     const double seconds = timer.seconds();
     const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     const double mfu = ch02::model_flops_utilization(tokens_per_s, flops_per_token, peak);
@@ -309,7 +332,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                              {"tokens_per_s", tokens_per_s},
                              {"mfu", mfu}};
     if (requested.after_step) {
-      latest_extra = requested.after_step(model);
+      latest_extra = requested.after_step(trainer->model());
       record.update(latest_extra);
     }
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
@@ -324,7 +347,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     const bool last = done == c.steps;
     if (last || (c.eval_every > 0 && done % c.eval_every == 0)) evaluate(done);
     if (!c.out_dir.empty() && (last || (c.save_every > 0 && done % c.save_every == 0)))
-      result.checkpoint = save_checkpoint(c, model, *optimizer, done);
+      result.checkpoint = save_checkpoint(c, *trainer, done);
   }
   bar.finish();
   return result;

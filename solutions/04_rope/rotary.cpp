@@ -16,8 +16,12 @@ torch::Tensor rope_frequencies(int64_t head_dim, double base) {
 
 std::pair<torch::Tensor, torch::Tensor> rope_angles(const torch::Tensor& frequencies, int64_t first,
                                                     int64_t count) {
-  auto positions = torch::arange(first, first + count, torch::kDouble);  // [count]
-  auto angles = torch::outer(positions, frequencies);                    // [count, d/2]: m·θ_i
+  return rope_angles(frequencies, torch::arange(first, first + count, torch::kLong));
+}
+
+std::pair<torch::Tensor, torch::Tensor> rope_angles(const torch::Tensor& frequencies,
+                                                    const torch::Tensor& positions) {
+  auto angles = torch::outer(positions.to(torch::kDouble), frequencies);  // [count, d/2]: m·θ_i
   return {angles.cos().to(torch::kFloat), angles.sin().to(torch::kFloat)};
 }
 
@@ -45,16 +49,15 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double base, RopeLayout layou
   std::tie(cos_, sin_) = rope_angles(frequencies_, 0, cached_positions);
 }
 
-std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::encode(const torch::Tensor& q,
-                                                                const torch::Tensor& k,
-                                                                int64_t first_position) const {
-  const int64_t seq = q.size(-2);
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::encode(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions) const {
   torch::Tensor cos, sin;  // [seq, d/2]
-  if (first_position + seq <= cos_.size(0)) {
-    cos = cos_.narrow(0, first_position, seq);
-    sin = sin_.narrow(0, first_position, seq);
+  if (positions.numel() > 0 && positions.min().item<int64_t>() >= 0 &&
+      positions.max().item<int64_t>() < cos_.size(0)) {  // the cached rows of those positions
+    cos = cos_.index_select(0, positions);
+    sin = sin_.index_select(0, positions);
   } else {  // beyond the cache: the same angles, computed now
-    std::tie(cos, sin) = rope_angles(frequencies_, first_position, seq);
+    std::tie(cos, sin) = rope_angles(frequencies_, positions);
   }
   return {apply_rope(q, cos, sin, layout_), apply_rope(k, cos, sin, layout_)};
 }

@@ -125,15 +125,14 @@ ScaledRotaryEmbedding::ScaledRotaryEmbedding(int64_t head_dim, double base, Rope
       frequencies_(scaled_frequencies(scaling_, head_dim, base, 0)) {}
 
 std::pair<torch::Tensor, torch::Tensor> ScaledRotaryEmbedding::encode(
-    const torch::Tensor& q, const torch::Tensor& k, int64_t first_position) const {
-  const int64_t seq = q.size(-2);
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions) const {
   // Dynamic scaling follows the length covered so far (as Hugging Face does; keys cached at a
   // shorter length keep their older rotation).
   const auto frequencies =
       scaling_.type == "dynamic"
-          ? scaled_frequencies(scaling_, head_dim_, base_, first_position + seq)
+          ? scaled_frequencies(scaling_, head_dim_, base_, positions.max().item<int64_t>() + 1)
           : frequencies_;
-  auto [cos, sin] = ch04::rope_angles(frequencies, first_position, seq);  // [seq, d/2]
+  auto [cos, sin] = ch04::rope_angles(frequencies, positions);  // [seq, d/2]
   cos = cos * attention_factor_;  // YaRN's temperature, folded into both q and k
   sin = sin * attention_factor_;
   return {ch04::apply_rope(q, cos, sin, layout_), ch04::apply_rope(k, cos, sin, layout_)};

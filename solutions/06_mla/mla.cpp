@@ -105,29 +105,30 @@ torch::Tensor MultiHeadLatentAttentionImpl::queries(const torch::Tensor& x) {
 }
 
 torch::Tensor MultiHeadLatentAttentionImpl::attend(const torch::Tensor& q, const torch::Tensor& k,
-                                                   const torch::Tensor& v) {
-  // causal_attention divides q by √(its width); multiplying by √width · scale leaves `scale`.
-  const double width = static_cast<double>(q.size(-1));
-  return ch03::causal_attention(q * (scale_ * std::sqrt(width)), k, v);
+                                                   const torch::Tensor& v,
+                                                   const torch::Tensor& positions, int64_t cached) {
+  return kernel->attend(q, k, v, positions, key_positions(positions, cached), scale_).output;
 }
 
 torch::Tensor MultiHeadLatentAttentionImpl::forward(const torch::Tensor& x,
+                                                    const torch::Tensor& positions,
                                                     ch03::LayerCache* cache) {
-  return cache == nullptr ? forward_naive(x) : forward_absorbed(x, *cache);
+  return cache == nullptr ? forward_naive(x, positions) : forward_absorbed(x, positions, *cache);
 }
 
 torch::Tensor MultiHeadLatentAttentionImpl::forward_absorbed(const torch::Tensor& x,
+                                                             const torch::Tensor& positions,
                                                              ch03::LayerCache& cache) {
   const int64_t batch = x.size(0), seq = x.size(1), heads = n_heads_;
   const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, dv = mla_.v_head_dim;
   const int64_t d_c = mla_.kv_lora_rank;
-  const int64_t first = cache.keys.defined() ? cache.keys.size(2) : 0;
+  const int64_t cached = cache.keys.defined() ? cache.keys.size(2) : 0;
   auto q = queries(x);
   auto q_nope = q.narrow(-1, 0, nope), q_rope = q.narrow(-1, nope, rope);
   auto down = kv_a_proj_with_mqa(x);
   auto latent = kv_a_layernorm(down.narrow(-1, 0, d_c)).unsqueeze(1);  // [b, 1, s, d_c]
   auto k_rope = down.narrow(-1, d_c, rope).unsqueeze(1);               // [b, 1, s, rope]
-  if (positions) std::tie(q_rope, k_rope) = positions->encode(q_rope, k_rope, first);
+  if (encoding) std::tie(q_rope, k_rope) = encoding->encode(q_rope, k_rope, positions);
   // The cache: per position [c_KV | k^R], one key shared by every head (d_c + rope numbers).
   auto entry = torch::cat({latent, k_rope}, -1);
   cache.keys = cache.keys.defined() ? torch::cat({cache.keys, entry}, 2) : entry;
@@ -138,7 +139,7 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_absorbed(const torch::Tensor
   auto q_latent = torch::matmul(q_nope, w_uk);
   // Multi-query attention over the cache: keys [c | k^R], values c.
   auto out_latent = attend(torch::cat({q_latent, q_rope}, -1), cache.keys,
-                           cache.keys.narrow(-1, 0, d_c));  // [b, h, s, d_c]
+                           cache.keys.narrow(-1, 0, d_c), positions, cached);  // [b, h, s, d_c]
   // W^UV after attention (softmax weights sum the latents; W^UV is linear): [b, h, s, dv].
   auto out = torch::matmul(out_latent, w_uv.transpose(1, 2));
   return o_proj(out.transpose(1, 2).reshape({batch, seq, heads * dv}));

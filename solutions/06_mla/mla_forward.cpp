@@ -6,7 +6,8 @@
 
 namespace fivefold::ch06 {
 
-torch::Tensor MultiHeadLatentAttentionImpl::forward_naive(const torch::Tensor& x) {
+torch::Tensor MultiHeadLatentAttentionImpl::forward_naive(const torch::Tensor& x,
+                                                          const torch::Tensor& positions) {
   const int64_t batch = x.size(0), seq = x.size(1), heads = n_heads_;
   const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, dv = mla_.v_head_dim;
   // Queries, [batch, heads, seq, nope + rope]: a part that sees content, a part that sees
@@ -18,13 +19,13 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_naive(const torch::Tensor& x
   auto latent = kv_a_layernorm(down.narrow(-1, 0, mla_.kv_lora_rank));  // [b, s, d_c]
   auto k_rope = down.narrow(-1, mla_.kv_lora_rank, rope).unsqueeze(1);  // [b, 1, s, rope]
   // 2. Positions rotate the decoupled parts only.
-  if (positions) std::tie(q_rope, k_rope) = positions->encode(q_rope, k_rope, 0);
+  if (encoding) std::tie(q_rope, k_rope) = encoding->encode(q_rope, k_rope, positions);
   // 3. Up: every head's content key and value from the latent.
   auto up = kv_b_proj(latent).view({batch, seq, heads, nope + dv}).transpose(1, 2);
   auto k_nope = up.narrow(-1, 0, nope), v = up.narrow(-1, nope, dv);  // [b, h, s, .]
   // 4. Keys [k_nope | k_rope], the rotary key the same for every head; attention; output.
   auto k = torch::cat({k_nope, k_rope.expand({batch, heads, seq, rope})}, -1);
-  auto out = attend(torch::cat({q_nope, q_rope}, -1), k, v);  // [b, h, s, dv]
+  auto out = attend(torch::cat({q_nope, q_rope}, -1), k, v, positions, 0);  // [b, h, s, dv]
   return o_proj(out.transpose(1, 2).reshape({batch, seq, heads * dv}));
 }
 

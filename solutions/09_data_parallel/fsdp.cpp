@@ -49,6 +49,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
     for (const auto& [name, p] : named[u]) {
       unit.params.push_back(p);
       params_.push_back(p);
+      named_.emplace_back(name, p);
     }
     unit.numel = layout.numel;
     unit.shard = layout.shard;
@@ -124,33 +125,35 @@ void FullyShardedDataParallel::on_backward(size_t u) {
   units_[u].pending = true;
 }
 
-torch::Tensor FullyShardedDataParallel::forward(const torch::Tensor& tokens) {
-  FIVEFOLD_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong,
-                 "FSDP: tokens must be int64 [batch, seq], got ", tokens.sizes(), " ",
-                 tokens.scalar_type());
-  auto& trunk = *model_->model;
-  const auto& c = model_->config();
-  FIVEFOLD_CHECK(c.rope_theta == 0 || trunk.layers[0]->as<ch03::BlockImpl>()->self_attn->positions,
-                 "FSDP: the config has rope_theta but the model has no position encoding");
-  // When backward reaches `t` (the output of unit u), gather unit u again.
-  auto on_backward_of = [this](const torch::Tensor& t, size_t u) {
-    if (t.requires_grad()) t.register_hook([this, u](const torch::Tensor&) { on_backward(u); });
-  };
-  gather(units_[0]);  // the root: embedding now, final norm and LM head at the end
-  auto x = trunk.embed_tokens(tokens);
-  for (int64_t i = 0; i < c.n_layers; ++i) {
+torch::Tensor FullyShardedDataParallel::hidden(const torch::Tensor& tokens) {
+  // The model's parts, each with its unit gathered: the root (embedding now, final norm and head
+  // at the end), then one block at a time, freed as soon as it has run.
+  gather(units_[0]);
+  auto x = model_->embed(tokens);
+  const auto positions = ch03::position_range(0, tokens.size(1));
+  for (int64_t i = 0; i < model_->config().n_layers; ++i) {
     Unit& unit = units_[1 + i];
     gather(unit);
-    x = trunk.layers[i]->as<ch03::BlockImpl>()->forward(x);
+    x = model_->forward_layers(x, positions, i, i + 1);
     free(unit);
-    on_backward_of(x, 1 + i);
+    // When backward reaches this block's output, gather the block again.
+    if (x.requires_grad()) x.register_hook([this, i](const torch::Tensor&) { on_backward(1 + i); });
   }
-  x = trunk.norm(x);
-  auto logits =
-      c.tied_embeddings ? torch::matmul(x, trunk.embed_tokens->weight.t()) : model_->lm_head(x);
+  return x;
+}
+
+torch::Tensor FullyShardedDataParallel::finish(const torch::Tensor& output) {
   free(units_[0]);
-  on_backward_of(logits, 0);
-  return logits;
+  if (output.requires_grad()) output.register_hook([this](const torch::Tensor&) { on_backward(0); });
+  return output;
+}
+
+torch::Tensor FullyShardedDataParallel::forward(const torch::Tensor& tokens) {
+  return finish(model_->logits(hidden(tokens)));
+}
+
+torch::Tensor FullyShardedDataParallel::loss(const ch03::Batch& batch) {
+  return finish(model_->loss(hidden(batch.inputs), batch.targets));
 }
 
 double FullyShardedDataParallel::step(int64_t step) {

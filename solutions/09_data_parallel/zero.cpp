@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <utility>
 
 #include "fivefold/error.h"
@@ -92,20 +93,89 @@ void ShardedAdamW::step(torch::Tensor& shard, const torch::Tensor& grad,
   }
 }
 
+io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
+                      const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                      dist::Communicator& comm) {
+  std::vector<int64_t> start(params.size() + 1, 0);  // where parameter k starts in [Ψ]
+  for (size_t k = 0; k < params.size(); ++k) start[k + 1] = start[k] + params[k].second.numel();
+  auto full = torch::zeros({start.back()});
+  for (const auto& s : layout.segments) {
+    full.narrow(0, start[static_cast<size_t>(s.param)] + s.first, s.length)
+        .copy_(shard.narrow(0, s.begin, s.length));
+  }
+  comm.all_reduce(full);
+  io::TensorMap tensors;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const auto& [name, p] = params[k];
+    tensors[name] = full.narrow(0, start[k], p.numel()).view(p.sizes());
+  }
+  return tensors;
+}
+
+io::TensorMap ShardedAdamW::state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                                  dist::Communicator& comm) const {
+  const auto m = unshard(layout_, exp_avg_, params, comm);
+  const auto v = unshard(layout_, exp_avg_sq_, params, comm);
+  io::TensorMap tensors;
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (steps_[k] == 0) continue;  // no step taken: AdamW has no state for it yet
+    const std::string& name = params[k].first;
+    tensors[name + ".exp_avg"] = m.at(name);
+    tensors[name + ".exp_avg_sq"] = v.at(name);
+    tensors[name + ".step"] = torch::tensor(steps_[k], torch::kLong);
+  }
+  return tensors;
+}
+
+void ShardedAdamW::load_state(const io::TensorMap& state,
+                              const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                              const std::string& source) {
+  size_t used = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const auto& [name, p] = params[k];
+    steps_[k] = 0;
+    if (!state.count(name + ".exp_avg")) continue;  // no step taken for this parameter yet
+    for (const char* suffix : {".exp_avg", ".exp_avg_sq", ".step"}) {
+      auto found = state.find(name + suffix);
+      FIVEFOLD_CHECK(found != state.end(), "optimizer state '", source, "': '", name, suffix,
+                     "' is missing");
+      const bool scalar = std::string(suffix) == ".step";
+      FIVEFOLD_CHECK(scalar ? found->second.numel() == 1 : found->second.sizes() == p.sizes(),
+                     "optimizer state '", source, "': '", name, suffix, "' has shape ",
+                     found->second.sizes(), ", the parameter has ", p.sizes());
+      ++used;
+    }
+    steps_[k] = state.at(name + ".step").item<int64_t>();
+  }
+  FIVEFOLD_CHECK(used == state.size(), "optimizer state '", source, "' has ",
+                 state.size() - used, " tensors that belong to no parameter of this model");
+  for (const auto& s : layout_.segments) {
+    const std::string& name = params[static_cast<size_t>(s.param)].first;
+    if (!state.count(name + ".exp_avg")) {
+      exp_avg_.narrow(0, s.begin, s.length).zero_();
+      exp_avg_sq_.narrow(0, s.begin, s.length).zero_();
+      continue;
+    }
+    exp_avg_.narrow(0, s.begin, s.length)
+        .copy_(state.at(name + ".exp_avg").reshape(-1).narrow(0, s.first, s.length));
+    exp_avg_sq_.narrow(0, s.begin, s.length)
+        .copy_(state.at(name + ".exp_avg_sq").reshape(-1).narrow(0, s.first, s.length));
+  }
+}
+
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::CommunicatorPtr comm,
                              int stage, ch03::TrainConfig config)
     : model_(std::move(model)), comm_(std::move(comm)), stage_(stage), config_(config) {
   FIVEFOLD_CHECK(stage_ == 1 || stage_ == 2, "ZeroOptimizer: stage must be 1 or 2, got ", stage_);
   config_.validate();
   torch::NoGradGuard no_grad;
-  std::vector<std::pair<std::string, torch::Tensor>> trainable;
   for (auto& item : model_->named_parameters()) {
     comm_->broadcast(item.value(), 0);  // every rank starts from rank 0's weights
     if (!item.value().requires_grad()) continue;
     params_.push_back(item.value());
-    trainable.emplace_back(item.key(), item.value());
+    named_.emplace_back(item.key(), item.value());
   }
-  layout_ = shard_layout(trainable, 0, comm_->size(), comm_->rank(), config_);
+  layout_ = shard_layout(named_, 0, comm_->size(), comm_->rank(), config_);
   adam_ = std::make_unique<ShardedAdamW>(layout_, static_cast<int64_t>(params_.size()), config_);
 }
 

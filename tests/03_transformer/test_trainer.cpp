@@ -182,7 +182,7 @@ TEST(Trainer, RefusesBadInputBeforeWritingAnything) {
   refused(heads, "does not divide d_model");
   RunConfig accumulation = tiny(out, 3);
   accumulation.micro_batches = 3;
-  refused(accumulation, "must divide batch");
+  refused(accumulation, "must split into 1 data-parallel ranks x 3 micro-batches");
   refused(tiny(out, 3), "'" + out + "'", /*resume=*/true);  // nothing to resume
   EXPECT_FALSE(fs::exists(out)) << "a refused run created its output folder";
 

@@ -115,11 +115,28 @@ TEST(Rope, LayoutsDifferByARowPermutation) {
 TEST(Rope, AnOffsetEqualsTheSameSliceOfTheFullSequence) {
   RotaryEmbedding rope(16, 10000.0, RopeLayout::HalfSplit, /*cached_positions=*/20);
   auto q = randn({2, 4, 30, 16}, "q", torch::kFloat), k = randn({2, 2, 30, 16}, "k", torch::kFloat);
-  auto [full_q, full_k] = rope.encode(q, k, 0);  // positions 20..29 computed beyond the cache
+  // positions 20..29 computed beyond the cache
+  auto [full_q, full_k] = rope.encode(q, k, fivefold::ch03::position_range(0, 30));
   for (int64_t first : {0, 5, 17, 25}) {
-    auto [part_q, part_k] = rope.encode(q.narrow(2, first, 5), k.narrow(2, first, 5), first);
+    auto [part_q, part_k] = rope.encode(q.narrow(2, first, 5), k.narrow(2, first, 5),
+                                        fivefold::ch03::position_range(first, 5));
     EXPECT_TENSOR_CLOSE(part_q, full_q.narrow(2, first, 5), 1e-6, 1e-6);
     EXPECT_TENSOR_CLOSE(part_k, full_k.narrow(2, first, 5), 1e-6, 1e-6);
+  }
+}
+
+// A sequence shard need not be contiguous (chapter 12's load-balanced layout takes a block from
+// each end): the tokens at positions {2, 3, 26, 27} get the rows of those positions.
+TEST(Rope, PositionsInAnyOrderEqualTheSameRowsOfTheFullSequence) {
+  RotaryEmbedding rope(16, 10000.0, RopeLayout::HalfSplit, /*cached_positions=*/20);
+  auto q = randn({2, 4, 30, 16}, "q", torch::kFloat), k = randn({2, 2, 30, 16}, "k", torch::kFloat);
+  auto [full_q, full_k] = rope.encode(q, k, fivefold::ch03::position_range(0, 30));
+  for (auto rows : {std::vector<int64_t>{2, 3, 26, 27}, std::vector<int64_t>{7, 1, 19, 4}}) {
+    auto positions = torch::tensor(rows, torch::kLong);
+    auto [part_q, part_k] =
+        rope.encode(q.index_select(2, positions), k.index_select(2, positions), positions);
+    EXPECT_TENSOR_CLOSE(part_q, full_q.index_select(2, positions), 1e-6, 1e-6);
+    EXPECT_TENSOR_CLOSE(part_k, full_k.index_select(2, positions), 1e-6, 1e-6);
   }
 }
 

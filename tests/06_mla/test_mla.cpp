@@ -73,7 +73,9 @@ TEST(Mla, AbsorbedPathEqualsTrainingPath) {
     const auto x = torch::randn({2, 10, 32}, generator_for(2, "x"));
     ch03::LayerCache cache;
     torch::NoGradGuard no_grad;
-    EXPECT_TENSOR_CLOSE(mla.forward_absorbed(x, cache), mla.forward_naive(x), 1e-5, 1e-5);
+    const auto positions = ch03::position_range(0, 10);
+    EXPECT_TENSOR_CLOSE(mla.forward_absorbed(x, positions, cache), mla.forward_naive(x, positions),
+                        1e-5, 1e-5);
     // The cache holds one [latent | rotary key] per position, nothing per head.
     EXPECT_EQ(cache.keys.sizes(), (std::vector<int64_t>{2, 1, 10, 16 + 8}));
     EXPECT_FALSE(cache.values.defined());
@@ -147,8 +149,9 @@ TEST(Mla, SoftmaxScaleUnderYarnIsDeepSeekV3s) {
   ch03::LayerCache cache;
   torch::NoGradGuard no_grad;
   auto& mla = attention(model, 1);
-  const auto scaled = mla.forward_naive(x);
-  EXPECT_TENSOR_CLOSE(mla.forward_absorbed(x, cache), scaled, 1e-5, 1e-5);
+  const auto positions = ch03::position_range(0, 5);
+  const auto scaled = mla.forward_naive(x, positions);
+  EXPECT_TENSOR_CLOSE(mla.forward_absorbed(x, positions, cache), scaled, 1e-5, 1e-5);
   config.rope_scaling = nullptr;
   Transformer plain = make_model(config);
   EXPECT_NEAR(attention(plain, 1).scale(), 1 / std::sqrt(192.0), 1e-12);
@@ -202,7 +205,8 @@ TEST(Mla, WithoutCompressionIsMultiHeadAttention) {
   auto x = torch::randn({2, 9, 32}, generator_for(4, "x"), torch::kDouble);
   x = (x / x.pow(2).mean(-1, true).sqrt()).to(torch::kFloat);  // unit RMS per position
   torch::NoGradGuard no_grad;
-  EXPECT_TENSOR_CLOSE(mla->forward_naive(x), mha.forward(x), 1e-5, 1e-5);
+  const auto positions = ch03::position_range(0, 9);
+  EXPECT_TENSOR_CLOSE(mla->forward_naive(x, positions), mha.forward(x, positions), 1e-5, 1e-5);
 }
 
 TEST(Mla, CheckpointsCarryDeepSeekV3NamesAndKeys) {

@@ -1,0 +1,55 @@
+#pragma once
+/// @file step.h
+/// @brief Chapter 09: the training step of chapter 03 (ch03::TrainingStep) with data parallelism,
+/// so that the training run, `fivefold train` and the trainers of later chapters share one loop
+/// for every ZeRO stage: 0 (DDP: every rank keeps everything, gradients all-reduced in buckets),
+/// 1 and 2 (ZeroOptimizer: optimizer state, and in stage 2 gradients, sharded) and 3
+/// (FullyShardedDataParallel: parameters sharded too).
+
+#include <memory>
+
+#include "03_transformer/train.h"
+#include "09_data_parallel/ddp.h"
+#include "09_data_parallel/fsdp.h"
+#include "09_data_parallel/zero.h"
+#include "fivefold/dist.h"
+
+namespace fivefold::ch09 {
+
+/// One optimizer step over the data-parallel ranks of `comm`: each rank runs forward and backward
+/// on its rows of the global batch (its micro-batches, each weighted by its share of the rows),
+/// then the stage's reduction and update. The result is the single-device train_step on the
+/// whole batch: the same gradient (the mean over ranks), the same global norm, the same update.
+class DataParallelStep : public ch03::TrainingStep {
+ public:
+  /// Wraps `model` (rank 0's parameters are broadcast) with ZeRO `stage` 0..3 over `comm`.
+  /// Throws fivefold::Error, before any communication, for a stage outside 0..3 or stage 3 with
+  /// Mixture-of-Experts layers (their balancing bias changes outside the optimizer).
+  DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
+                   const ch03::TrainConfig& config);
+  /// As ch03::TrainingStep::step; the loss is averaged over the ranks (one all-reduce of a number).
+  ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
+  ch03::Transformer& model() override { return model_; }
+  /// Stage 3 gathers every unit (until the next step).
+  ch03::Transformer& full_model() override;
+  io::TensorMap optimizer_state() override;
+  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
+  /// The gradients the last step applied (the mean over the ranks, after clipping), whole, by
+  /// parameter name, on every rank (collective for stages 1-3, which hold them in shards).
+  io::TensorMap gradients();
+
+ private:
+  ch03::Transformer model_;
+  dist::CommunicatorPtr comm_;
+  int stage_;
+  ch03::TrainConfig config_;
+  std::unique_ptr<torch::optim::AdamW> adam_;  // stage 0
+  std::unique_ptr<DistributedDataParallel> ddp_;
+  std::unique_ptr<ZeroOptimizer> zero_;             // stages 1 and 2
+  std::unique_ptr<FullyShardedDataParallel> fsdp_;  // stage 3
+};
+
+/// A ch03::StepFactory making DataParallelStep over `comm` with ZeRO `stage`.
+ch03::StepFactory data_parallel_step(dist::CommunicatorPtr comm, int stage);
+
+}  // namespace fivefold::ch09

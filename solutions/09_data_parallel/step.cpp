@@ -1,0 +1,108 @@
+// Chapter 09: one training step for every ZeRO stage (chapter 03's TrainingStep).
+
+#include "09_data_parallel/step.h"
+
+#include <utility>
+
+#include "fivefold/error.h"
+
+namespace fivefold::ch09 {
+
+DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
+                                   const ch03::TrainConfig& config)
+    : model_(std::move(model)), comm_(std::move(comm)), stage_(stage), config_(config) {
+  FIVEFOLD_CHECK(stage_ >= 0 && stage_ <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage_);
+  const auto& extensions = model_->config().extensions;
+  FIVEFOLD_CHECK(stage_ < 3 || !extensions.contains("n_routed_experts") ||
+                     extensions["n_routed_experts"].is_null(),
+                 "ZeRO-3 does not support Mixture-of-Experts layers yet: their balancing bias "
+                 "changes outside the optimizer, which sharded parameters do not allow (use "
+                 "--zero 0, 1 or 2)");
+  config_.validate();
+  if (stage_ == 0) {
+    adam_ = ch03::make_optimizer(model_, config_);
+    ddp_ = std::make_unique<DistributedDataParallel>(model_.ptr(), comm_);
+  } else if (stage_ < 3) {
+    zero_ = std::make_unique<ZeroOptimizer>(model_.ptr(), comm_, stage_, config_);
+  } else {
+    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, comm_, config_);
+  }
+}
+
+ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_batches,
+                                        int64_t step) {
+  FIVEFOLD_CHECK(!micro_batches.empty(), "DataParallelStep: no micro-batches");
+  if (adam_) adam_->zero_grad();
+  if (zero_) zero_->zero_grad();
+  if (fsdp_) fsdp_->zero_grad();
+  int64_t rows = 0;
+  for (const auto& b : micro_batches) rows += b.inputs.size(0);
+  double local = 0;  // this rank's mean loss
+  for (size_t i = 0; i < micro_batches.size(); ++i) {
+    const auto& b = micro_batches[i];
+    // Each micro-batch's mean weighted by its share of the rows: the sum is this rank's mean.
+    const double share = static_cast<double>(b.inputs.size(0)) / static_cast<double>(rows);
+    auto loss = (fsdp_ ? fsdp_->loss(b) : ch03::loss_of(model_, b)) * share;
+    if (ddp_ && i + 1 < micro_batches.size()) {
+      auto guard = ddp_->no_sync();  // DDP: accumulate locally, synchronise on the last one
+      loss.backward();
+    } else {
+      loss.backward();
+    }
+    local += loss.item<double>();
+  }
+  ch03::StepResult result;
+  result.lr = ch03::learning_rate(config_, step);
+  if (ddp_) {
+    ddp_->finish_gradient_sync();  // every gradient is now the mean over the ranks
+    result.grad_norm = ch03::clip_gradients(model_, config_.grad_clip);
+    for (auto& group : adam_->param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
+    adam_->step();
+  } else if (zero_) {
+    result.grad_norm = zero_->step(step);
+  } else {
+    result.grad_norm = fsdp_->step(step);
+  }
+  // Every rank holds the same number of rows, so the mean of the ranks' means is the batch mean.
+  auto loss = torch::tensor({local}, torch::kDouble);
+  comm_->all_reduce(loss, dist::ReduceOp::Average);
+  result.loss = loss.item<double>();
+  return result;
+}
+
+ch03::Transformer& DataParallelStep::full_model() {
+  if (fsdp_) fsdp_->gather_full_parameters();
+  return model_;
+}
+
+io::TensorMap DataParallelStep::optimizer_state() {
+  if (zero_) return zero_->optimizer_state();
+  if (fsdp_) return fsdp_->optimizer_state();
+  return ch03::optimizer_state(model_, *adam_);
+}
+
+void DataParallelStep::load_optimizer_state(const io::TensorMap& state,
+                                            const std::string& source) {
+  if (zero_) return zero_->load_optimizer_state(state, source);
+  if (fsdp_) return fsdp_->load_optimizer_state(state, source);
+  ch03::load_optimizer_state(state, source, model_, *adam_);
+}
+
+io::TensorMap DataParallelStep::gradients() {
+  if (zero_) return zero_->gradients();
+  if (fsdp_) return fsdp_->gradients();
+  io::TensorMap grads;
+  for (const auto& item : model_->named_parameters())
+    if (item.value().grad().defined()) grads[item.key()] = item.value().grad().clone();
+  return grads;
+}
+
+ch03::StepFactory data_parallel_step(dist::CommunicatorPtr comm, int stage) {
+  return [comm, stage](ch03::Transformer model, const ch03::TrainConfig& config) {
+    return std::unique_ptr<ch03::TrainingStep>(
+        new DataParallelStep(std::move(model), comm, stage, config));
+  };
+}
+
+}  // namespace fivefold::ch09
