@@ -25,11 +25,13 @@ ModelConfig config_from_json(const nlohmann::json& json);
 /// existing checkpoint is replaced whole or left as it was.
 void save_model(const std::string& dir, Transformer& model);
 
-/// Reads a checkpoint folder into a model made by `build` (default: build_model, this chapter's).
-/// Every parameter must be present with its shape (F32, F16 or BF16, converted to float32); a
-/// missing, misshaped or unexpected tensor, a missing file or a corrupt one is a fivefold::Error
-/// naming the folder and the problem.
-Transformer load_model(const std::string& dir, const ModelBuilder& build = {});
+/// Reads a checkpoint folder into a model (or `part` of it) made by `build` (default:
+/// build_model, this chapter's). Every parameter the part holds must be present with its shape
+/// (F32, F16 or BF16, converted to float32); a missing, misshaped tensor, a missing file or a
+/// corrupt one is a fivefold::Error naming the folder and the problem. The whole model must also
+/// use every tensor of the file (an unexpected one is an error); a part reads only its own.
+Transformer load_model(const std::string& dir, const ModelBuilder& build = {},
+                       const ModelPart& part = {});
 
 /// Writes AdamW's state (optimizer_state, train.h: by parameter name) atomically to `path`, a
 /// safetensors file.

@@ -205,8 +205,10 @@ TORCH_MODULE(Mlp);
 /// One pre-norm block: x + attn(norm(x)), then + mlp(norm(.)).
 class BlockImpl : public torch::nn::Module {
  public:
-  /// Sub-modules sized from `config`.
-  explicit BlockImpl(const ModelConfig& config);
+  /// Sub-modules sized from `config`; `attention` and `mlp` fill the slots when given (default:
+  /// AttentionImpl, MlpImpl).
+  explicit BlockImpl(const ModelConfig& config, std::shared_ptr<AttentionLayer> attention = nullptr,
+                     std::shared_ptr<FeedForwardLayer> mlp = nullptr);
   /// x [batch, seq, d_model] at `positions` -> same shape; `cache` as in AttentionLayer::forward.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
                         LayerCache* cache = nullptr);
@@ -264,36 +266,67 @@ class LanguageModelHeadImpl : public OutputLayer {
 };
 TORCH_MODULE(LanguageModelHead);
 
+/// What fills the model's slots, layer by layer. Empty members mean chapter 03's modules; a later
+/// chapter's recipe returns its own (chapter 04: RoPE; chapter 06: MLA; chapter 07: experts), so
+/// that the model is built once with its final modules and every parameter is drawn once.
+struct ModelRecipe {
+  /// The attention of layer `layer` (null: AttentionImpl).
+  std::function<std::shared_ptr<AttentionLayer>(const ModelConfig&, int64_t layer)> attention;
+  /// The feed-forward part of layer `layer` (null: MlpImpl).
+  std::function<std::shared_ptr<FeedForwardLayer>(const ModelConfig&, int64_t layer)> mlp;
+  /// The position encoding of every attention layer (null: none).
+  std::shared_ptr<const PositionEncoding> position_encoding;
+};
+
+/// Which parts of the model this process holds: a range of layers, and the two ends. A pipeline
+/// stage (chapter 11) holds some layers; the first the embedding, the last the final norm and the
+/// output layer. Parameters keep their global names (model.layers.{i} with the global i), so
+/// initialisation and checkpoints do not depend on the split.
+struct ModelPart {
+  int64_t first_layer = 0;  ///< first layer held
+  int64_t last_layer = -1;  ///< one past the last layer held; -1: all the way to n_layers
+  bool embedding = true;    ///< holds the token embedding
+  /// Holds the final norm and the output layer. With tied embeddings the output layer reads the
+  /// embedding table, so a part with the head holds model.embed_tokens too.
+  bool head = true;
+  /// last_layer resolved against `n_layers`; throws fivefold::Error for a range outside it.
+  int64_t end(int64_t n_layers) const;
+  /// Whether this is the whole model.
+  bool whole(int64_t n_layers) const;
+};
+
 /// The trunk, registered as "model" so that names read model.layers.{i}...
 class TrunkImpl : public torch::nn::Module {
  public:
-  /// Embedding, blocks and final norm sized from `config`.
-  explicit TrunkImpl(const ModelConfig& config);
-  std::shared_ptr<TokenEmbedding> embed_tokens;  ///< chapter 03's EmbeddingImpl by default
-  torch::nn::ModuleList layers;                  ///< the blocks
-  RMSNorm norm{nullptr};                         ///< final norm
+  /// Embedding, the part's blocks and final norm sized from `config`, filled from `recipe`.
+  TrunkImpl(const ModelConfig& config, const ModelRecipe& recipe, const ModelPart& part);
+  std::shared_ptr<TokenEmbedding> embed_tokens;  ///< null when the part holds no embedding
+  torch::nn::ModuleDict layers;  ///< the blocks held, keyed by their global index ("0", "1", ...)
+  RMSNorm norm{nullptr};         ///< final norm (null when the part holds no head)
 };
 TORCH_MODULE(Trunk);
 
 /// The language model. Parameters are initialised on construction (chapter 01: GPT-2 scheme,
 /// N(0, 0.02²), o_proj and down_proj scaled by 1/sqrt(2·n_layers), norms 1), each drawn from the
-/// generator of (config.seed, its Hugging Face name).
+/// generator of (config.seed, its Hugging Face name): the same values whatever part of the model
+/// a process holds.
 ///
 /// The forward pass runs in parts, so that a parallel chapter can run or replace one of them:
 /// embed (tokens) -> forward_layers (blocks [first, last) by their global index, at given
 /// positions) -> logits or loss (final norm, head).
 class TransformerImpl : public torch::nn::Module {
  public:
-  /// Builds and initialises the model; throws fivefold::Error for an invalid config.
-  explicit TransformerImpl(ModelConfig config);
+  /// Builds and initialises `part` of the model, its slots filled from `recipe`; throws
+  /// fivefold::Error for an invalid config or part.
+  explicit TransformerImpl(ModelConfig config, const ModelRecipe& recipe = {},
+                           const ModelPart& part = {});
   /// tokens [batch, seq] int64 -> logits [batch, seq, vocab]. With a cache, `tokens` continue the
   /// cached sequence (they sit at positions cache->length() onwards) and are appended to it.
   torch::Tensor forward(const torch::Tensor& tokens, KVCache* cache = nullptr);
   /// Part 1: tokens [batch, seq] int64 -> the embedding slot's output [batch, seq, d_model].
   torch::Tensor embed(const torch::Tensor& tokens);
-  /// Part 2: blocks first .. last - 1 on x [batch, seq, d_model] of the tokens at `positions`
-  /// (int64 [seq]) -> same shape. With a cache (whole model only), positions follow the cached
-  /// ones.
+  /// Part 2: blocks first .. last - 1 (held by this part) on x [batch, seq, d_model] of the tokens
+  /// at `positions` (int64 [seq]) -> same shape. With a cache, positions follow the cached ones.
   torch::Tensor forward_layers(torch::Tensor x, const torch::Tensor& positions, int64_t first,
                                int64_t last, KVCache* cache = nullptr);
   /// Part 3: final norm and head, hidden [..., d_model] -> logits [..., vocab].
@@ -302,6 +335,12 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& targets);
   /// The configuration.
   const ModelConfig& config() const { return config_; }
+  /// The part of the model this process holds.
+  const ModelPart& part() const { return part_; }
+  /// Block `layer` (global index); throws fivefold::Error when this part does not hold it.
+  BlockImpl& block(int64_t layer);
+  /// The global indices of the blocks held, in order.
+  std::vector<int64_t> layer_indices() const;
   /// Installs `encoding` in every attention layer (chapter 04 installs RoPE this way).
   void set_position_encoding(std::shared_ptr<const PositionEncoding> encoding);
   /// Installs `kernel` in every attention layer (chapter 12: ring attention).
@@ -310,24 +349,26 @@ class TransformerImpl : public torch::nn::Module {
   void set_embedding(std::shared_ptr<TokenEmbedding> embedding);
   /// Puts `output` in the output slot (lm_head.*).
   void set_output_layer(std::shared_ptr<OutputLayer> output);
-  /// Draws every matrix again from its (seed, name) generator (chapter 01). The constructor does
-  /// it; a chapter that replaces modules calls it after, and every matrix the replacement left
-  /// alone gets the value it had.
+  /// Draws every matrix again from its (seed, name) generator (chapter 01); the constructor does
+  /// it once. A chapter that replaces a module after construction calls it, and every matrix the
+  /// replacement left alone gets the value it had.
   void initialise_parameters();
   Trunk model{nullptr};                  ///< embedding, blocks, final norm
-  std::shared_ptr<OutputLayer> lm_head;  ///< chapter 03's LanguageModelHeadImpl by default
+  std::shared_ptr<OutputLayer> lm_head;  ///< LanguageModelHeadImpl by default; null without head
 
  private:
   ModelConfig config_;
+  ModelPart part_;
 };
 TORCH_MODULE(Transformer);
 
-/// Builds a model for a config: what the training run and the checkpoint loader call, so that a
-/// later chapter can hand them its own recipe (chapter 04: the model with RoPE installed).
-using ModelBuilder = std::function<Transformer(const ModelConfig&)>;
+/// Builds a model (or a part of one) for a config: what the training run and the checkpoint
+/// loader call, so that a later chapter can hand them its own recipe (chapter 04: the model with
+/// RoPE installed).
+using ModelBuilder = std::function<Transformer(const ModelConfig&, const ModelPart&)>;
 
-/// The chapter 03 recipe: the model as constructed, with no position encoding. Refuses a config
-/// with `extensions` (a later chapter's architecture).
-Transformer build_model(const ModelConfig& config);
+/// The chapter 03 recipe: the model with chapter 03's modules and no position encoding. Refuses a
+/// config with `extensions` (a later chapter's architecture).
+Transformer build_model(const ModelConfig& config, const ModelPart& part = {});
 
 }  // namespace fivefold::ch03

@@ -70,9 +70,12 @@ class RotaryEmbedding : public ch03::PositionEncoding {
   torch::Tensor cos_, sin_;    // [cached_positions, d/2] float32
 };
 
-/// Chapter 04's recipe (a ch03::ModelBuilder): chapter 03's model, with RoPE (Hugging Face layout)
-/// installed when config.rope_theta > 0.
-ch03::Transformer make_model(const ch03::ModelConfig& config);
+/// Chapter 04's recipe: chapter 03's modules, with RoPE (Hugging Face layout) as the position
+/// encoding when config.rope_theta > 0. Refuses configs that need a later chapter.
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config);
+
+/// The model (or `part` of it) from recipe(config); a ch03::ModelBuilder.
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part = {});
 
 /// ch03::load_model with make_model: a Llama checkpoint with `rope_theta` computes what
 /// `transformers` computes.

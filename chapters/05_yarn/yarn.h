@@ -87,9 +87,12 @@ class ScaledRotaryEmbedding : public ch03::PositionEncoding {
   torch::Tensor frequencies_;  // for every type but dynamic
 };
 
-/// Chapter 05's recipe: chapter 04's model, with the scaled rotation when config.rope_scaling is
-/// set (its type not "none").
-ch03::Transformer make_model(const ch03::ModelConfig& config);
+/// Chapter 05's recipe: chapter 04's, with the scaled rotation when config.rope_scaling is set (its
+/// type not "none").
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config);
+
+/// The model (or `part` of it) from recipe(config); a ch03::ModelBuilder.
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part = {});
 
 /// ch03::load_model with this chapter's make_model.
 ch03::Transformer load_model(const std::string& dir);

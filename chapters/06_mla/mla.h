@@ -100,15 +100,15 @@ class MultiHeadLatentAttentionImpl : public ch03::AttentionLayer {
 };
 TORCH_MODULE(MultiHeadLatentAttention);
 
-/// Puts MLA (from model->config().extensions) in every block of `model`, draws the new matrices
-/// (chapter 01's seeded init), and installs RoPE (chapter 05's scaling when rope_scaling is set)
-/// on the qk_rope_head_dim features, interleaved as rope_interleave says.
-void install_mla(ch03::Transformer& model);
+/// Chapter 06's recipe: for a config with extensions (model_type deepseek_v3), MLA (from
+/// config.extensions) in every block, with RoPE (chapter 05's scaling when rope_scaling is set) on
+/// the qk_rope_head_dim features, interleaved as rope_interleave says; any other config gets
+/// chapter 05's recipe.
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config);
 
-/// Chapter 06's recipe: for a config with extensions (model_type deepseek_v3), chapter 03's model
-/// with install_mla; MoE keys are refused (chapter 07's make_model builds those); any other config
-/// goes to chapter 05's make_model.
-ch03::Transformer make_model(const ch03::ModelConfig& config);
+/// The model (or `part` of it) from recipe(config); MoE keys are refused (chapter 07's make_model
+/// builds those). A ch03::ModelBuilder.
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part = {});
 
 /// ch03::load_model with this chapter's make_model.
 ch03::Transformer load_model(const std::string& dir);

@@ -87,16 +87,56 @@ struct ExpertLoad {
   double aux_loss = 0;      ///< the last auxiliary loss (0 when α = 0)
 };
 
+/// The assignments an MoE layer's experts receive, grouped by expert: what dispatch hands to the
+/// experts and combine takes back.
+struct DispatchedTokens {
+  torch::Tensor tokens;                  ///< [rows, d_model]: expert 0's tokens, then expert 1's...
+  std::vector<int64_t> rows_per_expert;  ///< rows of `tokens` for each expert, in expert order
+  torch::Tensor slots;  ///< [rows] int64: the assignment (token·k + choice) each row serves
+};
+
+/// Moves tokens to their experts and the experts' outputs back: the two stages around the experts
+/// that expert parallelism replaces (chapter 13 sends the tokens to the ranks holding their
+/// experts with an all-to-all). Chapter 07's LocalDispatcher keeps everything on this process.
+class TokenDispatcher {
+ public:
+  virtual ~TokenDispatcher() = default;
+  /// x [tokens, d_model]; experts [tokens·k] int64, the expert of each assignment (token-major);
+  /// kept [tokens·k] bool (false: dropped by capacity) -> the kept assignments' tokens grouped by
+  /// expert, in token order within an expert.
+  virtual DispatchedTokens dispatch(const torch::Tensor& x, const torch::Tensor& experts,
+                                    const torch::Tensor& kept, int64_t n_experts) = 0;
+  /// outputs [rows, d_model] of the experts for `dispatched`'s rows, gates [tokens·k] ->
+  /// [tokens, d_model]: for each token, the sum over its kept assignments of gate x output.
+  virtual torch::Tensor combine(const torch::Tensor& outputs, const DispatchedTokens& dispatched,
+                                const torch::Tensor& gates, int64_t tokens, int64_t k) = 0;
+};
+
+/// Every expert on this process: dispatch sorts the assignments by expert (a stable sort) and
+/// gathers their tokens; combine adds the gated outputs back to their tokens.
+class LocalDispatcher : public TokenDispatcher {
+ public:
+  DispatchedTokens dispatch(const torch::Tensor& x, const torch::Tensor& experts,
+                            const torch::Tensor& kept, int64_t n_experts) override;
+  torch::Tensor combine(const torch::Tensor& outputs, const DispatchedTokens& dispatched,
+                        const torch::Tensor& gates, int64_t tokens, int64_t k) override;
+};
+
 /// DeepSeek-V3's MoE layer in chapter 03's MLP slot: `gate`, `experts.{j}` (chapter 03's SwiGLU
 /// MLP with moe_intermediate_size), `shared_experts` (absent when n_shared_experts is 0).
 class MoeImpl : public ch03::FeedForwardLayer {
  public:
   /// Sizes from the model (d_model) and `config`.
   MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config);
-  /// x [batch, seq, d_model] -> same shape: Σ_k gate·expert(x) + shared(x). In training
-  /// (gradients on) it counts the load, and with α > 0 adds the auxiliary loss's gradient to the
-  /// router's in backward (the loss value itself is reported in load(), not added to the model's).
+  /// x [batch, seq, d_model] -> same shape: Σ_k gate·expert(x) + shared(x), in four stages:
+  /// route (the router and `route`), dispatch (the dispatcher), the experts (run_experts), combine
+  /// (the dispatcher). In training (gradients on) it counts the load, and with α > 0 adds the
+  /// auxiliary loss's gradient to the router's in backward (the loss value itself is reported in
+  /// load(), not added to the model's).
   torch::Tensor forward(const torch::Tensor& x) override;
+  /// The experts on their tokens: expert j on the rows_per_expert[j] rows that follow expert
+  /// j − 1's -> outputs [rows, d_model] in the same order.
+  torch::Tensor run_experts(const DispatchedTokens& dispatched);
   /// The routing of the last forward, gates detached (for tests and the demo).
   const Routing& last_routing() const { return last_routing_; }
   /// The load since the last reset.
@@ -112,6 +152,8 @@ class MoeImpl : public ch03::FeedForwardLayer {
   TopkRouter gate{nullptr};                       ///< the router
   torch::nn::ModuleList experts;                  ///< E routed experts
   std::shared_ptr<ch03::MlpImpl> shared_experts;  ///< always on; null when none
+  /// Dispatch and combine (LocalDispatcher; chapter 13: all-to-all over the expert-parallel ranks).
+  std::shared_ptr<TokenDispatcher> dispatcher = std::make_shared<LocalDispatcher>();
 
  private:
   MoeConfig config_;
@@ -138,19 +180,19 @@ MoeParameters count_parameters(const ch03::ModelConfig& config);
 /// Under data parallelism pass the data-parallel communicator: loads are summed over it.
 nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm = nullptr);
 
-/// Puts experts in the MoE layers of `model` (from model->config().extensions) and draws their
-/// weights (chapter 01's seeded init).
-void install_moe(ch03::Transformer& model);
-
 /// DeepSeek-V3's architecture as its config.json describes it (the keys that fix parameters:
 /// vocabulary 129,280, hidden 7,168, 61 layers, 128 heads, MLA ranks 1,536 / 512, 256 experts of
 /// 2,048 with 8 active and 1 shared, the first 3 layers dense with 18,432), read through chapter
 /// 03's config reader. For counting (count_parameters), not for building: 671 B parameters.
 ch03::ModelConfig deepseek_v3_config();
 
-/// Chapter 07's recipe: a config with MoE keys gets chapter 06's MLA and this chapter's experts
-/// (DeepSeek-V3 in miniature); any other config goes to chapter 06's make_model.
-ch03::Transformer make_model(const ch03::ModelConfig& config);
+/// Chapter 07's recipe: a config with MoE keys gets chapter 06's (MLA) and this chapter's experts
+/// in its MoE layers (DeepSeek-V3 in miniature); any other config gets chapter 06's recipe. This
+/// is the most complete recipe the chapters build: the commands use it.
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config);
+
+/// The model (or `part` of it) from recipe(config); a ch03::ModelBuilder.
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part = {});
 
 /// ch03::load_model with this chapter's make_model.
 ch03::Transformer load_model(const std::string& dir);

@@ -144,12 +144,15 @@ torch::Tensor MlpImpl::forward(const torch::Tensor& x) {
   return down_proj(torch::silu(gate_proj(x)) * up_proj(x));  // SwiGLU (Shazeer 2020)
 }
 
-BlockImpl::BlockImpl(const ModelConfig& c) {
+BlockImpl::BlockImpl(const ModelConfig& c, std::shared_ptr<AttentionLayer> attention,
+                     std::shared_ptr<FeedForwardLayer> feed_forward) {
+  if (!attention) attention = std::make_shared<AttentionImpl>(c);
+  if (!feed_forward) feed_forward = std::make_shared<MlpImpl>(c);
   input_layernorm = register_module("input_layernorm", RMSNorm(c.d_model, c.rms_norm_eps));
-  self_attn = register_module<AttentionLayer>("self_attn", std::make_shared<AttentionImpl>(c));
+  self_attn = register_module("self_attn", std::move(attention));
   post_attention_layernorm =
       register_module("post_attention_layernorm", RMSNorm(c.d_model, c.rms_norm_eps));
-  mlp = register_module<FeedForwardLayer>("mlp", std::make_shared<MlpImpl>(c));
+  mlp = register_module("mlp", std::move(feed_forward));
 }
 
 torch::Tensor BlockImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
@@ -189,22 +192,61 @@ torch::Tensor LanguageModelHeadImpl::logits(const torch::Tensor& hidden) {
   return torch::matmul(hidden, weight.t());  // [..., d_model] x [d_model, vocab]
 }
 
-TrunkImpl::TrunkImpl(const ModelConfig& c) {
-  embed_tokens = register_module<TokenEmbedding>("embed_tokens",
-                                                 Embedding(c.vocab_size, c.d_model).ptr());
-  layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.n_layers; ++i) layers->push_back(Block(c));
-  norm = register_module("norm", RMSNorm(c.d_model, c.rms_norm_eps));
+int64_t ModelPart::end(int64_t n_layers) const {
+  const int64_t last = last_layer < 0 ? n_layers : last_layer;
+  FIVEFOLD_CHECK(0 <= first_layer && first_layer <= last && last <= n_layers, "model part: layers [",
+                 first_layer, ", ", last, ") are not within the model's ", n_layers);
+  return last;
 }
 
-TransformerImpl::TransformerImpl(ModelConfig config) : config_(std::move(config)) {
+bool ModelPart::whole(int64_t n_layers) const {
+  return first_layer == 0 && end(n_layers) == n_layers && embedding && head;
+}
+
+TrunkImpl::TrunkImpl(const ModelConfig& c, const ModelRecipe& recipe, const ModelPart& part) {
+  if (part.embedding || (part.head && c.tied_embeddings)) {
+    embed_tokens = register_module<TokenEmbedding>("embed_tokens",
+                                                   Embedding(c.vocab_size, c.d_model).ptr());
+  }
+  layers = register_module("layers", torch::nn::ModuleDict());
+  for (int64_t i = part.first_layer; i < part.end(c.n_layers); ++i) {
+    Block block(c, recipe.attention ? recipe.attention(c, i) : nullptr,
+                recipe.mlp ? recipe.mlp(c, i) : nullptr);
+    block->self_attn->encoding = recipe.position_encoding;
+    // Registered as model.layers.{i}, the global index, whichever layers this part holds.
+    layers->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
+        {std::to_string(i), block.ptr()}});
+  }
+  if (part.head) norm = register_module("norm", RMSNorm(c.d_model, c.rms_norm_eps));
+}
+
+TransformerImpl::TransformerImpl(ModelConfig config, const ModelRecipe& recipe,
+                                 const ModelPart& part)
+    : config_(std::move(config)), part_(part) {
   config_.validate();
-  model = register_module("model", Trunk(config_));
-  torch::Tensor tied;
-  if (config_.tied_embeddings) tied = model->embed_tokens->as<EmbeddingImpl>()->weight;
-  lm_head = register_module<OutputLayer>(
-      "lm_head", LanguageModelHead(config_.vocab_size, config_.d_model, tied).ptr());
+  part_.last_layer = part_.end(config_.n_layers);
+  model = register_module("model", Trunk(config_, recipe, part_));
+  if (part_.head) {
+    torch::Tensor tied;
+    if (config_.tied_embeddings) tied = model->embed_tokens->as<EmbeddingImpl>()->weight;
+    lm_head = register_module<OutputLayer>(
+        "lm_head", LanguageModelHead(config_.vocab_size, config_.d_model, tied).ptr());
+  }
   initialise_parameters();
+}
+
+BlockImpl& TransformerImpl::block(int64_t layer) {
+  const std::string key = std::to_string(layer);
+  FIVEFOLD_CHECK(model->layers->contains(key), "Transformer: layer ", layer,
+                 " is not held by this part (layers ", part_.first_layer, " .. ",
+                 part_.last_layer - 1, ")");
+  return *model->layers[key]->as<BlockImpl>();
+}
+
+std::vector<int64_t> TransformerImpl::layer_indices() const {
+  std::vector<int64_t> indices;
+  for (int64_t i = part_.first_layer; i < part_.last_layer; ++i) indices.push_back(i);
+  return indices;
 }
 
 void TransformerImpl::initialise_parameters() {
@@ -223,12 +265,12 @@ void TransformerImpl::initialise_parameters() {
 }
 
 void TransformerImpl::set_position_encoding(std::shared_ptr<const PositionEncoding> encoding) {
-  for (const auto& layer : *model->layers) layer->as<BlockImpl>()->self_attn->encoding = encoding;
+  for (int64_t i : layer_indices()) block(i).self_attn->encoding = encoding;
 }
 
 void TransformerImpl::set_attention_kernel(std::shared_ptr<const AttentionKernel> kernel) {
   FIVEFOLD_CHECK(kernel != nullptr, "set_attention_kernel: no kernel");
-  for (const auto& layer : *model->layers) layer->as<BlockImpl>()->self_attn->kernel = kernel;
+  for (int64_t i : layer_indices()) block(i).self_attn->kernel = kernel;
 }
 
 void TransformerImpl::set_embedding(std::shared_ptr<TokenEmbedding> embedding) {
@@ -239,13 +281,14 @@ void TransformerImpl::set_output_layer(std::shared_ptr<OutputLayer> output) {
   lm_head = replace_module("lm_head", std::move(output));
 }
 
-Transformer build_model(const ModelConfig& config) {
+Transformer build_model(const ModelConfig& config, const ModelPart& part) {
   FIVEFOLD_CHECK(config.extensions.is_null(),
                  "config: a deepseek_v3 model (MLA, MoE) needs chapter 06's make_model");
-  return Transformer(config);
+  return Transformer(config, ModelRecipe{}, part);
 }
 
 torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens) {
+  FIVEFOLD_CHECK(part_.embedding, "Transformer: this part holds no embedding");
   FIVEFOLD_CHECK(tokens.dim() == 2 && tokens.scalar_type() == torch::kLong,
                  "Transformer: tokens must be int64 [batch, seq], got ", tokens.sizes(), " ",
                  tokens.scalar_type());
@@ -254,29 +297,31 @@ torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens) {
 
 torch::Tensor TransformerImpl::forward_layers(torch::Tensor x, const torch::Tensor& positions,
                                               int64_t first, int64_t last, KVCache* cache) {
-  FIVEFOLD_CHECK(0 <= first && first <= last && last <= config_.n_layers,
-                 "Transformer: layers [", first, ", ", last, ") outside 0 .. ", config_.n_layers);
+  FIVEFOLD_CHECK(part_.first_layer <= first && first <= last && last <= part_.last_layer,
+                 "Transformer: layers [", first, ", ", last, ") are not all held by this part [",
+                 part_.first_layer, ", ", part_.last_layer, ")");
   FIVEFOLD_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong &&
                      positions.size(0) == x.size(1),
                  "Transformer: positions must be int64 [seq] with seq = ", x.size(1));
-  FIVEFOLD_CHECK(
-      config_.rope_theta == 0 || model->layers[0]->as<BlockImpl>()->self_attn->encoding != nullptr,
-      "Transformer: the config has rope_theta = ", config_.rope_theta,
-      " but no position encoding is installed: build the model with chapter 04's "
-      "make_model (or load_model)");
-  if (cache != nullptr) cache->layers.resize(config_.n_layers);
+  if (cache != nullptr) cache->layers.resize(static_cast<size_t>(config_.n_layers));
   for (int64_t i = first; i < last; ++i) {
-    x = model->layers[i]->as<BlockImpl>()->forward(x, positions,
-                                                   cache ? &cache->layers[i] : nullptr);
+    BlockImpl& layer = block(i);
+    FIVEFOLD_CHECK(config_.rope_theta == 0 || layer.self_attn->encoding != nullptr,
+                   "Transformer: the config has rope_theta = ", config_.rope_theta,
+                   " but no position encoding is installed: build the model with chapter 04's "
+                   "make_model (or load_model)");
+    x = layer.forward(x, positions, cache ? &cache->layers[static_cast<size_t>(i)] : nullptr);
   }
   return x;
 }
 
 torch::Tensor TransformerImpl::logits(const torch::Tensor& hidden) {
+  FIVEFOLD_CHECK(part_.head, "Transformer: this part holds no head");
   return lm_head->logits(model->norm(hidden));
 }
 
 torch::Tensor TransformerImpl::loss(const torch::Tensor& hidden, const torch::Tensor& targets) {
+  FIVEFOLD_CHECK(part_.head, "Transformer: this part holds no head");
   return lm_head->loss(model->norm(hidden), targets);
 }
 

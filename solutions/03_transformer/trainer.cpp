@@ -233,7 +233,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   // Inputs are good: build the model (from the checkpoint when resuming).
   const Placement& place = c.placement;
   const ModelBuilder build = requested.build_model ? requested.build_model : build_model;
-  Transformer model = resume ? load_model(start, build) : build(c.model);
+  Transformer model = resume ? load_model(start, build) : build(c.model, ModelPart{});
   c.model = model->config();
   const BatchSampler train_batches(train_data, c.seq_len, c.batch, c.data.seed);
   const BatchSampler eval_batches(val_data, c.seq_len, c.batch, c.data.seed + 1);

@@ -62,17 +62,22 @@ std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::encode(
   return {apply_rope(q, cos, sin, layout_), apply_rope(k, cos, sin, layout_)};
 }
 
-ch03::Transformer make_model(const ch03::ModelConfig& config) {
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config) {
+  config.validate();  // the config first: its errors name the config, not a module
   FIVEFOLD_CHECK(config.extensions.is_null(),
                  "config: a deepseek_v3 model (MLA, MoE) needs chapter 06's make_model");
   FIVEFOLD_CHECK(config.rope_scaling.is_null(),
                  "config: 'rope_scaling' (context extension) needs chapter 05's make_model");
-  ch03::Transformer model(config);
+  ch03::ModelRecipe r;
   if (config.rope_theta > 0) {
-    model->set_position_encoding(
-        std::make_shared<RotaryEmbedding>(config.resolved_head_dim(), config.rope_theta));
+    r.position_encoding =
+        std::make_shared<RotaryEmbedding>(config.resolved_head_dim(), config.rope_theta);
   }
-  return model;
+  return r;
+}
+
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part) {
+  return ch03::Transformer(config, recipe(config), part);
 }
 
 ch03::Transformer load_model(const std::string& dir) { return ch03::load_model(dir, make_model); }

@@ -138,7 +138,8 @@ std::pair<torch::Tensor, torch::Tensor> ScaledRotaryEmbedding::encode(
   return {ch04::apply_rope(q, cos, sin, layout_), ch04::apply_rope(k, cos, sin, layout_)};
 }
 
-ch03::Transformer make_model(const ch03::ModelConfig& config) {
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config) {
+  config.validate();  // the config first: its errors name the config, not a module
   FIVEFOLD_CHECK(config.extensions.is_null(),
                  "config: a deepseek_v3 model (MLA, MoE) needs chapter 06's make_model");
   const RopeScaling scaling =
@@ -146,15 +147,18 @@ ch03::Transformer make_model(const ch03::ModelConfig& config) {
   if (scaling.type == "none") {  // chapter 04's model (it accepts no rope_scaling entry)
     ch03::ModelConfig plain = config;
     plain.rope_scaling = nullptr;
-    ch03::Transformer model = ch04::make_model(plain);
-    return model;
+    return ch04::recipe(plain);
   }
   FIVEFOLD_CHECK(config.rope_theta > 0,
                  "config: 'rope_scaling' needs rotary positions (rope_theta)");
-  ch03::Transformer model(config);
-  model->set_position_encoding(std::make_shared<ScaledRotaryEmbedding>(config.resolved_head_dim(),
-                                                                       config.rope_theta, scaling));
-  return model;
+  ch03::ModelRecipe r;
+  r.position_encoding = std::make_shared<ScaledRotaryEmbedding>(config.resolved_head_dim(),
+                                                                config.rope_theta, scaling);
+  return r;
+}
+
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part) {
+  return ch03::Transformer(config, recipe(config), part);
 }
 
 ch03::Transformer load_model(const std::string& dir) { return ch03::load_model(dir, make_model); }

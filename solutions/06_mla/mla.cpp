@@ -145,42 +145,40 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_absorbed(const torch::Tensor
   return o_proj(out.transpose(1, 2).reshape({batch, seq, heads * dv}));
 }
 
-void install_mla(ch03::Transformer& model) {
-  const ch03::ModelConfig& config = model->config();
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config) {
+  config.validate();  // the config first: its errors name the config, not a module
+  if (config.extensions.is_null()) return ch05::recipe(config);
   const MlaConfig mla = MlaConfig::from_json(config.extensions);
   FIVEFOLD_CHECK(config.rope_theta == 0 || mla.qk_rope_head_dim > 0,
                  "config: rope_theta needs qk_rope_head_dim > 0 (the rotated part of MLA)");
-  for (const auto& layer : *model->model->layers) {
-    layer->as<ch03::BlockImpl>()->set_attention(
-        std::make_shared<MultiHeadLatentAttentionImpl>(config, mla));
-  }
-  model->initialise_parameters();  // the new matrices, from their own (seed, name) generators
+  ch03::ModelRecipe r;
+  r.attention = [mla](const ch03::ModelConfig& c, int64_t) {
+    return std::make_shared<MultiHeadLatentAttentionImpl>(c, mla);
+  };
   if (config.rope_theta > 0) {
     const auto layout =
         mla.rope_interleave ? ch04::RopeLayout::Interleaved : ch04::RopeLayout::HalfSplit;
     const auto scaling =
         ch05::RopeScaling::from_json(config.rope_scaling, config.max_position_embeddings);
-    std::shared_ptr<const ch03::PositionEncoding> encoding;
     if (scaling.type == "none") {
-      encoding =
+      r.position_encoding =
           std::make_shared<ch04::RotaryEmbedding>(mla.qk_rope_head_dim, config.rope_theta, layout);
     } else {
-      encoding = std::make_shared<ch05::ScaledRotaryEmbedding>(mla.qk_rope_head_dim,
-                                                               config.rope_theta, scaling, layout);
+      r.position_encoding = std::make_shared<ch05::ScaledRotaryEmbedding>(
+          mla.qk_rope_head_dim, config.rope_theta, scaling, layout);
     }
-    model->set_position_encoding(encoding);
   }
+  return r;
 }
 
-ch03::Transformer make_model(const ch03::ModelConfig& config) {
-  if (config.extensions.is_null()) return ch05::make_model(config);
-  for (const char* key : {"n_routed_experts", "moe_intermediate_size", "n_shared_experts"}) {
-    FIVEFOLD_CHECK(!config.extensions.contains(key) || config.extensions[key].is_null(),
-                   "config: '", key, "' (Mixture-of-Experts) needs chapter 07's make_model");
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part) {
+  if (!config.extensions.is_null()) {
+    for (const char* key : {"n_routed_experts", "moe_intermediate_size", "n_shared_experts"}) {
+      FIVEFOLD_CHECK(!config.extensions.contains(key) || config.extensions[key].is_null(),
+                     "config: '", key, "' (Mixture-of-Experts) needs chapter 07's make_model");
+    }
   }
-  ch03::Transformer model(config);
-  install_mla(model);
-  return model;
+  return ch03::Transformer(config, recipe(config), part);
 }
 
 ch03::Transformer load_model(const std::string& dir) { return ch03::load_model(dir, make_model); }

@@ -132,7 +132,6 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
   last_routing_ = {routing.experts, routing.gates.detach()};  // kept without the graph
   auto experts_of = routing.experts.reshape(-1);              // [tokens·k], token-major
   auto gates = routing.gates.reshape(-1);
-  const auto token_of = torch::arange(tokens).repeat_interleave(k);
 
   // Capacity: each expert takes its assignments in token order until it is full; the rest are
   // dropped (their gate's output is lost; the residual stream carries the token on).
@@ -144,14 +143,9 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
     kept = place < capacity;
   }
 
-  auto out = torch::zeros_like(x);
-  for (int64_t j = 0; j < c.n_routed_experts; ++j) {
-    const auto slots = (experts_of == j).logical_and(kept).nonzero().squeeze(1);
-    if (slots.numel() == 0) continue;
-    const auto rows = token_of.index_select(0, slots);
-    auto y = experts[j]->as<ch03::MlpImpl>()->forward(x.index_select(0, rows));
-    out = out.index_add(0, rows, y * gates.index_select(0, slots).unsqueeze(1));
-  }
+  // Dispatch the kept assignments to their experts, run them, combine the gated outputs.
+  const DispatchedTokens dispatched = dispatcher->dispatch(x, experts_of, kept, c.n_routed_experts);
+  auto out = dispatcher->combine(run_experts(dispatched), dispatched, gates, tokens, k);
   if (shared_experts) out = out + shared_experts->forward(x);
 
   if (torch::GradMode::is_enabled()) {  // training: count the load, balance
@@ -170,6 +164,41 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
     }
   }
   return out.view(input.sizes());
+}
+
+torch::Tensor MoeImpl::run_experts(const DispatchedTokens& dispatched) {
+  const auto pieces = dispatched.tokens.split_with_sizes(dispatched.rows_per_expert);
+  std::vector<torch::Tensor> outputs;
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    // An expert that received no token computes nothing (and gets no gradient).
+    outputs.push_back(pieces[j].size(0) == 0
+                          ? pieces[j]
+                          : experts[j]->as<ch03::MlpImpl>()->forward(pieces[j]));
+  }
+  return torch::cat(outputs);  // [rows, d_model]
+}
+
+DispatchedTokens LocalDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor& experts,
+                                           const torch::Tensor& kept, int64_t n_experts) {
+  const int64_t k = x.size(0) > 0 ? experts.size(0) / x.size(0) : 1;  // assignments per token
+  DispatchedTokens d;
+  const auto kept_slots = kept.nonzero().squeeze(1);  // [kept], in token order
+  // Stable: within an expert the assignments keep their token order.
+  const auto order =
+      std::get<1>(experts.index_select(0, kept_slots).sort(c10::optional<bool>(true), 0));
+  d.slots = kept_slots.index_select(0, order);
+  d.tokens = x.index_select(0, d.slots.div(k, "floor"));  // [rows, d_model]
+  const auto counts = torch::bincount(experts.index_select(0, d.slots), {}, n_experts);
+  d.rows_per_expert.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + n_experts);
+  return d;
+}
+
+torch::Tensor LocalDispatcher::combine(const torch::Tensor& outputs,
+                                       const DispatchedTokens& dispatched,
+                                       const torch::Tensor& gates, int64_t tokens, int64_t k) {
+  const auto token_of = dispatched.slots.div(k, "floor");
+  const auto weighted = outputs * gates.index_select(0, dispatched.slots).unsqueeze(1);
+  return torch::zeros({tokens, outputs.size(1)}, outputs.options()).index_add(0, token_of, weighted);
 }
 
 ExpertLoad MoeImpl::update_bias(dist::Communicator* comm) {
@@ -231,8 +260,8 @@ MoeParameters count_parameters(const ch03::ModelConfig& c) {
 nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm) {
   nlohmann::json loads = nlohmann::json::array();
   double max_load = 0, dropped = 0, assignments = 0, aux = 0;
-  for (const auto& layer : *model->model->layers) {
-    auto moe = std::dynamic_pointer_cast<MoeImpl>(layer->as<ch03::BlockImpl>()->mlp);
+  for (int64_t i : model->layer_indices()) {
+    auto moe = std::dynamic_pointer_cast<MoeImpl>(model->block(i).mlp);
     if (!moe) continue;
     const ExpertLoad load = moe->update_bias(comm);
     if (load.assignments == 0) continue;
@@ -249,16 +278,6 @@ nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm) {
           {"moe_max_load", max_load},
           {"moe_dropped", dropped / assignments},
           {"moe_aux_loss", aux / static_cast<double>(loads.size())}};
-}
-
-void install_moe(ch03::Transformer& model) {
-  const ch03::ModelConfig& config = model->config();
-  const MoeConfig moe = MoeConfig::from_json(config.extensions);
-  for (int64_t i = 0; i < config.n_layers; ++i) {
-    if (!moe.is_moe_layer(i)) continue;
-    model->model->layers[i]->as<ch03::BlockImpl>()->set_mlp(std::make_shared<MoeImpl>(config, moe));
-  }
-  model->initialise_parameters();  // the experts' and routers' matrices, by (seed, name)
 }
 
 ch03::ModelConfig deepseek_v3_config() {
@@ -284,15 +303,21 @@ ch03::ModelConfig deepseek_v3_config() {
                                                {"tie_word_embeddings", false}});
 }
 
-ch03::Transformer make_model(const ch03::ModelConfig& config) {
-  if (config.extensions.is_null() || !config.extensions.contains("n_routed_experts") ||
-      config.extensions["n_routed_experts"].is_null()) {
-    return ch06::make_model(config);
-  }
-  ch03::Transformer model(config);
-  ch06::install_mla(model);
-  install_moe(model);
-  return model;
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config) {
+  const auto& e = config.extensions;
+  ch03::ModelRecipe r = ch06::recipe(config);
+  if (e.is_null() || !e.contains("n_routed_experts") || e["n_routed_experts"].is_null()) return r;
+  const MoeConfig moe = MoeConfig::from_json(e);
+  r.mlp = [moe](const ch03::ModelConfig& c,
+                int64_t layer) -> std::shared_ptr<ch03::FeedForwardLayer> {
+    if (!moe.is_moe_layer(layer)) return nullptr;  // a dense layer: chapter 03's MLP
+    return std::make_shared<MoeImpl>(c, moe);
+  };
+  return r;
+}
+
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ch03::ModelPart& part) {
+  return ch03::Transformer(config, recipe(config), part);
 }
 
 ch03::Transformer load_model(const std::string& dir) { return ch03::load_model(dir, make_model); }

@@ -89,3 +89,63 @@ TEST(Transformer, MeasuredFlopsEqualChapter02sFormula) {
     }
   }
 }
+
+// A model split into parts (a pipeline stage holds some layers; the first the embedding, the last
+// the head) has, under the same global names, the whole model's initial weights bit for bit, and
+// its parts run in a row compute the whole model's logits and loss.
+TEST(Transformer, PartsHoldTheWholeModelsWeightsAndComputeItsForward) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    ModelConfig config = small(2, tied);
+    config.n_layers = 4;
+    Transformer whole(config);
+    ModelPart first_part{0, 1, /*embedding=*/true, /*head=*/false};
+    ModelPart middle_part{1, 3, false, false};
+    ModelPart last_part{3, -1, false, true};
+    Transformer first(config, ModelRecipe{}, first_part), middle(config, ModelRecipe{}, middle_part),
+        last(config, ModelRecipe{}, last_part);
+    auto reference = whole->named_parameters();
+    int64_t names = 0;
+    for (auto* part : {&first, &middle, &last}) {
+      for (const auto& item : (*part)->named_parameters()) {
+        SCOPED_TRACE(item.key());
+        ASSERT_TRUE(reference.contains(item.key()));
+        EXPECT_TENSOR_EQ(item.value(), reference[item.key()]);
+        ++names;
+      }
+    }
+    // Every name once, except the tied table, which the first and the last part both hold.
+    EXPECT_EQ(names, static_cast<int64_t>(reference.size()) + (tied ? 1 : 0));
+    EXPECT_EQ(middle->layer_indices(), (std::vector<int64_t>{1, 2}));
+    EXPECT_TRUE(reference.contains("model.layers.2.mlp.down_proj.weight"));
+    EXPECT_FALSE(middle->named_parameters().contains("model.norm.weight"));
+
+    const auto tokens = tokens_for(config, 2, 7);
+    const auto positions = position_range(0, 7);
+    auto x = first->forward_layers(first->embed(tokens), positions, 0, 1);
+    x = middle->forward_layers(x, positions, 1, 3);
+    x = last->forward_layers(x, positions, 3, 4);
+    // The same operations in the same order: bit for bit.
+    EXPECT_TENSOR_EQ(last->logits(x), whole(tokens));
+    EXPECT_TRUE(fivefold::testing::throws_error_containing(
+        [&] { middle->forward_layers(x, positions, 0, 2); }, "not all held by this part"));
+    EXPECT_TRUE(
+        fivefold::testing::throws_error_containing([&] { middle->embed(tokens); }, "no embedding"));
+  }
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [] { Transformer(small(), ModelRecipe{}, ModelPart{1, 5, true, true}); },
+      "not within the model's 2"));
+}
+
+// The output slot's loss ignores targets of -100 (padding), as PyTorch's cross-entropy does.
+TEST(Transformer, LossIgnoresPaddedTargets) {
+  const auto config = small();
+  Transformer model(config);
+  const auto tokens = tokens_for(config, 2, 6);
+  auto targets = tokens.roll(-1, 1);
+  const auto hidden = model->forward_layers(model->embed(tokens), position_range(0, 6), 0, 2);
+  auto padded = targets.clone();
+  padded.narrow(1, 4, 2).fill_(-100);
+  EXPECT_NEAR(model->loss(hidden, padded).item<double>(),
+              model->loss(hidden.narrow(1, 0, 4), targets.narrow(1, 0, 4)).item<double>(), 1e-6);
+}

@@ -140,10 +140,7 @@ TEST(Trainer, OptimizerStateRoundTripsByName) {
   save_optimizer(scratch.path("adam.safetensors"), model, *optimizer);
   const auto saved = io::load_safetensors(scratch.path("adam.safetensors"));
   EXPECT_EQ(saved.at("model.layers.0.self_attn.k_proj.weight.exp_avg").sizes(),
-            model->model->layers[0]
-                ->as<BlockImpl>()
-                ->self_attn->as<AttentionImpl>()
-                ->k_proj->weight.sizes());
+            model->block(0).self_attn->as<AttentionImpl>()->k_proj->weight.sizes());
   EXPECT_EQ(saved.at("lm_head.weight.step").item<int64_t>(), 1);
 
   // A different model's state (other shapes) is refused by name.

@@ -55,9 +55,7 @@ Transformer sharpened(Transformer model) {
 }
 
 MultiHeadLatentAttentionImpl& attention(Transformer& model, int64_t layer) {
-  return *model->model->layers[layer]
-              ->as<ch03::BlockImpl>()
-              ->self_attn->as<MultiHeadLatentAttentionImpl>();
+  return *model->block(layer).self_attn->as<MultiHeadLatentAttentionImpl>();
 }
 
 torch::Tensor tokens(int64_t batch, int64_t seq, uint64_t seed = 1) {
@@ -190,8 +188,7 @@ TEST(Mla, WithoutCompressionIsMultiHeadAttention) {
   ModelConfig llama = c;
   llama.extensions = nullptr;
   Transformer mha_model = sharpened(Transformer(llama));
-  auto& mha =
-      *mha_model->model->layers[0]->as<ch03::BlockImpl>()->self_attn->as<ch03::AttentionImpl>();
+  auto& mha = *mha_model->block(0).self_attn->as<ch03::AttentionImpl>();
   MultiHeadLatentAttention mla(c, MlaConfig::from_json(c.extensions));
   {
     torch::NoGradGuard no_grad;

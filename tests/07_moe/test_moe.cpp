@@ -281,7 +281,7 @@ TEST(Moe, ParameterCountsMatchNumelAndDeepSeekV3) {
   int64_t numel = 0, unused = 0;
   for (const auto& p : model->parameters()) numel += p.numel();
   for (int64_t layer : {1, 2}) {  // the MoE layers: 8 experts, 2 used per token
-    auto& moe = *model->model->layers[layer]->as<ch03::BlockImpl>()->mlp->as<MoeImpl>();
+    auto& moe = *model->block(layer).mlp->as<MoeImpl>();
     for (int64_t j = 2; j < 8; ++j)
       for (const auto& p : moe.experts[j]->parameters()) unused += p.numel();
   }

@@ -84,7 +84,7 @@ TEST(Fsdp, FrozenAndUnusedParametersBehaveAsOnOneDevice) {
   // gradient) and a parameter no forward uses (never stepped, never decayed).
   auto build = [] {
     Transformer model(small_config(false));
-    model->model->layers[1]->as<BlockImpl>()->input_layernorm->weight.requires_grad_(false);
+    model->block(1).input_layernorm->weight.requires_grad_(false);
     model->register_parameter("unused", torch::full({4, 2}, 0.5));
     return model;
   };
