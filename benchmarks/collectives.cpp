@@ -57,7 +57,8 @@ std::string size_text(int64_t bytes) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+int run(int argc, char** argv) {
   fivefold::ArgParser args("bench_collectives",
                            "Ring collectives from send/recv vs the backend's, with algorithm and "
                            "bus bandwidth.");
@@ -106,4 +107,15 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+}  // namespace
+
+// Errors (a bad flag, a failed collective) end the program with a message and exit status 1.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", "bench_collectives", e.what());
+    return 1;
+  }
 }

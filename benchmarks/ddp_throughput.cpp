@@ -104,7 +104,8 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Va
 }
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+int run(int argc, char** argv) {
   ArgParser args("bench_ddp_throughput",
                  "Tokens/s of data-parallel training per variant, and the all-reduce time DDP's "
                  "overlap hides.");
@@ -154,4 +155,15 @@ int main(int argc, char** argv) {
     if (world->size() == 1) break;  // one process: the variants are the same computation
   }
   return 0;
+}
+}  // namespace
+
+// Errors (a bad flag, a failed collective) end the program with a message and exit status 1.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", "bench_ddp_throughput", e.what());
+    return 1;
+  }
 }

@@ -92,7 +92,8 @@ double product_gflops(int64_t batch, int64_t m, int64_t k, int64_t n) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+int run(int argc, char** argv) {
   fivefold::ArgParser args("bench_train_throughput",
                            "Tokens/s and MFU of chapter 03's training step for three model sizes.");
   args.option("steps", "20", "timed steps per size (after 3 warm-up steps)");
@@ -157,4 +158,15 @@ int main(int argc, char** argv) {
     }
   }
   return 0;
+}
+}  // namespace
+
+// Errors (a bad flag, a failed collective) end the program with a message and exit status 1.
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", "bench_train_throughput", e.what());
+    return 1;
+  }
 }

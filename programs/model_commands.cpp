@@ -9,7 +9,11 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "03_transformer/checkpoint.h"
 #include "03_transformer/evaluate.h"
@@ -41,10 +45,108 @@ std::vector<int64_t> token_ids(const ArgParser& args, const std::string& flag, i
   return ids;
 }
 
-std::string join(const std::vector<int64_t>& ids) {
-  std::string text;
-  for (size_t i = 0; i < ids.size(); ++i) text += (i ? "," : "") + std::to_string(ids[i]);
-  return text;
+// Bytes of memory the system can still give (MemAvailable in /proc/meminfo); 0 when unknown.
+int64_t available_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+// Refuses, before anything is allocated, a model whose fp32 weights, gradients and AdamW state
+// (chapter 09's ZeRO formula for this layout) cannot fit in this machine's available memory.
+// Activations come on top, so passing this check is necessary, not sufficient.
+void check_model_fits(const ModelConfig& model, int64_t dp, int zero, int local_ranks) {
+  const int64_t available = available_memory();
+  if (available <= 0) return;
+  const int64_t psi = ch07::count_parameters(model).total;
+  const auto m = ch09::zero_memory_formula(psi, dp, zero);
+  const double per_rank = static_cast<double>(m.parameters + m.gradients + m.optimizer);
+  const double need = per_rank * local_ranks;
+  FIVEFOLD_CHECK(need <= static_cast<double>(available), "the model has ", psi,
+                 " parameters: its fp32 weights, gradients and AdamW state take ", per_rank / 1e9,
+                 " GB per rank (ZeRO-", zero, " over ", dp, " ranks) x ", local_ranks,
+                 " ranks on this machine = ", need / 1e9, " GB, more than the ",
+                 static_cast<double>(available) / 1e9,
+                 " GB available (activations not counted); use a smaller model, more ranks or a "
+                 "higher --zero stage");
+}
+
+// With --resume the run continues with its own settings. A flag that would change what it
+// computes (model, data, batch, optimiser, schedule) is refused when it differs from the run's,
+// naming each; the others (steps, evaluation, checkpoints, progress, layout) apply. Settings not
+// given are the run's, not the flags' defaults.
+void resumed_settings(const ArgParser& args, RunConfig& c) {
+  const RunState saved = load_run_state(resolve_checkpoint(c.out_dir));
+  auto num = [](double x) {  // 15 digits: a value typed again reads back the same
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.15g", x);
+    return std::string(text);
+  };
+  using Value = std::function<std::string(const RunConfig&)>;
+  const std::vector<std::pair<const char*, Value>> fixed = {
+      {"data", [](const RunConfig& r) { return r.data.path; }},
+      {"data-seed", [](const RunConfig& r) { return std::to_string(r.data.seed); }},
+      {"synthetic-examples",
+       [](const RunConfig& r) { return std::to_string(r.data.synthetic_examples); }},
+      {"val-fraction", [&](const RunConfig& r) { return num(r.data.val_fraction); }},
+      {"seq", [](const RunConfig& r) { return std::to_string(r.seq_len); }},
+      {"batch", [](const RunConfig& r) { return std::to_string(r.batch); }},
+      {"lr", [&](const RunConfig& r) { return num(r.train.lr); }},
+      {"min-lr", [&](const RunConfig& r) { return num(r.train.min_lr); }},
+      {"warmup", [](const RunConfig& r) { return std::to_string(r.train.warmup_steps); }},
+      {"decay-steps", [](const RunConfig& r) { return std::to_string(r.train.total_steps); }},
+      {"weight-decay", [&](const RunConfig& r) { return num(r.train.weight_decay); }},
+      {"decay-embeddings",
+       [](const RunConfig& r) { return std::string(r.train.decay_embeddings ? "on" : "off"); }},
+      {"grad-clip", [&](const RunConfig& r) { return num(r.train.grad_clip); }},
+      {"vocab", [](const RunConfig& r) { return std::to_string(r.model.vocab_size); }},
+      {"d-model", [](const RunConfig& r) { return std::to_string(r.model.d_model); }},
+      {"n-layers", [](const RunConfig& r) { return std::to_string(r.model.n_layers); }},
+      {"n-heads", [](const RunConfig& r) { return std::to_string(r.model.n_heads); }},
+      {"n-kv-heads", [](const RunConfig& r) { return std::to_string(r.model.n_kv_heads); }},
+      {"d-ff", [](const RunConfig& r) { return std::to_string(r.model.d_ff); }},
+      {"tied", [](const RunConfig& r) { return std::string(r.model.tied_embeddings ? "on" : "off"); }},
+      {"rope-theta", [&](const RunConfig& r) { return num(r.model.rope_theta); }},
+      {"seed", [](const RunConfig& r) { return std::to_string(r.model.seed); }},
+      {"model-config", [](const RunConfig& r) { return config_to_json(r.model).dump(); }}};
+  std::vector<std::string> changed;
+  for (const auto& [flag, value] : fixed) {
+    if (!args.given(flag) || value(c) == value(saved.run)) continue;
+    changed.push_back(std::string(flag) == "model-config"
+                          ? "--model-config describes another model than the run's"
+                          : "--" + std::string(flag) + " " + value(c) + " (the run has " +
+                                value(saved.run) + ")");
+  }
+  std::string list;
+  for (const auto& item : changed) list += (list.empty() ? "" : "; ") + item;
+  FIVEFOLD_CHECK(changed.empty(), "--resume continues the run in '", c.out_dir,
+                 "' with its own settings, and these would change what it computes: ", list,
+                 ". Leave them out, or start a new run in another --out");
+  // Settings not given are the run's own; those that may change (layout, evaluation,
+  // checkpoints, steps) are taken from the flags by run_training.
+  RunConfig resumed = saved.run;
+  resumed.steps = c.steps;
+  resumed.out_dir = c.out_dir;
+  resumed.progress = c.progress;
+  resumed.peak_gflops = c.peak_gflops;
+  resumed.placement = c.placement;
+  resumed.build_model = c.build_model;
+  resumed.after_step = c.after_step;
+  resumed.make_step = c.make_step;
+  auto keep = [&](const char* flag, auto& field, const auto& value) {
+    field = args.given(flag) ? value : field;
+  };
+  keep("accum", resumed.micro_batches, c.micro_batches);
+  keep("save-every", resumed.save_every, c.save_every);
+  keep("keep", resumed.keep_checkpoints, c.keep_checkpoints);
+  keep("eval-every", resumed.eval_every, c.eval_every);
+  keep("eval-batches", resumed.eval_batches, c.eval_batches);
+  keep("exact-match", resumed.exact_match_examples, c.exact_match_examples);
+  c = resumed;
 }
 
 }  // namespace
@@ -173,6 +275,9 @@ int train(int argc, char** argv) {
   c.peak_gflops = args.real("peak-gflops");
   c.progress = !args.on("no-progress");
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
+  if (args.on("resume")) resumed_settings(args, c);
+  c.model.validate();
+  check_model_fits(c.model, dp, zero, runtime.launch().local_size);
 
   const RunResult r = run_training(c, args.on("resume"));
   log0() << "done: " << r.losses.size() << " steps, final training loss "
@@ -225,14 +330,31 @@ int generate(int argc, char** argv) {
     FIVEFOLD_CHECK(!prompt.empty(), "--prompt is empty");
     if (!args.given("stop-ids")) options.stop_tokens = {'\n'};
   }
-  const auto output = ch03::generate(model, prompt, args.integer("max-new-tokens"), options);
-  if (args.given("prompt-ids")) {
-    std::printf("%s\n", join(output).c_str());
-  } else {
-    std::string text = ByteTokenizer::decode(output);
-    if (!text.empty() && text.back() == '\n') text.pop_back();  // the stop token ends the line
-    std::printf("%s%s\n", args.str("prompt").c_str(), text.c_str());
+  const int64_t max_new = args.integer("max-new-tokens");
+  const int64_t trained = model->config().max_position_embeddings;
+  if (static_cast<int64_t>(prompt.size()) + max_new > trained) {
+    log(LogLevel::Warn) << "generating up to " << static_cast<int64_t>(prompt.size()) + max_new
+                        << " positions, beyond the " << trained
+                        << " the model was trained for (max_position_embeddings): expect it "
+                           "to degrade there (chapter 05 extends the context)";
   }
+  // Tokens are printed as they come: ids comma-separated, or the text after the prompt.
+  const bool ids = args.given("prompt-ids");
+  bool first = true, line_ended = false;
+  if (!ids) std::fputs(args.str("prompt").c_str(), stdout);
+  options.on_token = [&](int64_t token) {
+    if (ids) {
+      std::printf(first ? "%lld" : ",%lld", static_cast<long long>(token));
+    } else {
+      const std::string piece = ByteTokenizer::decode({token});
+      std::fputs(piece.c_str(), stdout);
+      line_ended = piece == "\n";  // a stop token that ends the line
+    }
+    first = false;
+    std::fflush(stdout);
+  };
+  ch03::generate(model, prompt, max_new, options);
+  if (!line_ended) std::printf("\n");
   return 0;
 }
 

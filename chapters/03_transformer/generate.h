@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "03_transformer/model.h"
@@ -20,6 +21,8 @@ struct SamplingOptions {
   uint64_t seed = 0;                 ///< sampling generator's seed: same seed, same tokens
   std::vector<int64_t> stop_tokens;  ///< stop after producing one of these (it is returned)
   bool use_cache = true;  ///< false: recompute the whole sequence at every step (for tests)
+  /// Called with each new token as soon as it is chosen (to stream the output); may be empty.
+  std::function<void(int64_t)> on_token;
   /// Throws fivefold::Error for a non-positive temperature or a negative top_k.
   void validate() const;
 };

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "03_transformer/data.h"
@@ -115,6 +116,14 @@ using StepFactory =
 /// parameter's shape) and `{name}.step` (int64). Names, not positions in a list, so that a run
 /// with another layout can read it. Parameters without state yet (no step taken) are left out.
 io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer);
+/// Checks a state in optimizer_state's layout (read from `source`) against `params` (name,
+/// parameter): each parameter with an `{name}.exp_avg` has its three entries, the moments with the
+/// parameter's shape, and every entry belongs to one of them. Throws fivefold::Error naming
+/// `source`. Returns, per parameter, whether the state has it (a parameter not stepped yet has
+/// none).
+std::vector<bool> check_optimizer_state(
+    const io::TensorMap& state, const std::string& source,
+    const std::vector<std::pair<std::string, torch::Tensor>>& params);
 /// Restores a state written by optimizer_state into `optimizer`, whose parameters are `model`'s.
 /// A tensor of the wrong shape, a missing one or a name the model lacks is a fivefold::Error
 /// naming `source`.

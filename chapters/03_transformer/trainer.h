@@ -81,6 +81,15 @@ nlohmann::json run_to_json(const RunConfig& config);
 /// Inverse of run_to_json; missing keys keep their defaults.
 RunConfig run_from_json(const nlohmann::json& json);
 
+/// What a checkpoint's trainer_state.json holds: the next step and the run's settings.
+struct RunState {
+  int64_t step = 0;  ///< steps done (the next step to run)
+  RunConfig run;     ///< the settings it was trained with
+};
+/// Reads `checkpoint`/trainer_state.json; a missing file, bad JSON, a missing `step` or `run`, or
+/// a setting of the wrong type is a fivefold::Error naming the file.
+RunState load_run_state(const std::string& checkpoint);
+
 /// Train and held-out tokens for `data`: the synthetic corpus's two splits (held-out: a tenth as
 /// many lines), or a file's tokens split at 1 - val_fraction. Throws fivefold::Error for a
 /// missing, empty or too short file.
@@ -96,9 +105,13 @@ struct RunResult {
 };
 
 /// Runs training. With `resume`, continues from `out_dir`'s latest checkpoint with its saved
-/// settings (only `steps` is taken from `config`), bit for bit as if never interrupted. Without
-/// it, refuses an `out_dir` that already holds a run. Every input is checked before anything is
-/// written.
+/// settings, bit for bit as if never interrupted; from `config` it takes only what does not change
+/// the computation: steps, the evaluation and checkpoint settings, progress, the MFU peak and the
+/// layout (placement, micro-batches per rank). Without it, refuses an `out_dir` that already holds
+/// a run. An `out_dir` that is a checkpoint folder is refused; the run owns its folder while it
+/// runs (io::DirectoryLock: a second run into the same folder is refused). Every input is checked
+/// before anything is written. Checkpoint folders replace an existing one of the same step
+/// atomically (io::replace_directory).
 RunResult run_training(const RunConfig& config, bool resume = false);
 
 /// The checkpoint folder to read for `path`: `path` itself when it holds config.json, else the

@@ -1,14 +1,18 @@
 #include "fivefold/io.h"
 
 #include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "fivefold/error.h"
+#include "fivefold/log.h"
 
 namespace fivefold::io {
 namespace {
@@ -38,6 +42,7 @@ constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the reference implementatio
 }  // namespace
 
 std::string read_file(const std::string& path) {
+  FIVEFOLD_CHECK(!std::filesystem::is_directory(path), "'", path, "' is a folder, not a file");
   std::ifstream in(path, std::ios::binary);
   FIVEFOLD_CHECK(in.good(), "cannot open '", path, "': ", std::strerror(errno));
   std::ostringstream contents;
@@ -68,6 +73,52 @@ void write_file_atomic(const std::string& path, const std::string& contents) {
     throw Error("writing '" + path + "' failed: " + std::strerror(error));
   }
 }
+
+void replace_directory(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) == 0) return;  // `to` did not exist (or was empty)
+  FIVEFOLD_CHECK(errno == EEXIST || errno == ENOTEMPTY, "cannot move '", from, "' to '", to,
+                 "': ", std::strerror(errno));
+  FIVEFOLD_CHECK(::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_EXCHANGE) == 0,
+                 "cannot replace '", to, "' with '", from, "': ", std::strerror(errno));
+  std::filesystem::remove_all(from);  // the old contents
+}
+
+namespace {
+std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
+}
+}  // namespace
+
+DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
+  const std::string me = std::to_string(::getpid()) + " " + host_name() + "\n";
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd >= 0) {
+      const bool written = ::write(fd, me.data(), me.size()) == static_cast<ssize_t>(me.size());
+      ::close(fd);
+      FIVEFOLD_CHECK(written, "cannot write '", path_, "'");
+      return;
+    }
+    FIVEFOLD_CHECK(errno == EEXIST, "cannot create '", path_, "': ", std::strerror(errno));
+    std::istringstream owner(read_file(path_));
+    long pid = 0;
+    std::string host;
+    owner >> pid >> host;
+    const bool dead =
+        pid > 0 && host == host_name() && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    FIVEFOLD_CHECK(dead, "'", dir, "' is in use by process ", pid, " on ", host,
+                   " (its lock file '", path_, "'); choose another folder, or delete the lock ",
+                   "file if that run is gone");
+    log(LogLevel::Warn) << "'" << dir << "': taking over the lock of process " << pid
+                           << ", which no longer exists";
+    ::unlink(path_.c_str());
+  }
+  throw Error("cannot lock '" + dir + "': another process took it over at the same time");
+}
+
+DirectoryLock::~DirectoryLock() { ::unlink(path_.c_str()); }
 
 void save_safetensors(const std::string& path, const TensorMap& tensors,
                       const std::map<std::string, std::string>& metadata) {

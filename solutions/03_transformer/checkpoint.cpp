@@ -27,9 +27,10 @@ nlohmann::json config_to_json(const ModelConfig& c) {
                          {"mlp_bias", false},
                          {"torch_dtype", "float32"},
                          {"fivefold_seed", c.seed}};
-  // Without it the model has no positions, which transformers cannot express (its default is
-  // 10000): such a checkpoint loads there but computes another function.
-  if (c.rope_theta > 0) json["rope_theta"] = c.rope_theta;
+  // Always written: absent means transformers' default, 10000. A model without positions
+  // (chapter 03's, rope_theta 0) is one transformers cannot express; 0 makes it fail loudly there
+  // rather than load as another function.
+  json["rope_theta"] = c.rope_theta;
   json["max_position_embeddings"] = c.max_position_embeddings;
   if (!c.rope_scaling.is_null()) json["rope_scaling"] = c.rope_scaling;
   if (!c.extensions.is_null()) {  // a later chapter's architecture: DeepSeek-V3's names
@@ -83,9 +84,11 @@ ModelConfig config_from_json(const nlohmann::json& original) {
                    "config: 'rms_norm_eps' must be a positive number");
     c.rms_norm_eps = json["rms_norm_eps"];
   }
+  // Absent: Hugging Face's default for Llama and DeepSeek-V3, 10000 (rotary positions).
+  c.rope_theta = 10000.0;
   if (json.contains("rope_theta") && !json["rope_theta"].is_null()) {
-    FIVEFOLD_CHECK(json["rope_theta"].is_number() && json["rope_theta"].get<double>() > 0,
-                   "config: 'rope_theta' must be a positive number");
+    FIVEFOLD_CHECK(json["rope_theta"].is_number() && json["rope_theta"].get<double>() >= 0,
+                   "config: 'rope_theta' must be a number >= 0 (0: no positions)");
     c.rope_theta = json["rope_theta"];
   }
   if (json.contains("max_position_embeddings")) {
@@ -138,6 +141,8 @@ Transformer load_model(const std::string& dir, const ModelBuilder& build, const 
                    "' has shape ", t.sizes(), " but config.json implies ", item.value().sizes());
     FIVEFOLD_CHECK(t.is_floating_point(), "checkpoint '", dir, "': tensor '", name,
                    "' is not floating point (", t.scalar_type(), ")");
+    FIVEFOLD_CHECK(torch::isfinite(t).all().item<bool>(), "checkpoint '", dir, "': tensor '", name,
+                   "' holds NaN or infinite values (a diverged run?)");
     item.value().copy_(t);
   }
   // The whole model must use every tensor; a part reads its own and leaves the others.
@@ -170,32 +175,51 @@ io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer
   return tensors;
 }
 
-void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
-                          Transformer& model, torch::optim::AdamW& optimizer) {
-  std::set<std::string> used;
-  for (const auto& item : model->named_parameters()) {
-    const std::string& name = item.key();
-    if (!tensors.count(name + ".exp_avg")) continue;  // no step taken for this parameter yet
+std::vector<bool> check_optimizer_state(
+    const io::TensorMap& state, const std::string& path,
+    const std::vector<std::pair<std::string, torch::Tensor>>& params) {
+  std::vector<bool> has(params.size(), false);
+  size_t used = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const auto& [name, p] = params[k];
+    if (!state.count(name + ".exp_avg")) continue;  // no step taken for this parameter yet
     for (const char* suffix : {".exp_avg", ".exp_avg_sq", ".step"}) {
-      auto found = tensors.find(name + suffix);
-      FIVEFOLD_CHECK(found != tensors.end(), "optimizer state '", path, "': '", name, suffix,
+      auto found = state.find(name + suffix);
+      FIVEFOLD_CHECK(found != state.end(), "optimizer state '", path, "': '", name, suffix,
                      "' is missing");
       const bool scalar = std::string(suffix) == ".step";
-      FIVEFOLD_CHECK(
-          scalar ? found->second.numel() == 1 : found->second.sizes() == item.value().sizes(),
-          "optimizer state '", path, "': '", name, suffix, "' has shape ", found->second.sizes(),
-          ", the parameter has ", item.value().sizes());
-      used.insert(found->first);
+      FIVEFOLD_CHECK(scalar ? found->second.numel() == 1 : found->second.sizes() == p.sizes(),
+                     "optimizer state '", path, "': '", name, suffix, "' has shape ",
+                     found->second.sizes(), ", the parameter has ", p.sizes());
+      ++used;
     }
+    has[k] = true;
+  }
+  if (used != state.size()) {
+    std::set<std::string> known;
+    for (const auto& [name, p] : params)
+      for (const char* suffix : {".exp_avg", ".exp_avg_sq", ".step"}) known.insert(name + suffix);
+    for (const auto& [name, tensor] : state) {
+      FIVEFOLD_CHECK(known.count(name), "optimizer state '", path, "': '", name,
+                     "' belongs to no parameter of this model");
+    }
+  }
+  return has;
+}
+
+void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
+                          Transformer& model, torch::optim::AdamW& optimizer) {
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+  const std::vector<bool> has = check_optimizer_state(tensors, path, params);
+  for (size_t k = 0; k < params.size(); ++k) {
+    if (!has[k]) continue;
+    const std::string& name = params[k].first;
     auto state = std::make_unique<torch::optim::AdamWParamState>();
     state->step(tensors.at(name + ".step").item<int64_t>());
     state->exp_avg(tensors.at(name + ".exp_avg").to(torch::kFloat).clone());
     state->exp_avg_sq(tensors.at(name + ".exp_avg_sq").to(torch::kFloat).clone());
-    optimizer.state()[state_key(item.value())] = std::move(state);
-  }
-  for (const auto& [name, tensor] : tensors) {
-    FIVEFOLD_CHECK(used.count(name), "optimizer state '", path, "': '", name,
-                   "' belongs to no parameter of this model");
+    optimizer.state()[state_key(params[k].second)] = std::move(state);
   }
 }
 

@@ -53,6 +53,7 @@ std::vector<int64_t> generate(Transformer& model, const std::vector<int64_t>& pr
     const int64_t token = pick_token(logits[0][-1], options, generator);
     produced.push_back(token);
     sequence.push_back(token);
+    if (options.on_token) options.on_token(token);
     const auto& stops = options.stop_tokens;
     if (std::find(stops.begin(), stops.end(), token) != stops.end()) break;
     next_input = torch::full({1, 1}, token, torch::kLong);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 
 #include "02_flops_6np/flops.h"
@@ -170,8 +171,7 @@ std::string save_checkpoint(const RunConfig& c, TrainingStep& trainer, int64_t n
   io::save_safetensors((temp / "rng.safetensors").string(), {{"cpu", rng_state()}});
   io::write_json((temp / "trainer_state.json").string(),
                  {{"step", next_step}, {"run", run_to_json(c)}});
-  fs::remove_all(final_dir);
-  fs::rename(temp, final_dir);
+  io::replace_directory(temp.string(), final_dir.string());  // an older one stays until then
   io::write_file_atomic((out / "latest").string(), std::string(name) + "\n");
   std::vector<fs::path> folders;
   for (const auto& entry : fs::directory_iterator(out)) {
@@ -201,21 +201,52 @@ void truncate_metrics(const std::string& path, int64_t first_step) {
 
 }  // namespace
 
+RunState load_run_state(const std::string& checkpoint) {
+  const std::string path = checkpoint + "/trainer_state.json";
+  const auto state = io::read_json(path);
+  FIVEFOLD_CHECK(state.is_object() && state.contains("step") && state["step"].is_number_integer() &&
+                     state.contains("run") && state["run"].is_object(),
+                 "'", path, "' is not a training state: it needs an integer 'step' and a 'run' "
+                 "object");
+  try {
+    return {state["step"].get<int64_t>(), run_from_json(state["run"])};
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("'" + path + "': a setting in 'run' has the wrong type (" + e.what() + ")");
+  }
+}
+
 RunResult run_training(const RunConfig& requested, bool resume) {
   RunConfig c = requested;
   RunResult result;
   std::string start;  // the checkpoint folder resumed from
+  if (!c.out_dir.empty()) {
+    // A run's folder holds checkpoint folders; it must not be one (a later pruning of the
+    // enclosing run would delete this one with it).
+    for (const char* file : {"trainer_state.json", "config.json", "model.safetensors"}) {
+      FIVEFOLD_CHECK(!fs::exists(fs::path(c.out_dir) / file), "'", c.out_dir,
+                     "' is a checkpoint folder (it holds ", file,
+                     "): give the run's output folder, which holds 'latest'");
+    }
+  }
   if (resume) {
     FIVEFOLD_CHECK(!requested.out_dir.empty(), "resume: no output folder given");
     start = resolve_checkpoint(requested.out_dir);
-    const auto state = io::read_json(start + "/trainer_state.json");
-    c = run_from_json(state.at("run"));
+    const RunState state = load_run_state(start);
+    // The run's own settings; only those that do not change what it computes come from
+    // `requested` (how long, how often to evaluate and save, how it is laid out).
+    c = state.run;
     c.steps = requested.steps;
     c.out_dir = requested.out_dir;
     c.progress = requested.progress;
     c.peak_gflops = requested.peak_gflops;
     c.placement = requested.placement;
-    result.first_step = state.at("step").get<int64_t>();
+    c.micro_batches = requested.micro_batches;
+    c.save_every = requested.save_every;
+    c.keep_checkpoints = requested.keep_checkpoints;
+    c.eval_every = requested.eval_every;
+    c.eval_batches = requested.eval_batches;
+    c.exact_match_examples = requested.exact_match_examples;
+    result.first_step = state.step;
     FIVEFOLD_CHECK(result.first_step < c.steps, "resume: '", start, "' is at step ",
                    result.first_step, ", nothing to do for --steps ", c.steps);
   } else if (!c.out_dir.empty()) {
@@ -259,14 +290,21 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";
     trainer->load_optimizer_state(io::load_safetensors(path), path);
-    set_rng_state(io::load_safetensors(start + "/rng.safetensors").at("cpu"));
+    const std::string rng = start + "/rng.safetensors";
+    const io::TensorMap rng_tensors = io::load_safetensors(rng);
+    FIVEFOLD_CHECK(rng_tensors.count("cpu"), "'", rng, "' has no 'cpu' generator state");
+    set_rng_state(rng_tensors.at("cpu"));
   } else {
     torch::manual_seed(c.model.seed);  // anything random a later chapter adds starts seeded
   }
 
   std::ofstream metrics;
+  std::unique_ptr<io::DirectoryLock> lock;  // the run owns its folder until it ends
   if (!c.out_dir.empty() && place.writer) {
     fs::create_directories(c.out_dir);
+    lock = std::make_unique<io::DirectoryLock>(c.out_dir);
+    FIVEFOLD_CHECK(resume || !fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
+                   "' already holds a training run: resume it or choose another output folder");
     const std::string path = c.out_dir + "/metrics.jsonl";
     if (resume) truncate_metrics(path, result.first_step);
     metrics.open(path, resume ? std::ios::app : std::ios::trunc);
@@ -275,6 +313,10 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   // MFU: the model's FLOPs against the peak of every process doing the work.
   const double peak = (c.peak_gflops > 0 ? c.peak_gflops : measure_matmul_gflops(1024)) * 1e9 *
                       static_cast<double>(place.processes);
+  if (c.steps > c.train.total_steps) {
+    log0() << "the learning rate's cosine decay ends at step " << c.train.total_steps
+           << " (the run's schedule); steps after it run at min_lr " << c.train.min_lr;
+  }
   log0() << "training " << c.steps - result.first_step << " steps from step " << result.first_step
          << ": " << parameters << " parameters, " << tokens_per_step << " tokens a step, "
          << flops_per_token / 1e6 << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s"

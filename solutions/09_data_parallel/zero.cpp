@@ -130,25 +130,9 @@ io::TensorMap ShardedAdamW::state(const std::vector<std::pair<std::string, torch
 void ShardedAdamW::load_state(const io::TensorMap& state,
                               const std::vector<std::pair<std::string, torch::Tensor>>& params,
                               const std::string& source) {
-  size_t used = 0;
-  for (size_t k = 0; k < params.size(); ++k) {
-    const auto& [name, p] = params[k];
-    steps_[k] = 0;
-    if (!state.count(name + ".exp_avg")) continue;  // no step taken for this parameter yet
-    for (const char* suffix : {".exp_avg", ".exp_avg_sq", ".step"}) {
-      auto found = state.find(name + suffix);
-      FIVEFOLD_CHECK(found != state.end(), "optimizer state '", source, "': '", name, suffix,
-                     "' is missing");
-      const bool scalar = std::string(suffix) == ".step";
-      FIVEFOLD_CHECK(scalar ? found->second.numel() == 1 : found->second.sizes() == p.sizes(),
-                     "optimizer state '", source, "': '", name, suffix, "' has shape ",
-                     found->second.sizes(), ", the parameter has ", p.sizes());
-      ++used;
-    }
-    steps_[k] = state.at(name + ".step").item<int64_t>();
-  }
-  FIVEFOLD_CHECK(used == state.size(), "optimizer state '", source, "' has ",
-                 state.size() - used, " tensors that belong to no parameter of this model");
+  const std::vector<bool> has = ch03::check_optimizer_state(state, source, params);
+  for (size_t k = 0; k < params.size(); ++k)
+    steps_[k] = has[k] ? state.at(params[k].first + ".step").item<int64_t>() : 0;
   for (const auto& s : layout_.segments) {
     const std::string& name = params[static_cast<size_t>(s.param)].first;
     if (!state.count(name + ".exp_avg")) {

@@ -63,6 +63,11 @@ endif()
 # Bad input: clear errors, non-zero exit, nothing written.
 refused("'${WORK}/absent.txt'" train --out ${WORK}/never --data ${WORK}/absent.txt)
 refused("does not divide d_model" train --out ${WORK}/never --d-model 30 --n-heads 4)
+refused("is a folder, not a file" train --out ${WORK}/never --data ${WORK})
+# Sizes that cannot fit are refused from chapter 02's count, before anything is allocated.
+refused("GB available \\(activations not counted\\)" train --out ${WORK}/never
+        --n-layers 1000000000)
+refused("GB available" train --out ${WORK}/never --vocab 1000000000000)
 refused("already holds a training run" train --out ${out} --steps 8 ${model})
 if(EXISTS ${WORK}/never)
   message(FATAL_ERROR "a refused run created its output folder")

@@ -133,3 +133,28 @@ TEST_F(Checkpoints, BadFoldersAreClearErrorsAndStayUntouched) {
   EXPECT_EQ(fivefold::io::read_file(dir("good") + "/model.safetensors"), weights);
   EXPECT_EQ(fivefold::io::read_file(dir("good") + "/config.json"), config);
 }
+
+TEST_F(Checkpoints, WeightsThatAreNotFiniteAreRefused) {
+  Transformer model(small());
+  {
+    torch::NoGradGuard no_grad;
+    model->named_parameters()["model.norm.weight"][3] = NAN;
+  }
+  save_model(dir("nan"), model);
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] { load_model(dir("nan")); }, "'model.norm.weight' holds NaN or infinite values"));
+}
+
+TEST(ConfigKeys, AnAbsentRopeThetaIsHuggingFacesDefault) {
+  // transformers' LlamaConfig: rope_theta = 10000 when absent; fivefold writes it always (0: a
+  // model without positions).
+  auto json = config_to_json(ModelConfig{});
+  EXPECT_EQ(json.at("rope_theta").get<double>(), 0.0);
+  json.erase("rope_theta");
+  EXPECT_EQ(config_from_json(json).rope_theta, 10000.0);
+  // So an odd head_dim is refused from a config file as from the flags: rotary pairs need it even.
+  json["head_dim"] = 7;
+  json["hidden_size"] = 28;
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] { config_from_json(json).validate(); }, "even head_dim"));
+}

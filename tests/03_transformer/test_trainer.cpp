@@ -201,5 +201,25 @@ TEST(Trainer, RefusesBadInputBeforeWritingAnything) {
   refused(tiny(out, 6), "has shape", /*resume=*/true);
   config["intermediate_size"] = 64;
   io::write_json(out + "/step-00000003/config.json", config);
+  // A training state without its step, and a generator file without the generator: each error
+  // names the file.
+  const std::string state_file = out + "/step-00000003/trainer_state.json";
+  const auto state = io::read_json(state_file);
+  auto no_step = state;
+  no_step.erase("step");
+  io::write_json(state_file, no_step);
+  refused(tiny(out, 6), "trainer_state.json' is not a training state", /*resume=*/true);
+  io::write_json(state_file, state);
+  const std::string rng_file = out + "/step-00000003/rng.safetensors";
+  const std::string rng = io::read_file(rng_file);
+  io::save_safetensors(rng_file, {{"other", torch::zeros({1})}});
+  refused(tiny(out, 6), "rng.safetensors' has no 'cpu' generator state", /*resume=*/true);
+  io::write_file_atomic(rng_file, rng);
+  // Data that names a folder.
+  RunConfig folder = tiny(scratch.path("elsewhere"), 3);
+  folder.data.path = scratch.root();
+  refused(folder, "is a folder, not a file");
+  // An output folder that is a checkpoint folder.
+  refused(tiny(out + "/step-00000003", 6), "is a checkpoint folder");
   EXPECT_TRUE(snapshot(out) == before) << "a refused command changed files";
 }

@@ -176,10 +176,11 @@ TEST(RopeModel, CheckpointsCarryRopeTheta) {
   // Chapter 03's loader builds no encoding: it refuses to compute the wrong function.
   auto plain = fivefold::ch03::load_model(dir.path("m"));
   EXPECT_TRUE(throws_error_containing([&] { plain(tokens); }, "no position encoding"));
-  // A model without RoPE writes no rope_theta and loads as before.
+  // A model without RoPE writes rope_theta 0 (absent would mean Hugging Face's default, 10000)
+  // and loads as before.
   auto nope = fivefold::ch03::build_model(small(0));
   fivefold::ch03::save_model(dir.path("nope"), nope);
-  EXPECT_FALSE(fivefold::io::read_json(dir.path("nope") + "/config.json").contains("rope_theta"));
+  EXPECT_EQ(fivefold::io::read_json(dir.path("nope") + "/config.json")["rope_theta"], 0.0);
   EXPECT_EQ(load_model(dir.path("nope"))->config().rope_theta, 0.0);
 }
 

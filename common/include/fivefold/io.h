@@ -48,4 +48,26 @@ void write_file_atomic(const std::string& path, const std::string& contents);
 /// Reads a whole file. Throws fivefold::Error if it cannot be opened.
 std::string read_file(const std::string& path);
 
+/// Puts the complete folder `from` at `to` in one atomic step: when `to` exists the two are
+/// exchanged (Linux renameat2 RENAME_EXCHANGE) and the old contents, now at `from`, are deleted;
+/// at every instant `to` is either the old folder or the new one, never missing or half written.
+void replace_directory(const std::string& from, const std::string& to);
+
+/// A folder owned by one process while the object lives: `dir`/.lock holds the owner's pid and
+/// host, created exclusively (O_EXCL), so of two processes only one can own the folder. A lock
+/// left by a dead process on this host (its pid no longer exists) is taken over with a warning;
+/// a live owner, or one on another host (whose liveness cannot be checked), is a fivefold::Error
+/// naming it. The lock file is removed when the object goes away.
+class DirectoryLock {
+ public:
+  /// Takes the lock of `dir` (which must exist).
+  explicit DirectoryLock(const std::string& dir);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  std::string path_;
+};
+
 }  // namespace fivefold::io
