@@ -1,6 +1,8 @@
 // The backend-independent half of every Communicator: argument checks, statistics, the issue
 // queue that makes operations asynchronous, and the watchdog that turns a hang into an error.
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -112,16 +114,26 @@ double comm_timeout_seconds() {
 
 namespace detail {
 
-void start_watchdog() {
+void start_watchdog(long launcher) {
   auto& w = watchdog();
   std::lock_guard<std::mutex> lock(w.mutex);
   if (w.thread.joinable()) return;
   w.stop = false;
   const double timeout = comm_timeout_seconds();
-  w.thread = std::thread([&w, timeout] {
+  w.thread = std::thread([&w, timeout, launcher] {
     std::unique_lock<std::mutex> lock(w.mutex);
     while (!w.stop) {
       w.wake.wait_for(lock, std::chrono::milliseconds(500));
+      if (launcher > 0 && static_cast<long>(::getppid()) != launcher) {
+        // The launcher was killed: its job is over. Exit rather than abort through the backend,
+        // whose launcher is the process that is gone.
+        const std::string line = "[rank " + std::to_string(global_rank()) +
+                                 "] fivefold: the launcher (pid " + std::to_string(launcher) +
+                                 ") is gone: ending this rank\n";
+        std::fputs(line.c_str(), stderr);
+        std::fflush(stderr);
+        std::_Exit(4);
+      }
       const auto now = std::chrono::steady_clock::now();
       for (const auto& [id, entry] : w.running) {
         const double age = std::chrono::duration<double>(now - entry.second).count();

@@ -10,8 +10,13 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "fivefold/dist.h"
 #include "fivefold/error.h"
@@ -30,8 +35,11 @@ c10d::ReduceOp gloo_op(ReduceOp op) {
   throw Error("Gloo backend: unexpected reduce op");
 }
 
+// Gloo's own timeout, 2 s past FIVEFOLD_COMM_TIMEOUT: the watchdog (which checks twice a second)
+// reports a stuck operation first, with the message every backend gives (operation,
+// communicator, size), instead of Gloo's "terminate ... Timed out waiting".
 std::chrono::milliseconds gloo_timeout() {
-  return std::chrono::milliseconds(static_cast<int64_t>(comm_timeout_seconds() * 1000));
+  return std::chrono::milliseconds(static_cast<int64_t>(comm_timeout_seconds() * 1000) + 2000);
 }
 
 class GlooCommunicator final : public Communicator {
@@ -147,21 +155,76 @@ class GlooCommunicator final : public Communicator {
 
 namespace detail {
 
+namespace {
+// Every rank announces itself in the store before Gloo connects the ranks, so that a rendezvous
+// that cannot complete says why: more arrivals than ranks (a second job on the same
+// MASTER_PORT), or, after FIVEFOLD_COMM_TIMEOUT, which ranks never came.
+void meet(c10d::Store& store, int rank, int size, const std::string& where) {
+  const double timeout = comm_timeout_seconds();
+  std::ostringstream seconds;
+  seconds << timeout;
+  try {
+    const int64_t arrived = store.add("fivefold/arrivals", 1);
+    FIVEFOLD_CHECK(arrived <= size, "Gloo rendezvous at ", where, ": ", arrived,
+                   " processes joined a job of ", size,
+                   " ranks: another job uses the same rendezvous (MASTER_PORT); give each job "
+                   "its own");
+    store.set("fivefold/arrived/" + std::to_string(rank), std::vector<uint8_t>{1});
+    // Rank 0 serves a TCPStore: it waits 3 s longer, so that the others (which may have arrived
+    // later) can still ask it who is missing when they give up.
+    const double wait = timeout + (rank == 0 ? 3.0 : 0.0);
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(static_cast<int64_t>(wait * 1000));
+    while (store.add("fivefold/arrivals", 0) < size) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        std::string missing;
+        for (int r = 0; r < size; ++r) {
+          if (!store.check({"fivefold/arrived/" + std::to_string(r)}))
+            missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+        throw Error("Gloo rendezvous at " + where + ": rank(s) " + missing + " of " +
+                    std::to_string(size) + " never arrived within " + seconds.str() +
+                    " s (FIVEFOLD_COMM_TIMEOUT); were they started, with the same WORLD_SIZE "
+                    "and MASTER_ADDR/MASTER_PORT?");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // the store itself failed (rank 0 gave up or died)
+    throw Error("Gloo rendezvous at " + where + ": the rendezvous store failed while rank " +
+                std::to_string(rank) + " waited for the " + std::to_string(size) +
+                " ranks (rank 0, which serves it, gave up or died): " + e.what());
+  }
+}
+}  // namespace
+
 CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
   c10::intrusive_ptr<c10d::Store> store;
+  std::string where;
   if (!launch.master_addr.empty() && launch.master_port > 0) {
     // torchrun: rank 0 serves a TCPStore at MASTER_ADDR:MASTER_PORT (the launcher chose the port).
+    // The server does not wait for the others here: meet() does, and can say who is missing.
+    where = launch.master_addr + ":" + std::to_string(launch.master_port);
     c10d::TCPStoreOptions options;
     options.port = static_cast<uint16_t>(launch.master_port);
     options.isServer = launch.rank == 0;
-    options.numWorkers = launch.size;
+    options.numWorkers = c10::nullopt;
     options.timeout = gloo_timeout();
-    store = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, options);
+    try {
+      store = c10::make_intrusive<c10d::TCPStore>(launch.master_addr, options);
+    } catch (const std::exception& e) {
+      throw Error("Gloo rendezvous at " + where + " as rank " + std::to_string(launch.rank) +
+                  " of " + std::to_string(launch.size) +
+                  (options.isServer ? " (serving it)" : " (connecting to rank 0)") + ": " +
+                  e.what());
+    }
   } else if (!launch.job_id.empty()) {
     // mpirun/srun without MASTER_ADDR: a store in a file named after the job, so two jobs on one
     // machine never meet (no port to collide on). Single machine only.
     const auto dir = std::filesystem::temp_directory_path();
     const std::string path = (dir / ("fivefold-rendezvous-" + launch.job_id)).string();
+    where = "'" + path + "'";
     store = c10::make_intrusive<c10d::FileStore>(path, launch.size);
   } else if (launch.size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
@@ -170,6 +233,7 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
         "Gloo backend: no rendezvous. Set MASTER_ADDR and MASTER_PORT (torchrun does), "
         "or launch with mpirun/srun");
   }
+  if (launch.size > 1) meet(*store, launch.rank, launch.size, where);
   std::shared_ptr<::gloo::transport::Device> device;
   if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME")) {
     device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);

@@ -18,8 +18,12 @@ void set_global_rank(int rank);
 /// Backend-specific part of abort_job: MPI_Abort when MPI is running; nothing otherwise.
 void abort_backend(int code);
 
-/// Starts / stops the thread that aborts the job when an operation exceeds the timeout.
-void start_watchdog();
+/// Starts the thread that aborts the job when an operation exceeds the timeout. With `launcher`
+/// > 0 (the parent process that started this rank: mpirun, srun's step daemon, torchrun's agent)
+/// it also ends this rank, within a second, when that process is gone (the rank has been
+/// re-parented), so no rank outlives its job.
+void start_watchdog(long launcher = 0);
+/// Stops it.
 void stop_watchdog();
 
 /// MPI: initialises MPI (MPI_THREAD_MULTIPLE) and returns MPI_COMM_WORLD as "world".

@@ -1,5 +1,7 @@
 #include "fivefold/runtime.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <thread>
@@ -122,7 +124,9 @@ Runtime::Runtime(RuntimeOptions options) {
                            << "up to 7x). Launch with OMP_WAIT_POLICY=passive (mpirun -x ...).";
     }
 
-    dist::detail::start_watchdog();
+    // A rank started by a launcher ends when the launcher is gone (e.g. mpirun killed by
+    // SIGKILL, which cannot tell its ranks), instead of running on as an orphan.
+    dist::detail::start_watchdog(launch_.launcher == "single" ? 0 : static_cast<long>(::getppid()));
     if (options.check_blas) warn_if_reference_blas();
   } catch (...) {
     world_.reset();

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# mpirun killed with SIGKILL cannot tell its ranks: each rank must notice that its launcher is gone
+# and end within a few seconds (the watchdog checks its parent twice a second), on either backend.
+#   launcher_killed.sh <fivefold> <mpi|gloo>
+set -u
+program=$1
+backend=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+FIVEFOLD_BACKEND=$backend mpirun --oversubscribe -np 2 "$program" train --out "$work/run" \
+  --steps 1000000 --d-model 32 --n-layers 1 --n-heads 4 --d-ff 64 --seq 16 --batch 4 \
+  --synthetic-examples 300 --peak-gflops 100 --no-progress --exact-match 0 --eval-every 0 \
+  --save-every 0 >"$work/log" 2>&1 &
+launcher=$!
+for _ in $(seq 1 300); do  # until training has started (rank 0 writes a metrics line)
+  [ -s "$work/run/metrics.jsonl" ] && break
+  sleep 0.1
+done
+ranks=$(pgrep -P "$launcher" | tr '\n' ' ')
+if [ ! -s "$work/run/metrics.jsonl" ] || [ -z "$ranks" ]; then
+  cat "$work/log"
+  echo "FAIL: the job did not start training"
+  kill -9 "$launcher" $ranks 2>/dev/null
+  exit 1
+fi
+kill -9 "$launcher"
+for _ in $(seq 1 50); do  # up to 5 s
+  alive=""
+  for r in $ranks; do kill -0 "$r" 2>/dev/null && alive="$alive $r"; done
+  [ -z "$alive" ] && { echo "ranks $ranks ended after their launcher was killed ($backend)"; exit 0; }
+  sleep 0.1
+done
+echo "FAIL: ranks$alive still running 5 s after mpirun was killed ($backend)"
+kill -9 $alive 2>/dev/null
+exit 1

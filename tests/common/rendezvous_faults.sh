@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# torchrun-style Gloo rendezvous (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) that cannot complete
+# must end every process with a message saying why, within FIVEFOLD_COMM_TIMEOUT (3 s here):
+# 1. WORLD_SIZE=3 with two processes started: both say rank 2 never arrived;
+# 2. a second job on the port of a running one: its rank 0 cannot serve the port, its rank 1
+#    (which reaches the first job's store) says another job uses the rendezvous.
+# Usage: rendezvous_faults.sh <fivefold binary>
+set -u
+program=$1
+work=$(mktemp -d)
+export FIVEFOLD_COMM_TIMEOUT=3
+start() {  # start <rank> <world size> <port> <log> <command...>
+  local rank=$1 size=$2 port=$3 log=$4
+  shift 4
+  env -u OMPI_COMM_WORLD_SIZE -u SLURM_PROCID -u FIVEFOLD_BACKEND RANK=$rank WORLD_SIZE=$size \
+    LOCAL_RANK=$rank LOCAL_WORLD_SIZE=$size MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    "$program" "$@" >"$log" 2>&1 &
+}
+cleanup() { kill -9 $(jobs -p) 2>/dev/null; rm -rf "$work"; }
+trap cleanup EXIT
+fail() { cat "$work"/*.log; echo "FAIL: $1"; exit 1; }
+
+# 1. A missing rank.
+port=$((20000 + RANDOM % 40000))
+start 0 3 "$port" "$work/missing0.log" info
+a=$!
+start 1 3 "$port" "$work/missing1.log" info
+b=$!
+SECONDS=0
+wait "$a" && fail "rank 0 of an incomplete job exited 0"
+wait "$b" && fail "rank 1 of an incomplete job exited 0"
+[ "$SECONDS" -le 20 ] || fail "an incomplete rendezvous took ${SECONDS} s to give up"
+for r in 0 1; do
+  grep -q "rank(s) 2 of 3 never arrived" "$work/missing$r.log" || fail "rank $r did not name rank 2"
+done
+echo "missing rank: both processes named rank 2 after ${SECONDS} s"
+
+# 2. A second job on a port in use: the first job trains until it is killed at the end.
+for attempt in 1 2 3; do
+  port=$((20000 + RANDOM % 40000))
+  train=(train --out "$work/first-$attempt" --steps 1000000 --d-model 32 --n-layers 1 --n-heads 4
+         --d-ff 64 --seq 16 --batch 4 --synthetic-examples 300 --peak-gflops 100 --no-progress
+         --exact-match 0 --eval-every 0 --save-every 0)
+  start 0 2 "$port" "$work/first0.log" "${train[@]}"
+  start 1 2 "$port" "$work/first1.log" "${train[@]}"
+  for _ in $(seq 1 100); do [ -s "$work/first-$attempt/metrics.jsonl" ] && break; sleep 0.1; done
+  [ -s "$work/first-$attempt/metrics.jsonl" ] && break
+  grep -qi "in use" "$work"/first*.log || fail "the first job did not start"
+  kill -9 $(jobs -p) 2>/dev/null
+done
+start 0 2 "$port" "$work/second0.log" info
+c=$!
+start 1 2 "$port" "$work/second1.log" info
+d=$!
+SECONDS=0
+wait "$c" && fail "the second job's rank 0 exited 0"
+wait "$d" && fail "the second job's rank 1 exited 0"
+[ "$SECONDS" -le 20 ] || fail "the second job took ${SECONDS} s to give up"
+grep -qi "in use" "$work/second0.log" || fail "the second job's rank 0 did not say the port is in use"
+grep -q "another job uses the same rendezvous" "$work/second1.log" ||
+  fail "the second job's rank 1 did not say another job uses the rendezvous"
+echo "port collision: the second job ended after ${SECONDS} s, saying why"
+exit 0
