@@ -10,9 +10,14 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -20,6 +25,7 @@
 
 #include "fivefold/dist.h"
 #include "fivefold/error.h"
+#include "fivefold/log.h"
 #include "internal.h"
 
 namespace fivefold::dist {
@@ -197,6 +203,29 @@ void meet(c10d::Store& store, int rank, int size, const std::string& where) {
                 " ranks (rank 0, which serves it, gave up or died): " + e.what());
   }
 }
+
+// Rendezvous files of jobs whose launcher is gone (a job that crashed never removes its own): the
+// launcher's pid ends the name, so a file whose pid no longer exists belongs to no running job.
+void remove_stale_rendezvous_files(const std::filesystem::path& dir) {
+  const std::string prefix = "fivefold-rendezvous-";
+  std::error_code error;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) continue;
+    const auto dash = name.rfind('-');
+    long pid = 0;
+    try {
+      pid = std::stol(name.substr(dash + 1));
+    } catch (const std::exception&) {
+      continue;  // not one of ours
+    }
+    if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // still running
+    if (std::filesystem::remove(entry.path(), error))
+      fivefold::log(LogLevel::Info) << "removed the rendezvous file of a finished job: " << entry.path();
+  }
+}
+
 }  // namespace
 
 CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
@@ -220,10 +249,15 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
                   e.what());
     }
   } else if (!launch.job_id.empty()) {
-    // mpirun/srun without MASTER_ADDR: a store in a file named after the job, so two jobs on one
-    // machine never meet (no port to collide on). Single machine only.
+    // mpirun/srun without MASTER_ADDR: a store in a file named after the job and its launcher
+    // (the ranks' parent process), so two jobs on one machine never meet (no port to collide
+    // on). Single machine only.
     const auto dir = std::filesystem::temp_directory_path();
-    const std::string path = (dir / ("fivefold-rendezvous-" + launch.job_id)).string();
+    const long launcher = static_cast<long>(::getppid());
+    if (launch.local_rank == 0) remove_stale_rendezvous_files(dir);
+    const std::string path = (dir / ("fivefold-rendezvous-" + launch.job_id + "-" +
+                                     std::to_string(launcher)))
+                                 .string();
     where = "'" + path + "'";
     store = c10::make_intrusive<c10d::FileStore>(path, launch.size);
   } else if (launch.size == 1) {
