@@ -60,6 +60,16 @@ if(NOT header MATCHES "\"shape\":\[2,300\]")
   message(FATAL_ERROR "logits300.safetensors header: ${header}")
 endif()
 
+# Past the context the model was trained for (max_position_embeddings 2048), generate warns; the
+# tokens stream as they come (the ids line is the same as when printed at the end).
+execute_process(COMMAND ${FIVEFOLD} generate --checkpoint ${WORK}/v300 --prompt-ids 1
+                --max-new-tokens 2100 --greedy RESULT_VARIABLE status OUTPUT_VARIABLE ids
+                ERROR_VARIABLE err TIMEOUT 120)
+if(NOT status EQUAL 0 OR NOT err MATCHES "beyond the 2048 the model was trained for"
+   OR NOT ids MATCHES "^[0-9]+(,[0-9]+)*\n$")
+  message(FATAL_ERROR "generate past max_position_embeddings: exit ${status}, ${err}")
+endif()
+
 # Bad input: clear errors, non-zero exit, nothing written.
 refused("'${WORK}/absent.txt'" train --out ${WORK}/never --data ${WORK}/absent.txt)
 refused("does not divide d_model" train --out ${WORK}/never --d-model 30 --n-heads 4)
