@@ -56,7 +56,8 @@ std::pair<double, double> interleaved(Communicator& world, int warmup, int iters
 
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace {
+int run(int argc, char** argv) {
   fivefold::ArgParser args(
       "bench_comm_latency",
       "All-reduce and send/recv latency and bandwidth through the Communicator.");
@@ -64,91 +65,91 @@ int main(int argc, char** argv) {
   args.option("iters", "20", "timed operations per round").option("rounds", "5", "rounds (median)");
   args.option("warmup", "5", "untimed operations first");
   args.flag("header", "print the table header");
-  try {
-    if (!args.parse(argc, argv)) return 0;
-    fivefold::Runtime runtime(fivefold::RuntimeOptions{"", 1, true});
-    auto world = runtime.world();
-    const int n = world->size();
-    const int base_iters = static_cast<int>(args.integer("iters"));
-    const int warmup = static_cast<int>(args.integer("warmup"));
-    const int rounds = static_cast<int>(args.integer("rounds"));
-    FIVEFOLD_CHECK(base_iters >= 1 && warmup >= 0 && rounds >= 1,
-                   "--iters and --rounds must be >= 1, --warmup >= 0");
-    const bool mpi = world->backend() == fivefold::dist::Backend::Mpi;
-    if (world->rank() == 0 && args.on("header")) {
-      std::printf("%-7s %5s %-11s %10s %12s %10s %10s %12s %9s\n", "backend", "ranks", "op",
-                  "bytes", "latency_us", "algbw_GB/s", "busbw_GB/s", "raw_mpi_us", "overhead");
-    }
-    for (int64_t elements : args.integers("sizes")) {
-      FIVEFOLD_CHECK(elements >= 1, "--sizes must be positive");
-      const double bytes = 4.0 * elements;
-      // Operations on small messages take microseconds: 50x more of them for a stable mean.
-      const int iters = bytes <= 65536 ? 50 * base_iters : base_iters;
-      auto buffer = torch::ones({elements});
+  if (!args.parse(argc, argv)) return 0;
+  fivefold::Runtime runtime(fivefold::RuntimeOptions{"", 1, true});
+  auto world = runtime.world();
+  const int n = world->size();
+  const int base_iters = static_cast<int>(args.integer("iters"));
+  const int warmup = static_cast<int>(args.integer("warmup"));
+  const int rounds = static_cast<int>(args.integer("rounds"));
+  FIVEFOLD_CHECK(base_iters >= 1 && warmup >= 0 && rounds >= 1,
+                 "--iters and --rounds must be >= 1, --warmup >= 0");
+  const bool mpi = world->backend() == fivefold::dist::Backend::Mpi;
+  if (world->rank() == 0 && args.on("header")) {
+    std::printf("%-7s %5s %-11s %10s %12s %10s %10s %12s %9s\n", "backend", "ranks", "op", "bytes",
+                "latency_us", "algbw_GB/s", "busbw_GB/s", "raw_mpi_us", "overhead");
+  }
+  for (int64_t elements : args.integers("sizes")) {
+    FIVEFOLD_CHECK(elements >= 1, "--sizes must be positive");
+    const double bytes = 4.0 * elements;
+    // Operations on small messages take microseconds: 50x more of them for a stable mean.
+    const int iters = bytes <= 65536 ? 50 * base_iters : base_iters;
+    auto buffer = torch::ones({elements});
 
-      // All-reduce. busbw = algbw · 2(n-1)/n (nccl-tests' convention).
-      const double t = time_op(*world, warmup, iters, [&] { world->all_reduce(buffer); });
-      double raw = 0;
+    // All-reduce. busbw = algbw · 2(n-1)/n (nccl-tests' convention).
+    const double t = time_op(*world, warmup, iters, [&] { world->all_reduce(buffer); });
+    double raw = 0;
+    if (mpi) {
+      raw = time_op(*world, warmup, iters, [&] {
+        MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT,
+                      MPI_SUM, MPI_COMM_WORLD);
+      });
+    }
+    if (world->rank() == 0) {
+      const double algbw = bytes / t / 1e9;
+      std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10.3f", mpi ? "mpi" : "gloo", n,
+                  "all_reduce", bytes, t * 1e6, algbw, algbw * 2.0 * (n - 1) / n);
+      if (mpi)
+        std::printf(" %12.2f %8.1f%%\n", raw * 1e6, 100.0 * (t - raw) / raw);
+      else
+        std::printf(" %12s %9s\n", "-", "-");
+    }
+
+    // Ping-pong between ranks 0 and 1: latency = half the round trip.
+    if (n >= 2) {
+      auto incoming = torch::empty({elements});
+      auto ping = [&] {
+        if (world->rank() == 0) {
+          world->send(buffer, 1);
+          world->recv(incoming, 1);
+        } else if (world->rank() == 1) {
+          world->recv(incoming, 0);
+          world->send(buffer, 0);
+        }
+      };
+      std::function<void()> raw_ping;
       if (mpi) {
-        raw = time_op(*world, warmup, iters, [&] {
-          MPI_Allreduce(MPI_IN_PLACE, buffer.data_ptr(), static_cast<int>(elements), MPI_FLOAT,
-                        MPI_SUM, MPI_COMM_WORLD);
-        });
+        raw_ping = [&] {
+          const int r = world->rank();
+          const int count = static_cast<int>(elements);
+          if (r == 0) {
+            MPI_Send(buffer.data_ptr(), count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD);
+            MPI_Recv(incoming.data_ptr(), count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD,
+                     MPI_STATUS_IGNORE);
+          } else if (r == 1) {
+            MPI_Recv(incoming.data_ptr(), count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD,
+                     MPI_STATUS_IGNORE);
+            MPI_Send(buffer.data_ptr(), count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD);
+          }
+        };
       }
+      const auto [round, raw_round] = interleaved(*world, warmup, iters, rounds, ping, raw_ping);
       if (world->rank() == 0) {
-        const double algbw = bytes / t / 1e9;
-        std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10.3f", mpi ? "mpi" : "gloo", n,
-                    "all_reduce", bytes, t * 1e6, algbw, algbw * 2.0 * (n - 1) / n);
+        const double one_way = round / 2;
+        std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10s", mpi ? "mpi" : "gloo", n,
+                    "send_recv", bytes, one_way * 1e6, bytes / one_way / 1e9, "-");
         if (mpi)
-          std::printf(" %12.2f %8.1f%%\n", raw * 1e6, 100.0 * (t - raw) / raw);
+          std::printf(" %12.2f %8.1f%%\n", raw_round / 2 * 1e6,
+                      100.0 * (round - raw_round) / raw_round);
         else
           std::printf(" %12s %9s\n", "-", "-");
       }
-
-      // Ping-pong between ranks 0 and 1: latency = half the round trip.
-      if (n >= 2) {
-        auto incoming = torch::empty({elements});
-        auto ping = [&] {
-          if (world->rank() == 0) {
-            world->send(buffer, 1);
-            world->recv(incoming, 1);
-          } else if (world->rank() == 1) {
-            world->recv(incoming, 0);
-            world->send(buffer, 0);
-          }
-        };
-        std::function<void()> raw_ping;
-        if (mpi) {
-          raw_ping = [&] {
-            const int r = world->rank();
-            const int count = static_cast<int>(elements);
-            if (r == 0) {
-              MPI_Send(buffer.data_ptr(), count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD);
-              MPI_Recv(incoming.data_ptr(), count, MPI_FLOAT, 1, 0, MPI_COMM_WORLD,
-                       MPI_STATUS_IGNORE);
-            } else if (r == 1) {
-              MPI_Recv(incoming.data_ptr(), count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD,
-                       MPI_STATUS_IGNORE);
-              MPI_Send(buffer.data_ptr(), count, MPI_FLOAT, 0, 0, MPI_COMM_WORLD);
-            }
-          };
-        }
-        const auto [round, raw_round] = interleaved(*world, warmup, iters, rounds, ping, raw_ping);
-        if (world->rank() == 0) {
-          const double one_way = round / 2;
-          std::printf("%-7s %5d %-11s %10.0f %12.2f %10.3f %10s", mpi ? "mpi" : "gloo", n,
-                      "send_recv", bytes, one_way * 1e6, bytes / one_way / 1e9, "-");
-          if (mpi)
-            std::printf(" %12.2f %8.1f%%\n", raw_round / 2 * 1e6,
-                        100.0 * (round - raw_round) / raw_round);
-          else
-            std::printf(" %12s %9s\n", "-", "-");
-        }
-      }
     }
-    return 0;
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 1;
   }
+  return 0;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  return fivefold::run_guarded("bench_comm_latency", [&] { return run(argc, argv); });
 }

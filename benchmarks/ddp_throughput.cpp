@@ -158,12 +158,6 @@ int run(int argc, char** argv) {
 }
 }  // namespace
 
-// Errors (a bad flag, a failed collective) end the program with a message and exit status 1.
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s: error: %s\n", "bench_ddp_throughput", e.what());
-    return 1;
-  }
+  return fivefold::run_guarded("bench_ddp_throughput", [&] { return run(argc, argv); });
 }

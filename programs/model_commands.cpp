@@ -109,7 +109,8 @@ void resumed_settings(const ArgParser& args, RunConfig& c) {
       {"n-heads", [](const RunConfig& r) { return std::to_string(r.model.n_heads); }},
       {"n-kv-heads", [](const RunConfig& r) { return std::to_string(r.model.n_kv_heads); }},
       {"d-ff", [](const RunConfig& r) { return std::to_string(r.model.d_ff); }},
-      {"tied", [](const RunConfig& r) { return std::string(r.model.tied_embeddings ? "on" : "off"); }},
+      {"tied",
+       [](const RunConfig& r) { return std::string(r.model.tied_embeddings ? "on" : "off"); }},
       {"rope-theta", [&](const RunConfig& r) { return num(r.model.rope_theta); }},
       {"seed", [](const RunConfig& r) { return std::to_string(r.model.seed); }},
       {"model-config", [](const RunConfig& r) { return config_to_json(r.model).dump(); }}};
@@ -281,8 +282,8 @@ int train(int argc, char** argv) {
 
   const RunResult r = run_training(c, args.on("resume"));
   log0() << "done: " << r.losses.size() << " steps, final training loss "
-        << (r.losses.empty() ? 0.0 : r.losses.back()) << ", held-out loss " << r.eval.loss
-        << ", checkpoint " << (r.checkpoint.empty() ? "(none)" : r.checkpoint);
+         << (r.losses.empty() ? 0.0 : r.losses.back()) << ", held-out loss " << r.eval.loss
+         << ", checkpoint " << (r.checkpoint.empty() ? "(none)" : r.checkpoint);
   return 0;
 }
 

@@ -127,7 +127,7 @@ std::vector<bool> check_optimizer_state(
 /// Restores a state written by optimizer_state into `optimizer`, whose parameters are `model`'s.
 /// A tensor of the wrong shape, a missing one or a name the model lacks is a fivefold::Error
 /// naming `source`.
-void load_optimizer_state(const io::TensorMap& state, const std::string& source,
-                          Transformer& model, torch::optim::AdamW& optimizer);
+void load_optimizer_state(const io::TensorMap& state, const std::string& source, Transformer& model,
+                          torch::optim::AdamW& optimizer);
 
 }  // namespace fivefold::ch03

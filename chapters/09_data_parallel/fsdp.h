@@ -111,11 +111,11 @@ class FullyShardedDataParallel {
   ch03::Transformer model_;
   dist::CommunicatorPtr comm_;
   ch03::TrainConfig config_;
-  std::vector<Unit> units_;            // root, then the blocks
-  std::vector<torch::Tensor> params_;  // all parameters, in the units' order
+  std::vector<Unit> units_;                                   // root, then the blocks
+  std::vector<torch::Tensor> params_;                         // all parameters, in the units' order
   std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
-  torch::Tensor shards_, grads_;       // this rank's shards of every unit, one after another
-  torch::Tensor has_gradient_;         // [params]: 1 where this rank had a gradient this step
+  torch::Tensor shards_, grads_;  // this rank's shards of every unit, one after another
+  torch::Tensor has_gradient_;    // [params]: 1 where this rank had a gradient this step
   std::unique_ptr<ShardedAdamW> adam_;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
 };

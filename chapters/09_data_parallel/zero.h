@@ -152,7 +152,7 @@ class ZeroOptimizer {
   dist::CommunicatorPtr comm_;
   int stage_;
   ch03::TrainConfig config_;
-  std::vector<torch::Tensor> params_;  // trainable, in registration order
+  std::vector<torch::Tensor> params_;                         // trainable, in registration order
   std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
   ShardLayout layout_;
   std::unique_ptr<ShardedAdamW> adam_;

@@ -130,4 +130,13 @@ std::string ArgParser::help() const {
   return out.str();
 }
 
+int run_guarded(const char* program, const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    std::cerr << program << ": error: " << e.what() << std::endl;
+    return 1;
+  }
+}
+
 }  // namespace fivefold

@@ -45,7 +45,8 @@ OpCounts comm_counts(const std::string& communicator, Op op) {
 std::string format_comm_stats(const CommStats& stats) {
   std::ostringstream out;
   out << std::left << std::setw(16) << "communicator" << std::setw(16) << "op" << std::right
-      << std::setw(10) << "calls" << std::setw(16) << "payload bytes" << std::setw(16) << "modelled wire"
+      << std::setw(10) << "calls" << std::setw(16) << "payload bytes" << std::setw(16)
+      << "modelled wire"
       << "\n";
   for (const auto& [comm, ops] : stats) {
     for (const auto& [op, counts] : ops) {

@@ -222,7 +222,8 @@ void remove_stale_rendezvous_files(const std::filesystem::path& dir) {
     if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // still running
     if (std::filesystem::remove(entry.path(), error))
-      fivefold::log(LogLevel::Info) << "removed the rendezvous file of a finished job: " << entry.path();
+      fivefold::log(LogLevel::Info)
+          << "removed the rendezvous file of a finished job: " << entry.path();
   }
 }
 
@@ -255,9 +256,8 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
     const auto dir = std::filesystem::temp_directory_path();
     const long launcher = static_cast<long>(::getppid());
     if (launch.local_rank == 0) remove_stale_rendezvous_files(dir);
-    const std::string path = (dir / ("fivefold-rendezvous-" + launch.job_id + "-" +
-                                     std::to_string(launcher)))
-                                 .string();
+    const std::string path =
+        (dir / ("fivefold-rendezvous-" + launch.job_id + "-" + std::to_string(launcher))).string();
     where = "'" + path + "'";
     store = c10::make_intrusive<c10d::FileStore>(path, launch.size);
   } else if (launch.size == 1) {

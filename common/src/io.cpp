@@ -112,7 +112,7 @@ DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
                    " (its lock file '", path_, "'); choose another folder, or delete the lock ",
                    "file if that run is gone");
     log(LogLevel::Warn) << "'" << dir << "': taking over the lock of process " << pid
-                           << ", which no longer exists";
+                        << ", which no longer exists";
     ::unlink(path_.c_str());
   }
   throw Error("cannot lock '" + dir + "': another process took it over at the same time");

@@ -21,7 +21,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k,
   // [batch, n_heads, seq_q, seq_k]. The queries are the last seq_q positions: query i sits at
   // position p = seq_k - seq_q + i and may look at keys j <= p only.
   auto future = torch::ones({seq_q, seq_k}, torch::kBool).triu(seq_k - seq_q + 1);
-  scores.masked_fill_(future, -INFINITY);   // in place: one pass, no new [.., seq_q, seq_k]
+  scores.masked_fill_(future, -INFINITY);  // in place: one pass, no new [.., seq_q, seq_k]
   // Each query's log Σ exp(score) over the keys it sees, [batch, n_heads, seq_q], on request.
   if (lse != nullptr) *lse = torch::logsumexp(scores, -1);
   auto probs = torch::softmax(scores, -1);  // rows sum to 1

@@ -207,8 +207,8 @@ std::vector<bool> check_optimizer_state(
   return has;
 }
 
-void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
-                          Transformer& model, torch::optim::AdamW& optimizer) {
+void load_optimizer_state(const io::TensorMap& tensors, const std::string& path, Transformer& model,
+                          torch::optim::AdamW& optimizer) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
   const std::vector<bool> has = check_optimizer_state(tensors, path, params);

@@ -186,7 +186,8 @@ torch::Tensor OutputLayer::loss(const torch::Tensor& hidden, const torch::Tensor
 LanguageModelHeadImpl::LanguageModelHeadImpl(int64_t vocab, int64_t d_model,
                                              torch::Tensor tied_weight)
     : weight(tied_weight.defined() ? tied_weight
-                                   : register_parameter("weight", torch::empty({vocab, d_model}))) {}
+                                   : register_parameter("weight", torch::empty({vocab, d_model}))) {
+}
 
 torch::Tensor LanguageModelHeadImpl::logits(const torch::Tensor& hidden) {
   return torch::matmul(hidden, weight.t());  // [..., d_model] x [d_model, vocab]
@@ -194,8 +195,9 @@ torch::Tensor LanguageModelHeadImpl::logits(const torch::Tensor& hidden) {
 
 int64_t ModelPart::end(int64_t n_layers) const {
   const int64_t last = last_layer < 0 ? n_layers : last_layer;
-  FIVEFOLD_CHECK(0 <= first_layer && first_layer <= last && last <= n_layers, "model part: layers [",
-                 first_layer, ", ", last, ") are not within the model's ", n_layers);
+  FIVEFOLD_CHECK(0 <= first_layer && first_layer <= last && last <= n_layers,
+                 "model part: layers [", first_layer, ", ", last, ") are not within the model's ",
+                 n_layers);
   return last;
 }
 
@@ -205,8 +207,8 @@ bool ModelPart::whole(int64_t n_layers) const {
 
 TrunkImpl::TrunkImpl(const ModelConfig& c, const ModelRecipe& recipe, const ModelPart& part) {
   if (part.embedding || (part.head && c.tied_embeddings)) {
-    embed_tokens = register_module<TokenEmbedding>("embed_tokens",
-                                                   Embedding(c.vocab_size, c.d_model).ptr());
+    embed_tokens =
+        register_module<TokenEmbedding>("embed_tokens", Embedding(c.vocab_size, c.d_model).ptr());
   }
   layers = register_module("layers", torch::nn::ModuleDict());
   for (int64_t i = part.first_layer; i < part.end(c.n_layers); ++i) {

@@ -206,7 +206,8 @@ RunState load_run_state(const std::string& checkpoint) {
   const auto state = io::read_json(path);
   FIVEFOLD_CHECK(state.is_object() && state.contains("step") && state["step"].is_number_integer() &&
                      state.contains("run") && state["run"].is_object(),
-                 "'", path, "' is not a training state: it needs an integer 'step' and a 'run' "
+                 "'", path,
+                 "' is not a training state: it needs an integer 'step' and a 'run' "
                  "object");
   try {
     return {state["step"].get<int64_t>(), run_from_json(state["run"])};
@@ -352,7 +353,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
 
   for (int64_t step = result.first_step; step < c.steps; ++step) {
     // This rank's rows of the global batch, in micro-batches of equal rows (accumulation).
-    const Batch local = train_batches.batch(step, static_cast<int>(place.data_rank), static_cast<int>(place.data_ranks));
+    const Batch local = train_batches.batch(step, static_cast<int>(place.data_rank),
+                                            static_cast<int>(place.data_ranks));
     std::vector<Batch> micro;
     const auto inputs = local.inputs.chunk(c.micro_batches),
                targets = local.targets.chunk(c.micro_batches);

@@ -171,9 +171,8 @@ torch::Tensor MoeImpl::run_experts(const DispatchedTokens& dispatched) {
   std::vector<torch::Tensor> outputs;
   for (size_t j = 0; j < pieces.size(); ++j) {
     // An expert that received no token computes nothing (and gets no gradient).
-    outputs.push_back(pieces[j].size(0) == 0
-                          ? pieces[j]
-                          : experts[j]->as<ch03::MlpImpl>()->forward(pieces[j]));
+    outputs.push_back(pieces[j].size(0) == 0 ? pieces[j]
+                                             : experts[j]->as<ch03::MlpImpl>()->forward(pieces[j]));
   }
   return torch::cat(outputs);  // [rows, d_model]
 }
@@ -198,7 +197,8 @@ torch::Tensor LocalDispatcher::combine(const torch::Tensor& outputs,
                                        const torch::Tensor& gates, int64_t tokens, int64_t k) {
   const auto token_of = dispatched.slots.div(k, "floor");
   const auto weighted = outputs * gates.index_select(0, dispatched.slots).unsqueeze(1);
-  return torch::zeros({tokens, outputs.size(1)}, outputs.options()).index_add(0, token_of, weighted);
+  return torch::zeros({tokens, outputs.size(1)}, outputs.options())
+      .index_add(0, token_of, weighted);
 }
 
 ExpertLoad MoeImpl::update_bias(dist::Communicator* comm) {

@@ -144,7 +144,8 @@ torch::Tensor FullyShardedDataParallel::hidden(const torch::Tensor& tokens) {
 
 torch::Tensor FullyShardedDataParallel::finish(const torch::Tensor& output) {
   free(units_[0]);
-  if (output.requires_grad()) output.register_hook([this](const torch::Tensor&) { on_backward(0); });
+  if (output.requires_grad())
+    output.register_hook([this](const torch::Tensor&) { on_backward(0); });
   return output;
 }
 

@@ -82,8 +82,7 @@ io::TensorMap DataParallelStep::optimizer_state() {
   return ch03::optimizer_state(model_, *adam_);
 }
 
-void DataParallelStep::load_optimizer_state(const io::TensorMap& state,
-                                            const std::string& source) {
+void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const std::string& source) {
   if (zero_) return zero_->load_optimizer_state(state, source);
   if (fsdp_) return fsdp_->load_optimizer_state(state, source);
   ch03::load_optimizer_state(state, source, model_, *adam_);

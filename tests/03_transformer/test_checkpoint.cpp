@@ -155,6 +155,6 @@ TEST(ConfigKeys, AnAbsentRopeThetaIsHuggingFacesDefault) {
   // So an odd head_dim is refused from a config file as from the flags: rotary pairs need it even.
   json["head_dim"] = 7;
   json["hidden_size"] = 28;
-  EXPECT_TRUE(fivefold::testing::throws_error_containing(
-      [&] { config_from_json(json).validate(); }, "even head_dim"));
+  EXPECT_TRUE(fivefold::testing::throws_error_containing([&] { config_from_json(json).validate(); },
+                                                         "even head_dim"));
 }

@@ -102,8 +102,8 @@ TEST(Transformer, PartsHoldTheWholeModelsWeightsAndComputeItsForward) {
     ModelPart first_part{0, 1, /*embedding=*/true, /*head=*/false};
     ModelPart middle_part{1, 3, false, false};
     ModelPart last_part{3, -1, false, true};
-    Transformer first(config, ModelRecipe{}, first_part), middle(config, ModelRecipe{}, middle_part),
-        last(config, ModelRecipe{}, last_part);
+    Transformer first(config, ModelRecipe{}, first_part),
+        middle(config, ModelRecipe{}, middle_part), last(config, ModelRecipe{}, last_part);
     auto reference = whole->named_parameters();
     int64_t names = 0;
     for (auto* part : {&first, &middle, &last}) {
@@ -133,7 +133,9 @@ TEST(Transformer, PartsHoldTheWholeModelsWeightsAndComputeItsForward) {
         fivefold::testing::throws_error_containing([&] { middle->embed(tokens); }, "no embedding"));
   }
   EXPECT_TRUE(fivefold::testing::throws_error_containing(
-      [] { Transformer(small(), ModelRecipe{}, ModelPart{1, 5, true, true}); },
+      [] {
+        Transformer(small(), ModelRecipe{}, ModelPart{1, 5, true, true});
+      },
       "not within the model's 2"));
 }
 

@@ -4,6 +4,7 @@
 /// with defaults, typed getters, `--help`, and clear errors for unknown or malformed options.
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -54,5 +55,9 @@ class ArgParser {
   std::map<std::string, Spec> specs_;
   std::map<std::string, std::string> values_;
 };
+
+/// Runs a program's body: an exception ends the program with "<program>: error: <what>" on stderr
+/// and exit status 1, as the fivefold command does, instead of an abort with a backtrace.
+int run_guarded(const char* program, const std::function<int()>& body);
 
 }  // namespace fivefold

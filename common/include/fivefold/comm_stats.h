@@ -26,7 +26,7 @@ namespace fivefold::dist {
 
 /// Totals for one (communicator, op) pair.
 struct OpCounts {
-  int64_t calls = 0;      ///< operations issued
+  int64_t calls = 0;               ///< operations issued
   int64_t payload_bytes = 0;       ///< measured: bytes handed to the operations (file comment)
   double modelled_wire_bytes = 0;  ///< modelled: bytes this rank sends (file comment)
 };
