@@ -134,7 +134,11 @@ int run_guarded(const char* program, const std::function<int()>& body) {
   try {
     return body();
   } catch (const std::exception& e) {
-    std::cerr << program << ": error: " << e.what() << std::endl;
+    // Option errors already start with the program's name; say it once.
+    const std::string what = e.what(), prefix = std::string(program) + ": ";
+    std::cerr << prefix
+              << "error: " << (what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what)
+              << std::endl;
     return 1;
   }
 }
