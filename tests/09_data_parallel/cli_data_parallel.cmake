@@ -4,7 +4,8 @@
 # The same run (global batch 8, 4 steps, AdamW with clipping) on 1 process and on 2 and 4 ranks
 # with each ZeRO stage and with gradient accumulation: every step's loss and gradient norm
 # (before clipping) in metrics.jsonl must equal the single process's. A missing 1/N in the
-# gradient average multiplies the norm by N (tried: fails). Then resume across layouts: a run
+# gradient average multiplies the norm by N: removing it from DDP's bucket (ddp.cpp) or from
+# ZeRO's gradient pack (zero.cpp) fails the first 2-rank layout of that kind (tried). Then resume across layouts: a run
 # saved on 4 ranks with ZeRO-3 resumes on 2 ranks with ZeRO-1 and on 1 process, and continues
 # the uninterrupted curve. Bad layouts are refused on every rank before anything runs.
 
