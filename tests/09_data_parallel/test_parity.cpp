@@ -9,10 +9,12 @@
 //   - the K-step curve (loss, norm, parameters) of every ZeRO stage through DataParallelStep, with
 //     AdamW + clipping, against chapter 03's SingleProcessStep;
 //   - the optimizer state of a sharded step, consolidated by name, and a resume in another stage.
-// Shown to fail on purpose at 2 and 4 ranks: removing `.div_(ranks)` from pack_padded_gradients
-// (ZeRO, FSDP) fails StepOneGradientsAndNormEqualOneDevice for stages 1-3; removing the division
-// by the world size from DDP's launch (ddp.cpp) or from all_reduce_gradients fails it for DDP and
-// naive DP, and ThreeSgdStepsEqualOneDevice too.
+// Shown to fail on purpose: removing `.div_(ranks)` from pack_padded_gradients (ZeRO, FSDP) fails
+// StepOneGradientsAndNormEqualOneDevice and EveryStageFollowsTheSingleProcessCurve for stages 1-3
+// at 2 and 4 ranks; removing the division by the world size from pack_gradients (ddp.cpp, shared
+// by DDP's buckets and naive DP) fails those two for DDP, NaiveAllReduceGradientsEqualOneDevice
+// and ThreeSgdStepsEqualOneDevice at 2 ranks. The parameter-only tests of test_ddp/test_zero/
+// test_fsdp pass with either removed.
 
 #include <cmath>
 
