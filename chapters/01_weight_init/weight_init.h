@@ -60,8 +60,9 @@ torch::Tensor init_weight(const std::string& name, int64_t out_features, int64_t
                           const InitSpec& spec, uint64_t seed);
 
 /// Part `index` of `count` of that weight along `dim` (0: output rows, as a column-parallel layer
-/// holds; 1: input columns, as a row-parallel layer holds): bit-identical to the same slice of
-/// init_weight, whatever the layout.
+/// holds; 1: input columns, as a row-parallel layer holds), parts sized by fivefold::split_sizes
+/// (uneven when `count` does not divide): bit-identical to the same slice of init_weight, whatever
+/// the layout.
 torch::Tensor init_weight_shard(const std::string& name, int64_t out_features, int64_t in_features,
                                 const InitSpec& spec, uint64_t seed, int64_t dim, int64_t index,
                                 int64_t count);

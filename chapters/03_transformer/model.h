@@ -10,7 +10,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -266,6 +268,27 @@ class LanguageModelHeadImpl : public OutputLayer {
 };
 TORCH_MODULE(LanguageModelHead);
 
+/// How a parameter a process holds is a slice of the single-device model's tensor of the same
+/// name: part `index` of `count` along `dim` (parts sized by fivefold::split_sizes) of a tensor
+/// whose size along `dim` is `full_size`. Chapter 10's layers hold their weights this way.
+struct TensorShard {
+  int64_t dim = 0;        ///< the dimension split (0: rows, 1: columns)
+  int64_t index = 0;      ///< which part this process holds
+  int64_t count = 1;      ///< into how many parts the tensor is split
+  int64_t full_size = 0;  ///< the whole tensor's size along `dim`
+};
+
+/// A module whose parameters are slices of the whole model's (chapter 10's tensor-parallel layers).
+/// The model initialises each such parameter as its slice of the full tensor (chapter 01), so any
+/// layout starts from the single-device weights, and a parallel step gathers the slices back into
+/// whole tensors for checkpoints.
+class ShardedModule {
+ public:
+  virtual ~ShardedModule() = default;
+  /// The sliced parameters, by their name within the module ("weight").
+  virtual std::map<std::string, TensorShard> shards() const = 0;
+};
+
 /// What fills the model's slots, layer by layer. Empty members mean chapter 03's modules; a later
 /// chapter's recipe returns its own (chapter 04: RoPE; chapter 06: MLA; chapter 07: experts), so
 /// that the model is built once with its final modules and every parameter is drawn once.
@@ -276,6 +299,11 @@ struct ModelRecipe {
   std::function<std::shared_ptr<FeedForwardLayer>(const ModelConfig&, int64_t layer)> mlp;
   /// The position encoding of every attention layer (null: none).
   std::shared_ptr<const PositionEncoding> position_encoding;
+  /// The token embedding (null: EmbeddingImpl). Its table is its parameter "weight".
+  std::function<std::shared_ptr<TokenEmbedding>(const ModelConfig&)> embedding;
+  /// The output layer (null: LanguageModelHeadImpl); `tied` is the embedding's "weight" when the
+  /// config ties them, else undefined.
+  std::function<std::shared_ptr<OutputLayer>(const ModelConfig&, torch::Tensor tied)> output;
 };
 
 /// Which parts of the model this process holds: a range of layers, and the two ends. A pipeline
@@ -327,6 +355,8 @@ class TransformerImpl : public torch::nn::Module {
   torch::Tensor embed(const torch::Tensor& tokens);
   /// Part 2: blocks first .. last - 1 (held by this part) on x [batch, seq, d_model] of the tokens
   /// at `positions` (int64 [seq]) -> same shape. With a cache, positions follow the cached ones.
+  /// Under chapter 10's sequence parallelism x holds this rank's slice of the sequence and
+  /// `positions` the whole sequence's, which attention gathers.
   torch::Tensor forward_layers(torch::Tensor x, const torch::Tensor& positions, int64_t first,
                                int64_t last, KVCache* cache = nullptr);
   /// Part 3: final norm and head, hidden [..., d_model] -> logits [..., vocab].
@@ -349,10 +379,14 @@ class TransformerImpl : public torch::nn::Module {
   void set_embedding(std::shared_ptr<TokenEmbedding> embedding);
   /// Puts `output` in the output slot (lm_head.*).
   void set_output_layer(std::shared_ptr<OutputLayer> output);
-  /// Draws every matrix again from its (seed, name) generator (chapter 01); the constructor does
-  /// it once. A chapter that replaces a module after construction calls it, and every matrix the
-  /// replacement left alone gets the value it had.
+  /// Draws every matrix again from its (seed, name) generator (chapter 01), a sliced one (see
+  /// parameter_shards) as its slice of the full matrix; the constructor does it once. A chapter
+  /// that replaces a module after construction calls it, and every matrix the replacement left
+  /// alone gets the value it had.
   void initialise_parameters();
+  /// The parameters held as slices of the whole model's (ShardedModule), by their full names.
+  /// Empty for a model that holds its tensors whole.
+  std::map<std::string, TensorShard> parameter_shards() const;
   Trunk model{nullptr};                  ///< embedding, blocks, final norm
   std::shared_ptr<OutputLayer> lm_head;  ///< LanguageModelHeadImpl by default; null without head
 

@@ -38,8 +38,9 @@ namespace fivefold::ch09 {
 class FullyShardedDataParallel {
  public:
   /// Broadcasts rank 0's parameters, keeps this rank's shard of each unit, frees the rest.
+  /// `groups` as for ZeroOptimizer (partial gradients are summed as each unit is released).
   FullyShardedDataParallel(ch03::Transformer model, dist::CommunicatorPtr comm,
-                           ch03::TrainConfig config);
+                           ch03::TrainConfig config, ModelParallelGroups groups = {});
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
 
@@ -117,6 +118,8 @@ class FullyShardedDataParallel {
   torch::Tensor shards_, grads_;  // this rank's shards of every unit, one after another
   torch::Tensor has_gradient_;    // [params]: 1 where this rank had a gradient this step
   std::unique_ptr<ShardedAdamW> adam_;
+  ModelParallelGroups groups_;
+  torch::Tensor norm_mask_;  // undefined: every element counts
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0;
 };
 

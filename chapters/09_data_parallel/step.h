@@ -7,6 +7,9 @@
 /// (FullyShardedDataParallel: parameters sharded too).
 
 #include <memory>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "03_transformer/train.h"
 #include "09_data_parallel/ddp.h"
@@ -23,10 +26,13 @@ namespace fivefold::ch09 {
 class DataParallelStep : public ch03::TrainingStep {
  public:
   /// Wraps `model` (rank 0's parameters are broadcast) with ZeRO `stage` 0..3 over `comm`.
-  /// Throws fivefold::Error, before any communication, for a stage outside 0..3 or stage 3 with
-  /// Mixture-of-Experts layers (their balancing bias changes outside the optimizer).
+  /// `groups`: where the model's other pieces are (chapter 10 onwards; empty: `comm`'s ranks each
+  /// hold the whole model): partial gradients are summed over their groups before the update, and
+  /// the global norm counts every piece once. Throws fivefold::Error, before any communication,
+  /// for a stage outside 0..3 or stage 3 with Mixture-of-Experts layers (their balancing bias
+  /// changes outside the optimizer).
   DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
-                   const ch03::TrainConfig& config);
+                   const ch03::TrainConfig& config, ModelParallelGroups groups = {});
   /// As ch03::TrainingStep::step; the loss is averaged over the ranks (one all-reduce of a number).
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
   ch03::Transformer& model() override { return model_; }
@@ -43,6 +49,7 @@ class DataParallelStep : public ch03::TrainingStep {
   dist::CommunicatorPtr comm_;
   int stage_;
   ch03::TrainConfig config_;
+  ModelParallelGroups groups_;
   std::unique_ptr<torch::optim::AdamW> adam_;  // stage 0
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroOptimizer> zero_;             // stages 1 and 2
@@ -51,5 +58,11 @@ class DataParallelStep : public ch03::TrainingStep {
 
 /// A ch03::StepFactory making DataParallelStep over `comm` with ZeRO `stage`.
 ch03::StepFactory data_parallel_step(dist::CommunicatorPtr comm, int stage);
+
+/// Clips whole gradients (every rank of the data-parallel group holds the same ones, as after
+/// DDP's all-reduce) by the global norm over `groups`: this rank's squares, leaving out the
+/// parameters counted elsewhere, summed over groups.norm. Returns the norm before clipping.
+double clip_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                      double max_norm, const ModelParallelGroups& groups);
 
 }  // namespace fivefold::ch09

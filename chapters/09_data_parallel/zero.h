@@ -10,7 +10,9 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -70,9 +72,48 @@ io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
                       const std::vector<std::pair<std::string, torch::Tensor>>& params,
                       dist::Communicator& comm);
 
+/// What a data-parallel step must know of the ranks that hold other pieces of the model (chapter
+/// 10 onwards): for each parameter, the groups beyond data parallelism that reduce or count its
+/// gradient. Data parallelism itself averages every gradient over its group; empty groups mean
+/// every rank of that group holds the whole model (this chapter alone).
+struct ModelParallelGroups {
+  /// Parameters whose gradient on this rank is a partial sum, by name, and the group to sum it
+  /// over: tp for the norms under sequence parallelism (chapter 10), the first and last pipeline
+  /// stage for a tied embedding (chapter 11).
+  std::map<std::string, dist::CommunicatorPtr> partial;
+  /// Parameters of which an identical copy is counted in the global norm on another rank of
+  /// `norm` (a parameter replicated over tp is counted on tp rank 0 only).
+  std::set<std::string> counted_elsewhere;
+  /// The ranks holding different pieces of the model (tp; tp x pp ...): each adds its share of
+  /// the squared gradient norm. Null: none.
+  dist::CommunicatorPtr norm;
+};
+
+/// Adds up the partial gradients of `params` (name, parameter) over their groups, in place: one
+/// all-reduce per group, of all that group's gradients packed together, in name order on every
+/// rank. Parameters without a gradient count as zeros.
+void reduce_partial_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                              const ModelParallelGroups& groups);
+
+/// 1 for the elements of `layout`'s shard that this rank counts in the global norm, 0 for those
+/// of parameters counted elsewhere; undefined when every element counts. `params`: (name,
+/// parameter) in the layout's index order.
+torch::Tensor norm_mask(const ShardLayout& layout,
+                        const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                        const ModelParallelGroups& groups);
+
+/// Sums `squares` (this rank's share of the squared norm, double [1]) over `comm` (when the
+/// pieces are sharded over it) and over `groups.norm`, and returns the square root: the global
+/// gradient norm.
+double global_norm(torch::Tensor squares, dist::Communicator* comm,
+                   const ModelParallelGroups& groups);
+
 /// Clips a gradient sharded over `comm` by its global norm (each rank knows the squares of its
-/// own shard: one all-reduce of a number). Returns the norm before clipping.
-double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm);
+/// own shard, weighted by `mask` when defined: one all-reduce of a number over `comm`, and one
+/// over groups.norm). Returns the norm before clipping.
+double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm,
+                             const torch::Tensor& mask = {},
+                             const ModelParallelGroups& groups = {});
 
 /// AdamW on this rank's shard: the operations of torch::optim::AdamW, in the same order, on each
 /// parameter's piece of the shard, with make_optimizer's decay and one step count per parameter. A
@@ -114,9 +155,11 @@ class ShardedAdamW {
 /// parameter without a gradient (its step count does not advance); frozen parameters are left out.
 class ZeroOptimizer {
  public:
-  /// Broadcasts rank 0's parameters, lays out the shards. `stage` is 1 or 2.
+  /// Broadcasts rank 0's parameters, lays out the shards. `stage` is 1 or 2. `groups`: the
+  /// model-parallel groups of the parameters (partial gradients summed before the reduce-scatter,
+  /// the norm counted once over them).
   ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::CommunicatorPtr comm, int stage,
-                ch03::TrainConfig config);
+                ch03::TrainConfig config, ModelParallelGroups groups = {});
 
   /// After backward: reduce-scatter the gradients to this rank's shard (their mean over ranks),
   /// clip by the global norm, AdamW on the shard with learning_rate(config, step), all-gather the
@@ -157,6 +200,8 @@ class ZeroOptimizer {
   ShardLayout layout_;
   std::unique_ptr<ShardedAdamW> adam_;
   torch::Tensor grad_shard_;  // [shard] (kept in stage 2)
+  ModelParallelGroups groups_;
+  torch::Tensor norm_mask_;  // undefined: every element counts
 };
 
 }  // namespace fivefold::ch09

@@ -12,6 +12,7 @@
 #include "fivefold/comm_stats.h"
 #include "fivefold/dist.h"
 #include "fivefold/error.h"
+#include "fivefold/seed.h"
 #include "internal.h"
 
 namespace fivefold::dist {
@@ -298,12 +299,6 @@ int64_t row_numel(const torch::Tensor& t) {
   return n;
 }
 
-std::vector<int64_t> split_sizes(int64_t rows, int parts) {
-  std::vector<int64_t> sizes(parts, rows / parts);
-  for (int64_t i = 0; i < rows % parts; ++i) sizes[i] += 1;
-  return sizes;
-}
-
 torch::Tensor rows_like(const torch::Tensor& t, int64_t rows) {
   auto shape = t.sizes().vec();
   if (shape.empty()) shape.push_back(1);
@@ -380,7 +375,7 @@ Work Communicator::reduce_scatter_async(torch::Tensor tensor, ReduceOp op) {
   check_cpu(tensor, "reduce_scatter");
   FIVEFOLD_CHECK(tensor.dim() >= 1, "reduce_scatter on '", name_,
                  "': needs at least one dimension");
-  auto sizes = split_sizes(tensor.size(0), size_);
+  auto sizes = fivefold::split_sizes(tensor.size(0), size_);  // seed.h: one rule everywhere
   torch::Tensor out = rows_like(tensor, sizes[rank_]);
   const double n = size_;
   auto body = [this, tensor, out, sizes, op]() mutable {

@@ -2,6 +2,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <algorithm>
+
 #include "fivefold/error.h"
 
 namespace fivefold {
@@ -23,16 +25,29 @@ at::Generator generator_for(uint64_t global_seed, const std::string& name) {
   return at::make_generator<at::CPUGeneratorImpl>(seed_for(global_seed, name));
 }
 
+std::vector<int64_t> split_sizes(int64_t n, int64_t count) {
+  FIVEFOLD_CHECK(count >= 1 && n >= 0, "split_sizes: cannot split ", n, " items into ", count,
+                 " parts");
+  std::vector<int64_t> sizes(static_cast<size_t>(count), n / count);
+  for (int64_t i = 0; i < n % count; ++i) sizes[static_cast<size_t>(i)] += 1;
+  return sizes;
+}
+
+int64_t split_offset(int64_t n, int64_t index, int64_t count) {
+  FIVEFOLD_CHECK(index >= 0 && index <= count, "split_offset: part ", index, " of ", count,
+                 " does not exist");
+  // The first n % count parts hold one item more than the others.
+  return index * (n / count) + std::min(index, n % count);
+}
+
 torch::Tensor shard(const torch::Tensor& full, int64_t dim, int64_t index, int64_t count) {
   FIVEFOLD_CHECK(count >= 1 && index >= 0 && index < count, "shard: part ", index, " of ", count,
                  " does not exist");
   const int64_t d = dim < 0 ? dim + full.dim() : dim;
   FIVEFOLD_CHECK(d >= 0 && d < full.dim(), "shard: dimension ", dim, " out of range for shape ",
                  full.sizes());
-  FIVEFOLD_CHECK(full.size(d) % count == 0, "shard: size ", full.size(d), " of dimension ", d,
-                 " is not divisible into ", count, " equal parts");
-  const int64_t part = full.size(d) / count;
-  return full.narrow(d, index * part, part);
+  const int64_t n = full.size(d);
+  return full.narrow(d, split_offset(n, index, count), split_sizes(n, count)[index]);
 }
 
 }  // namespace fivefold

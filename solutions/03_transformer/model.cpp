@@ -207,8 +207,9 @@ bool ModelPart::whole(int64_t n_layers) const {
 
 TrunkImpl::TrunkImpl(const ModelConfig& c, const ModelRecipe& recipe, const ModelPart& part) {
   if (part.embedding || (part.head && c.tied_embeddings)) {
-    embed_tokens =
-        register_module<TokenEmbedding>("embed_tokens", Embedding(c.vocab_size, c.d_model).ptr());
+    embed_tokens = register_module<TokenEmbedding>(
+        "embed_tokens",
+        recipe.embedding ? recipe.embedding(c) : Embedding(c.vocab_size, c.d_model).ptr());
   }
   layers = register_module("layers", torch::nn::ModuleDict());
   for (int64_t i = part.first_layer; i < part.end(c.n_layers); ++i) {
@@ -230,9 +231,11 @@ TransformerImpl::TransformerImpl(ModelConfig config, const ModelRecipe& recipe,
   model = register_module("model", Trunk(config_, recipe, part_));
   if (part_.head) {
     torch::Tensor tied;
-    if (config_.tied_embeddings) tied = model->embed_tokens->as<EmbeddingImpl>()->weight;
+    if (config_.tied_embeddings) tied = model->embed_tokens->named_parameters(false)["weight"];
     lm_head = register_module<OutputLayer>(
-        "lm_head", LanguageModelHead(config_.vocab_size, config_.d_model, tied).ptr());
+        "lm_head", recipe.output
+                       ? recipe.output(config_, tied)
+                       : LanguageModelHead(config_.vocab_size, config_.d_model, tied).ptr());
   }
   initialise_parameters();
 }
@@ -253,7 +256,9 @@ std::vector<int64_t> TransformerImpl::layer_indices() const {
 
 void TransformerImpl::initialise_parameters() {
   // Chapter 01: every matrix from its own (seed, name) generator, GPT-2's scheme; norms are ones.
+  // A slice is drawn as its part of the full matrix, so every layout starts from the same model.
   torch::NoGradGuard no_grad;
+  const auto shards = parameter_shards();
   for (auto& item : named_parameters()) {
     const std::string& name = item.key();
     torch::Tensor& p = item.value();
@@ -262,8 +267,28 @@ void TransformerImpl::initialise_parameters() {
     // The projections that write into the residual stream.
     spec.residual_projection =
         name.find("o_proj") != std::string::npos || name.find("down_proj") != std::string::npos;
-    p.copy_(ch01::init_weight(name, p.size(0), p.size(1), spec, config_.seed));
+    const auto found = shards.find(name);
+    if (found == shards.end()) {
+      p.copy_(ch01::init_weight(name, p.size(0), p.size(1), spec, config_.seed));
+      continue;
+    }
+    const TensorShard& piece = found->second;
+    auto full = p.sizes().vec();
+    full[static_cast<size_t>(piece.dim)] = piece.full_size;
+    p.copy_(ch01::init_weight_shard(name, full[0], full[1], spec, config_.seed, piece.dim,
+                                    piece.index, piece.count));
   }
+}
+
+std::map<std::string, TensorShard> TransformerImpl::parameter_shards() const {
+  std::map<std::string, TensorShard> shards;
+  // Not including the model itself: the constructor calls this before a shared_ptr holds it.
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
+    const auto* sharded = dynamic_cast<const ShardedModule*>(item.value().get());
+    if (sharded == nullptr) continue;
+    for (const auto& [name, piece] : sharded->shards()) shards[item.key() + "." + name] = piece;
+  }
+  return shards;
 }
 
 void TransformerImpl::set_position_encoding(std::shared_ptr<const PositionEncoding> encoding) {
@@ -302,9 +327,11 @@ torch::Tensor TransformerImpl::forward_layers(torch::Tensor x, const torch::Tens
   FIVEFOLD_CHECK(part_.first_layer <= first && first <= last && last <= part_.last_layer,
                  "Transformer: layers [", first, ", ", last, ") are not all held by this part [",
                  part_.first_layer, ", ", part_.last_layer, ")");
+  // Under sequence parallelism (chapter 10) x holds a slice of the sequence that `positions`
+  // spans in full; otherwise the two have the same length.
   FIVEFOLD_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong &&
-                     positions.size(0) == x.size(1),
-                 "Transformer: positions must be int64 [seq] with seq = ", x.size(1));
+                     positions.size(0) >= x.size(1),
+                 "Transformer: positions must be int64 [seq] with seq >= ", x.size(1));
   if (cache != nullptr) cache->layers.resize(static_cast<size_t>(config_.n_layers));
   for (int64_t i = first; i < last; ++i) {
     BlockImpl& layer = block(i);

@@ -23,8 +23,12 @@ size_t unit_of(const std::string& name) {
 
 FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
                                                    dist::CommunicatorPtr comm,
-                                                   ch03::TrainConfig config)
-    : model_(std::move(model)), comm_(std::move(comm)), config_(config) {
+                                                   ch03::TrainConfig config,
+                                                   ModelParallelGroups groups)
+    : model_(std::move(model)),
+      comm_(std::move(comm)),
+      config_(config),
+      groups_(std::move(groups)) {
   config_.validate();
   torch::NoGradGuard no_grad;
   const int n = comm_->size(), r = comm_->rank();
@@ -66,6 +70,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
   has_gradient_ = torch::zeros({static_cast<int64_t>(params_.size())});
   local.shard = offset;
   adam_ = std::make_unique<ShardedAdamW>(local, static_cast<int64_t>(params_.size()), config_);
+  norm_mask_ = norm_mask(local, named_, groups_);
   for (auto& unit : units_) {
     std::vector<torch::Tensor> flat;
     for (const auto& p : unit.params) flat.push_back(p.reshape(-1));
@@ -108,6 +113,10 @@ void FullyShardedDataParallel::release(Unit& unit) {
   // The unit's gradients as one padded flat vector divided by N: the reduce-scatter's sum is the
   // mean, and this rank receives its shard of it, added to what earlier backwards left there.
   const int n = comm_->size();
+  if (!groups_.partial.empty()) {  // partial sums over tp first (chapter 10)
+    const auto first = named_.begin() + unit.first;
+    reduce_partial_gradients({first, first + static_cast<int64_t>(unit.params.size())}, groups_);
+  }
   auto flat = pack_padded_gradients(unit.params, unit.shard * n, n, has_gradient_, unit.first);
   for (auto& p : unit.params) p.mutable_grad() = torch::Tensor();  // the full gradients go
   grad_shard(unit).add_(comm_->reduce_scatter(flat));
@@ -167,7 +176,7 @@ double FullyShardedDataParallel::step(int64_t step) {
   }
   auto has_gradient = has_gradient_.clone();
   comm_->all_reduce(has_gradient);  // > 0: some rank had this parameter's gradient
-  const double norm = clip_sharded_gradient(grads_, *comm_, config_.grad_clip);
+  const double norm = clip_sharded_gradient(grads_, *comm_, config_.grad_clip, norm_mask_, groups_);
   adam_->step(shards_, grads_, has_gradient, step);
   return norm;
 }

@@ -9,8 +9,12 @@
 namespace fivefold::ch09 {
 
 DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
-                                   const ch03::TrainConfig& config)
-    : model_(std::move(model)), comm_(std::move(comm)), stage_(stage), config_(config) {
+                                   const ch03::TrainConfig& config, ModelParallelGroups groups)
+    : model_(std::move(model)),
+      comm_(std::move(comm)),
+      stage_(stage),
+      config_(config),
+      groups_(std::move(groups)) {
   FIVEFOLD_CHECK(stage_ >= 0 && stage_ <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage_);
   const auto& extensions = model_->config().extensions;
   FIVEFOLD_CHECK(stage_ < 3 || !extensions.contains("n_routed_experts") ||
@@ -23,9 +27,9 @@ DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPt
     adam_ = ch03::make_optimizer(model_, config_);
     ddp_ = std::make_unique<DistributedDataParallel>(model_.ptr(), comm_);
   } else if (stage_ < 3) {
-    zero_ = std::make_unique<ZeroOptimizer>(model_.ptr(), comm_, stage_, config_);
+    zero_ = std::make_unique<ZeroOptimizer>(model_.ptr(), comm_, stage_, config_, groups_);
   } else {
-    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, comm_, config_);
+    fsdp_ = std::make_unique<FullyShardedDataParallel>(model_, comm_, config_, groups_);
   }
 }
 
@@ -55,7 +59,11 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
   result.lr = ch03::learning_rate(config_, step);
   if (ddp_) {
     ddp_->finish_gradient_sync();  // every gradient is now the mean over the ranks
-    result.grad_norm = ch03::clip_gradients(model_, config_.grad_clip);
+    std::vector<std::pair<std::string, torch::Tensor>> named;
+    for (const auto& item : model_->named_parameters())
+      named.emplace_back(item.key(), item.value());
+    reduce_partial_gradients(named, groups_);  // partial sums over tp (chapter 10)
+    result.grad_norm = clip_gradients(named, config_.grad_clip, groups_);
     for (auto& group : adam_->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
     adam_->step();
@@ -95,6 +103,23 @@ io::TensorMap DataParallelStep::gradients() {
   for (const auto& item : model_->named_parameters())
     if (item.value().grad().defined()) grads[item.key()] = item.value().grad().clone();
   return grads;
+}
+
+double clip_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                      double max_norm, const ModelParallelGroups& groups) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> grads;
+  auto squares = torch::zeros({1}, torch::kDouble);
+  for (const auto& [name, p] : params) {
+    if (!p.grad().defined()) continue;
+    grads.push_back(p.grad());
+    if (groups.counted_elsewhere.count(name) == 0)
+      squares += p.grad().pow(2).sum().to(torch::kDouble);
+  }
+  const double norm = global_norm(squares, nullptr, groups);
+  if (max_norm > 0 && norm > max_norm)
+    for (auto& g : grads) g.mul_(max_norm / norm);
+  return norm;
 }
 
 ch03::StepFactory data_parallel_step(dist::CommunicatorPtr comm, int stage) {

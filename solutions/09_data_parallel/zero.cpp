@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -56,10 +57,57 @@ torch::Tensor pack_padded_gradients(const std::vector<torch::Tensor>& params, in
   return flat.div_(ranks);
 }
 
-double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm) {
-  auto squares = grad_shard.pow(2).sum().to(torch::kDouble).reshape({1});
-  comm.all_reduce(squares);
-  const double norm = std::sqrt(squares.item<double>());
+void reduce_partial_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                              const ModelParallelGroups& groups) {
+  if (groups.partial.empty()) return;
+  torch::NoGradGuard no_grad;
+  // The partial gradients of each group, in name order (the same on every rank of the group).
+  std::map<dist::Communicator*, std::vector<std::pair<std::string, torch::Tensor>>> by_group;
+  for (const auto& [name, p] : params) {
+    const auto found = groups.partial.find(name);
+    if (found != groups.partial.end()) by_group[found->second.get()].emplace_back(name, p);
+  }
+  for (auto& [comm, members] : by_group) {
+    std::sort(members.begin(), members.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::vector<torch::Tensor> flat;
+    for (auto& [name, p] : members) {
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+      flat.push_back(p.grad().reshape(-1));
+    }
+    auto packed = torch::cat(flat);
+    comm->all_reduce(packed);  // one all-reduce for all of this group's partial gradients
+    int64_t offset = 0;
+    for (auto& [name, p] : members) {
+      p.mutable_grad().copy_(packed.narrow(0, offset, p.numel()).view_as(p));
+      offset += p.numel();
+    }
+  }
+}
+
+torch::Tensor norm_mask(const ShardLayout& layout,
+                        const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                        const ModelParallelGroups& groups) {
+  if (groups.counted_elsewhere.empty()) return {};
+  auto mask = torch::ones({layout.shard});
+  for (const auto& s : layout.segments) {
+    if (groups.counted_elsewhere.count(params[static_cast<size_t>(s.param)].first) > 0)
+      mask.narrow(0, s.begin, s.length).zero_();
+  }
+  return mask;
+}
+
+double global_norm(torch::Tensor squares, dist::Communicator* comm,
+                   const ModelParallelGroups& groups) {
+  if (comm != nullptr) comm->all_reduce(squares);     // the shards of the data-parallel group
+  if (groups.norm) groups.norm->all_reduce(squares);  // the model's other pieces
+  return std::sqrt(squares.item<double>());
+}
+
+double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm,
+                             const torch::Tensor& mask, const ModelParallelGroups& groups) {
+  auto squares = (mask.defined() ? grad_shard.pow(2) * mask : grad_shard.pow(2));
+  const double norm = global_norm(squares.sum().to(torch::kDouble).reshape({1}), &comm, groups);
   if (max_norm > 0 && norm > max_norm) grad_shard.mul_(max_norm / norm);
   return norm;
 }
@@ -148,8 +196,12 @@ void ShardedAdamW::load_state(const io::TensorMap& state,
 }
 
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::CommunicatorPtr comm,
-                             int stage, ch03::TrainConfig config)
-    : model_(std::move(model)), comm_(std::move(comm)), stage_(stage), config_(config) {
+                             int stage, ch03::TrainConfig config, ModelParallelGroups groups)
+    : model_(std::move(model)),
+      comm_(std::move(comm)),
+      stage_(stage),
+      config_(config),
+      groups_(std::move(groups)) {
   FIVEFOLD_CHECK(stage_ == 1 || stage_ == 2, "ZeroOptimizer: stage must be 1 or 2, got ", stage_);
   config_.validate();
   torch::NoGradGuard no_grad;
@@ -161,6 +213,7 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::Com
   }
   layout_ = shard_layout(named_, 0, comm_->size(), comm_->rank(), config_);
   adam_ = std::make_unique<ShardedAdamW>(layout_, static_cast<int64_t>(params_.size()), config_);
+  norm_mask_ = norm_mask(layout_, named_, groups_);
 }
 
 void ZeroOptimizer::zero_grad() {
@@ -179,6 +232,7 @@ double ZeroOptimizer::step(int64_t step) {
   const int n = comm_->size();
   // 1. The full gradient as one padded flat vector, divided by N: the reduce-scatter's sum is then
   //    the mean, and this rank receives its shard of it.
+  reduce_partial_gradients(named_, groups_);  // partial sums over tp first (chapter 10)
   auto has_gradient = torch::zeros({static_cast<int64_t>(params_.size())});
   auto flat = pack_padded_gradients(params_, layout_.shard * n, n, has_gradient, 0);
   comm_->all_reduce(has_gradient);            // > 0: some rank has this parameter's gradient
@@ -187,7 +241,8 @@ double ZeroOptimizer::step(int64_t step) {
   flat = torch::Tensor();
 
   // 2. Global-norm clipping, then 3. AdamW on this rank's shard of the parameters.
-  const double norm = clip_sharded_gradient(grad_shard_, *comm_, config_.grad_clip);
+  const double norm =
+      clip_sharded_gradient(grad_shard_, *comm_, config_.grad_clip, norm_mask_, groups_);
   auto mine = torch::zeros({layout_.shard});
   for (const auto& s : layout_.segments) {
     mine.narrow(0, s.begin, s.length)

@@ -71,7 +71,7 @@ TEST(LayoutIndependence, ShardsAreSlicesOfTheFullTensor) {
   const InitSpec spec{Scheme::Gpt2, Activation::Linear, 0.02, 4, true};
   const auto full = init_weight("model.layers.0.mlp.down_proj.weight", 64, 96, spec, 42);
   for (int64_t dim : {0, 1}) {
-    for (int64_t count : {1, 2, 4, 8}) {
+    for (int64_t count : {1, 2, 4, 5, 8}) {  // 5: uneven parts (64 = 13 + 13 + 13 + 13 + 12)
       std::vector<torch::Tensor> parts;
       for (int64_t i = 0; i < count; ++i) {
         parts.push_back(init_weight_shard("model.layers.0.mlp.down_proj.weight", 64, 96, spec, 42,
@@ -85,5 +85,5 @@ TEST(LayoutIndependence, ShardsAreSlicesOfTheFullTensor) {
       torch::equal(full, init_weight("model.layers.1.mlp.down_proj.weight", 64, 96, spec, 42)));
   EXPECT_FALSE(
       torch::equal(full, init_weight("model.layers.0.mlp.down_proj.weight", 64, 96, spec, 43)));
-  EXPECT_THROW(init_weight_shard("w", 64, 96, spec, 42, 0, 0, 5), fivefold::Error);
+  EXPECT_THROW(init_weight_shard("w", 64, 96, spec, 42, 0, 5, 5), fivefold::Error);  // no part 5
 }

@@ -80,7 +80,14 @@ TEST(Seeding, ShardsAreSlicesOfTheFullTensor) {
     EXPECT_TENSOR_EQ(torch::cat(rows, 0), full);
   }
   EXPECT_TENSOR_EQ(fivefold::shard(full, -1, 1, 2), full.narrow(1, 4, 4));
-  EXPECT_THROW(fivefold::shard(full, 0, 0, 5), Error);  // 12 rows do not split into 5
+  // 12 rows into 5 parts: 3, 3, 2, 2, 2 (torch::tensor_split's rule), which concatenate back.
+  EXPECT_EQ(fivefold::split_sizes(12, 5), (std::vector<int64_t>{3, 3, 2, 2, 2}));
+  EXPECT_EQ(fivefold::split_offset(12, 3, 5), 8);
+  std::vector<torch::Tensor> uneven;
+  for (int64_t i = 0; i < 5; ++i) uneven.push_back(fivefold::shard(full, 0, i, 5));
+  EXPECT_TENSOR_EQ(torch::cat(uneven), full);
+  for (int64_t i = 0; i < 5; ++i)
+    EXPECT_TENSOR_EQ(fivefold::shard(full, 0, i, 5), full.tensor_split(5)[static_cast<size_t>(i)]);
   EXPECT_THROW(fivefold::shard(full, 2, 0, 2), Error);  // no dimension 2
   EXPECT_THROW(fivefold::shard(full, 0, 4, 4), Error);  // no part 4 of 4
 }
