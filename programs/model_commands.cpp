@@ -2,6 +2,7 @@
 //
 //   fivefold train --out runs/ch03 [--steps 300] [--data FILE] [--resume] ...
 //   mpirun -np 4 fivefold train --zero 1 ...     data parallel over 4 ranks (chapter 09)
+//   mpirun -np 4 fivefold train --tp 2 [--sequence-parallel] ...   tp 2 x dp 2 (chapter 10)
 //   fivefold generate --checkpoint runs/ch03 --prompt "12+35=" --max-new-tokens 8 --greedy
 //   fivefold generate --checkpoint DIR --prompt-ids 3,1,4 --max-new-tokens N --greedy
 //   fivefold eval --checkpoint runs/ch03 [--data FILE] [--exact-match 200]
@@ -21,11 +22,13 @@
 #include "03_transformer/trainer.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/step.h"
+#include "10_tensor_parallel/step.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
+#include "fivefold/mesh.h"
 #include "fivefold/runtime.h"
 
 namespace fivefold::commands {
@@ -181,7 +184,11 @@ int train(int argc, char** argv) {
   args.option("zero", "0",
               "with --dp > 1: 0 DDP, 1 shard AdamW's state, 2 and the gradients, 3 and the "
               "parameters (ZeRO, chapter 09)");
-  args.option("tp", "1", "tensor-parallel ranks (chapter 10; only 1 for now)");
+  args.option("tp", "1",
+              "tensor-parallel ranks (chapter 10): each matrix split over them; tp divides the "
+              "heads and the key/value heads");
+  args.flag("sequence-parallel",
+            "with --tp > 1: norms and residuals on each rank's part of the sequence (chapter 10)");
   args.option("pp", "1", "pipeline stages (chapter 11; only 1 for now)");
   args.option("cp", "1", "context-parallel ranks (chapter 12; only 1 for now)");
   args.option("ep", "1", "expert-parallel ranks (chapter 13; only 1 for now)");
@@ -215,8 +222,7 @@ int train(int argc, char** argv) {
   if (!args.parse(argc, argv)) return 0;
   // The layout, checked before anything starts: every rank sees the same flags and the same
   // world size, so every rank refuses the same way, before any communication.
-  const char* later[][2] = {{"tp", "10 (tensor parallelism)"},
-                            {"pp", "11 (pipeline parallelism)"},
+  const char* later[][2] = {{"pp", "11 (pipeline parallelism)"},
                             {"cp", "12 (context parallelism)"},
                             {"ep", "13 (expert parallelism)"}};
   for (const auto& [flag, chapter] : later) {
@@ -225,11 +231,18 @@ int train(int argc, char** argv) {
   }
   const int zero = static_cast<int>(args.integer("zero"));
   FIVEFOLD_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
+  const int64_t tp = args.integer("tp");
+  FIVEFOLD_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
+  FIVEFOLD_CHECK(!args.on("sequence-parallel") || tp > 1,
+                 "--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
+                 "needs --tp 2 or more");
   Runtime runtime;
   auto world = runtime.world();
-  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size();
-  FIVEFOLD_CHECK(dp == world->size(), "--dp ", dp, " x tp 1 x pp 1 x cp 1 must equal the ",
-                 "number of processes, ", world->size());
+  FIVEFOLD_CHECK(world->size() % tp == 0, "--tp ", tp, " does not divide the ", world->size(),
+                 " processes");
+  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size() / tp;
+  FIVEFOLD_CHECK(dp >= 1 && dp * tp == world->size(), "--dp ", dp, " x tp ", tp,
+                 " x pp 1 x cp 1 must equal the number of processes, ", world->size());
 
   RunConfig c;
   c.out_dir = args.str("out");
@@ -259,14 +272,26 @@ int train(int argc, char** argv) {
   if (!args.str("model-config").empty())
     c.model = ch03::config_from_json(io::read_json(args.str("model-config")));
   c.model.seed = static_cast<uint64_t>(args.integer("seed"));
+  // Refused before the mesh's communicators exist (and again below for a resumed run's model).
+  c.model.validate();
+  ch10::check_tensor_parallel(c.model, static_cast<int>(tp));
   c.build_model = ch07::make_model;  // the most complete model the chapters build
+  // The mesh: tensor-parallel peers are neighbouring ranks (tp fastest).
+  dist::DeviceMesh mesh(world, {{"dp", static_cast<int>(dp)}, {"tp", static_cast<int>(tp)}});
+  auto data = mesh.comm("dp");
   // Expert load and the balancing update, with the load summed over the data-parallel ranks.
-  c.after_step = [world](Transformer& m) { return ch07::after_step(m, world.get()); };
-  c.placement.data_rank = world->rank();
+  c.after_step = [data](Transformer& m) { return ch07::after_step(m, data.get()); };
+  c.placement.data_rank = mesh.coord("dp");
   c.placement.data_ranks = dp;
   c.placement.processes = world->size();
   c.placement.writer = world->rank() == 0;
-  if (world->size() > 1 || zero > 0) c.make_step = ch09::data_parallel_step(world, zero);
+  if (tp > 1) {
+    auto group = std::make_shared<ch10::TensorParallel>(
+        ch10::TensorParallel{mesh.comm("tp"), args.on("sequence-parallel")});
+    c.make_step = ch10::tensor_parallel_step(group, data, zero, ch07::make_model);
+  } else if (world->size() > 1 || zero > 0) {
+    c.make_step = ch09::data_parallel_step(data, zero);
+  }
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -278,6 +303,7 @@ int train(int argc, char** argv) {
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
+  ch10::check_tensor_parallel(c.model, static_cast<int>(tp));  // every rank refuses alike
   check_model_fits(c.model, dp, zero, runtime.launch().local_size);
 
   const RunResult r = run_training(c, args.on("resume"));

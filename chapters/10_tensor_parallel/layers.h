@@ -1,0 +1,196 @@
+#pragma once
+/// @file layers.h
+/// @brief Chapter 10: Megatron-style tensor parallelism for chapter 03's model. Each matrix is
+/// split over the tp ranks so that a layer needs one all-reduce forward and one backward:
+///
+///   MLP:       gate/up column-parallel (rows split)  -> SiLU·up on local columns ->
+///              down row-parallel (columns split)     -> partial sums, added by g
+///   attention: q/k/v column-parallel by heads        -> attention on local heads ->
+///              o row-parallel                        -> partial sums, added by g
+///   embedding: vocabulary rows split; each rank looks up the tokens it holds, g adds
+///   head+loss: vocabulary rows split; cross-entropy from a max, a sum and the target's logit
+///              across ranks, never the full logits
+///
+/// The residual stream, norms and routing stay replicated (or, with sequence parallelism, split
+/// along the sequence). Every parameter is a slice of the single-device model's tensor of the
+/// same name (ch03::ShardedModule), drawn as that slice (chapter 01): a tp run starts from the
+/// single-device weights, and checkpoints gather the slices back.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "03_transformer/model.h"
+#include "10_tensor_parallel/mappings.h"
+#include "fivefold/dist.h"
+
+namespace fivefold::ch10 {
+
+/// The tensor-parallel group of a model, shared by its layers.
+struct TensorParallel {
+  dist::CommunicatorPtr comm;      ///< the tp ranks
+  bool sequence_parallel = false;  ///< activations outside the split layers split by sequence
+  /// The whole sequence length of the forward pass under way, set by each attention layer from
+  /// its positions: what the MLP (whose slot sees only x) and the head need to gather a sequence
+  /// split unevenly. Unused without sequence parallelism.
+  int64_t sequence = 0;
+
+  int rank() const { return comm->rank(); }
+  int size() const { return comm->size(); }
+  /// Into the split layers: f (copy_to_tensor_parallel), or under sequence parallelism the
+  /// all-gather of the sequence. x [batch, seq or seq_r, d] -> [batch, seq, d].
+  torch::Tensor enter(const torch::Tensor& x) const;
+  /// Out of them: g (reduce_from_tensor_parallel), or the reduce-scatter along the sequence.
+  torch::Tensor leave(const torch::Tensor& partial) const;
+};
+
+/// Shared by every layer of one model.
+using TensorParallelPtr = std::shared_ptr<TensorParallel>;
+
+/// Y = X W^T with W [out, in] split by rows: this rank holds rows part `rank` of `out` (its
+/// output features). Input replicated (after enter), output this rank's features.
+class ColumnParallelLinearImpl : public torch::nn::Module, public ch03::ShardedModule {
+ public:
+  /// The slice of an [out, in] matrix that rank `rank` of `ranks` holds.
+  ColumnParallelLinearImpl(int64_t in, int64_t out, int rank, int ranks);
+  /// x [..., in] -> [..., out_r].
+  torch::Tensor forward(const torch::Tensor& x);
+  std::map<std::string, ch03::TensorShard> shards() const override;
+  torch::Tensor weight;  ///< [out_r, in]
+
+ private:
+  ch03::TensorShard shard_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+/// Y = X W^T with W [out, in] split by columns: this rank holds columns part `rank` of `in`. Input
+/// this rank's features, output a partial sum (before leave).
+class RowParallelLinearImpl : public torch::nn::Module, public ch03::ShardedModule {
+ public:
+  /// The slice of an [out, in] matrix that rank `rank` of `ranks` holds.
+  RowParallelLinearImpl(int64_t in, int64_t out, int rank, int ranks);
+  /// x [..., in_r] -> partial [..., out].
+  torch::Tensor forward(const torch::Tensor& x);
+  std::map<std::string, ch03::TensorShard> shards() const override;
+  torch::Tensor weight;  ///< [out, in_r]
+
+ private:
+  ch03::TensorShard shard_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+/// Chapter 03's SwiGLU MLP split over tp: gate_proj and up_proj column-parallel, down_proj
+/// row-parallel; d_ff splits unevenly when tp does not divide it.
+class TensorParallelMlpImpl : public ch03::FeedForwardLayer {
+ public:
+  /// `d_ff` hidden features (config.d_ff, or an expert's width).
+  TensorParallelMlpImpl(int64_t d_model, int64_t d_ff, TensorParallelPtr tp);
+  /// x [batch, seq or seq_r, d_model] -> the same shape.
+  torch::Tensor forward(const torch::Tensor& x) override;
+  ColumnParallelLinear gate_proj{nullptr};  ///< d_model -> d_ff_r
+  ColumnParallelLinear up_proj{nullptr};    ///< d_model -> d_ff_r
+  RowParallelLinear down_proj{nullptr};     ///< d_ff_r -> d_model (partial)
+
+ private:
+  TensorParallelPtr tp_;
+};
+TORCH_MODULE(TensorParallelMlp);
+
+/// Chapter 03's grouped-query attention split by heads: each rank holds n_heads / tp query heads
+/// and n_kv_heads / tp key/value heads (the ones its query heads read), and o_proj's matching
+/// columns. tp must divide both head counts (checked by check_tensor_parallel).
+class TensorParallelAttentionImpl : public ch03::AttentionLayer {
+ public:
+  /// Projections sized from `config`, split over `tp`.
+  TensorParallelAttentionImpl(const ch03::ModelConfig& config, TensorParallelPtr tp);
+  /// As ch03::AttentionLayer::forward; x may be this rank's part of the sequence (sequence
+  /// parallelism), `positions` is always the whole sequence's.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
+                        ch03::LayerCache* cache = nullptr) override;
+  ColumnParallelLinear q_proj{nullptr};  ///< d_model -> local heads · head_dim
+  ColumnParallelLinear k_proj{nullptr};  ///< d_model -> local kv heads · head_dim
+  ColumnParallelLinear v_proj{nullptr};  ///< d_model -> local kv heads · head_dim
+  RowParallelLinear o_proj{nullptr};     ///< local heads · head_dim -> d_model (partial)
+
+ private:
+  TensorParallelPtr tp_;
+  int64_t n_heads_, n_kv_heads_, head_dim_;  // this rank's heads
+};
+TORCH_MODULE(TensorParallelAttention);
+
+/// The embedding split by vocabulary rows: this rank holds rows [first, first + rows) (parts by
+/// fivefold::split_sizes: 259 over 2 ranks is 130 + 129). A token outside them contributes zeros;
+/// the sum over ranks (g, or the reduce-scatter along the sequence) is its row.
+class VocabParallelEmbeddingImpl : public ch03::TokenEmbedding, public ch03::ShardedModule {
+ public:
+  /// The rows of a [vocab, d_model] table this rank holds.
+  VocabParallelEmbeddingImpl(int64_t vocab, int64_t d_model, TensorParallelPtr tp);
+  /// tokens [batch, seq] -> [batch, seq, d_model], or this rank's part of the sequence under
+  /// sequence parallelism.
+  torch::Tensor forward(const torch::Tensor& tokens) override;
+  std::map<std::string, ch03::TensorShard> shards() const override;
+  torch::Tensor weight;  ///< [rows, d_model]
+
+ private:
+  TensorParallelPtr tp_;
+  ch03::TensorShard shard_;
+  int64_t first_;
+};
+TORCH_MODULE(VocabParallelEmbedding);
+
+/// Mean cross-entropy over the tokens whose target is not -100, from logits split by vocabulary:
+/// `local` [..., rows] holds the logits of vocabulary rows [first, first + rows) on this rank of
+/// `tp`; targets [...] are global token ids. Three all-reduces of one number per token (the max,
+/// the sum of exponentials, the target's logit); the full logits never exist. Every rank returns
+/// the same loss, and its gradient with respect to its own logits.
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local, const torch::Tensor& targets,
+                                           int64_t first, const dist::CommunicatorPtr& tp);
+
+/// The LM head split by vocabulary rows, with the vocabulary-parallel loss. With tied embeddings
+/// it reads the VocabParallelEmbedding's rows (the same split).
+class VocabParallelHeadImpl : public ch03::OutputLayer, public ch03::ShardedModule {
+ public:
+  /// Its own rows of a [vocab, d_model] matrix, or `tied_weight` (the embedding's rows).
+  VocabParallelHeadImpl(int64_t vocab, int64_t d_model, TensorParallelPtr tp,
+                        torch::Tensor tied_weight = {});
+  /// hidden [batch, seq or seq_r, d_model] -> the full logits [batch, seq, vocab] (gathered: for
+  /// evaluation and generation, not for training).
+  torch::Tensor logits(const torch::Tensor& hidden) override;
+  /// vocab_parallel_cross_entropy of this rank's logits; the full logits are never built.
+  torch::Tensor loss(const torch::Tensor& hidden, const torch::Tensor& targets) override;
+  std::map<std::string, ch03::TensorShard> shards() const override;
+  torch::Tensor weight;  ///< [rows, d_model]
+
+ private:
+  torch::Tensor local_logits(const torch::Tensor& hidden, int64_t seq);
+  TensorParallelPtr tp_;
+  ch03::TensorShard shard_;
+  int64_t first_;
+  bool tied_;
+};
+TORCH_MODULE(VocabParallelHead);
+
+/// Throws fivefold::Error, naming the reason, for a config that `tp_size` ranks cannot split:
+/// heads or key/value heads not divisible by tp (a rank must hold whole heads), or an
+/// architecture this chapter does not split yet. Vocabulary, d_ff and sequence split unevenly.
+void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size);
+
+/// Chapter 10's recipe: chapter 07's (which decides RoPE/YaRN, MLA, experts for the config) with
+/// every matrix split over `tp`: attention, MLP, embedding and head.
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config, TensorParallelPtr tp);
+
+/// The tensor-parallel model (or `part` of it) for `config` over `tp`; check_tensor_parallel
+/// first. With tp of size 1 it computes what ch07::make_model computes.
+ch03::Transformer make_model(const ch03::ModelConfig& config, TensorParallelPtr tp,
+                             const ch03::ModelPart& part = {});
+
+/// The names of the parameters whose gradient on each rank is a partial sum over tp: under
+/// sequence parallelism, the weights applied to this rank's part of the sequence only (the
+/// norms); empty without it.
+std::vector<std::string> partial_gradient_parameters(ch03::Transformer& model,
+                                                     const TensorParallel& tp);
+
+}  // namespace fivefold::ch10

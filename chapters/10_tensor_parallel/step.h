@@ -1,0 +1,71 @@
+#pragma once
+/// @file step.h
+/// @brief Chapter 10: the training step with tensor parallelism, composed with chapter 09's data
+/// parallelism on a mesh of dp x tp ranks. Each rank holds its tp slice of the model; chapter 09's
+/// DataParallelStep averages the slices' gradients over the dp ranks that hold the same slice,
+/// sums the norms' partial gradients over tp under sequence parallelism, and counts every piece
+/// once in the global norm. This step adds what makes the slices look like one model from outside:
+/// the whole model, optimizer state and gradients gathered by parameter name (checkpoints stay the
+/// single-device Hugging Face folder, and resume in any layout).
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "03_transformer/train.h"
+#include "09_data_parallel/step.h"
+#include "10_tensor_parallel/layers.h"
+#include "fivefold/io.h"
+
+namespace fivefold::ch10 {
+
+/// `local` (tensors by name, each a slice as `shards` says, or whole) -> the whole tensors,
+/// gathered over `tp` (collective: every rank of tp passes the same names). A name ending in
+/// ".exp_avg" or ".exp_avg_sq" (optimizer state) is a slice as its parameter is.
+io::TensorMap gather_shards(const io::TensorMap& local,
+                            const std::map<std::string, ch03::TensorShard>& shards,
+                            dist::Communicator& tp);
+
+/// The inverse: this rank's slices of whole tensors (the same naming).
+io::TensorMap slice_shards(const io::TensorMap& whole,
+                           const std::map<std::string, ch03::TensorShard>& shards);
+
+/// The model-parallel groups of a tensor-parallel model (chapter 09's map): under sequence
+/// parallelism the norms' gradients are partial sums over tp; every parameter that is not a
+/// slice is replicated over tp and counted in the norm on tp rank 0 only; the squares are summed
+/// over tp.
+ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
+                                                 const TensorParallel& tp);
+
+/// One optimizer step of a tp-sliced model over dp x tp ranks (ch03::TrainingStep).
+class TensorParallelStep : public ch03::TrainingStep {
+ public:
+  /// `model`: this rank's slice (make_model over `tp`); `dp`: the ranks holding the same slice;
+  /// `stage`: chapter 09's ZeRO stage over dp; `whole`: builds the single-device model that
+  /// full_model() fills (ch07::make_model).
+  TensorParallelStep(ch03::Transformer model, TensorParallelPtr tp, dist::CommunicatorPtr dp,
+                     int stage, const ch03::TrainConfig& config, ch03::ModelBuilder whole);
+  ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
+  ch03::Transformer& model() override { return inner_->model(); }
+  /// The single-device model with the gathered parameters (collective over tp and, for ZeRO-3,
+  /// dp). Built on first use: it costs the whole model's memory on every rank.
+  ch03::Transformer& full_model() override;
+  io::TensorMap optimizer_state() override;
+  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
+  /// The gradients the last step applied (after clipping), whole, by name (collective).
+  io::TensorMap gradients();
+
+ private:
+  TensorParallelPtr tp_;
+  std::map<std::string, ch03::TensorShard> shards_;
+  std::unique_ptr<ch09::DataParallelStep> inner_;
+  ch03::ModelBuilder whole_;
+  ch03::Transformer full_{nullptr};
+};
+
+/// A ch03::StepFactory making TensorParallelStep: the model the run builds is replaced by this
+/// rank's slice (make_model over `tp`), started from the same weights.
+ch03::StepFactory tensor_parallel_step(TensorParallelPtr tp, dist::CommunicatorPtr dp, int stage,
+                                       ch03::ModelBuilder whole);
+
+}  // namespace fivefold::ch10

@@ -1,0 +1,281 @@
+// Chapter 10: the tensor-parallel layers and the recipe that puts them in chapter 03's slots.
+
+#include "10_tensor_parallel/layers.h"
+
+#include <cmath>
+#include <utility>
+
+#include "07_moe/moe.h"
+#include "fivefold/error.h"
+#include "fivefold/seed.h"
+
+namespace fivefold::ch10 {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The split of `full` items that rank `rank` of `ranks` holds, along `dim`.
+ch03::TensorShard part_of(int64_t full, int64_t dim, int rank, int ranks) {
+  return {dim, rank, ranks, full};
+}
+
+int64_t part_size(const ch03::TensorShard& s) {
+  return split_sizes(s.full_size, s.count)[static_cast<size_t>(s.index)];
+}
+
+int64_t part_offset(const ch03::TensorShard& s) {
+  return split_offset(s.full_size, s.index, s.count);
+}
+
+// The full logits from every rank's vocabulary rows: all-gather along the last dimension forward,
+// this rank's columns of the gradient backward.
+class GatherVocabulary : public torch::autograd::Function<GatherVocabulary> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, torch::Tensor local, int64_t vocab,
+                               dist::CommunicatorPtr tp) {
+    ctx->saved_data["first"] = split_offset(vocab, tp->rank(), tp->size());
+    ctx->saved_data["rows"] = local.size(-1);
+    auto moved = local.movedim(-1, 0).contiguous();  // the communicator gathers along dim 0
+    return tp->all_gather(moved, split_sizes(vocab, tp->size())).movedim(0, -1).contiguous();
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto mine =
+        grads[0].narrow(-1, ctx->saved_data["first"].toInt(), ctx->saved_data["rows"].toInt());
+    return {mine.contiguous(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor TensorParallel::enter(const torch::Tensor& x) const {
+  if (!sequence_parallel) return copy_to_tensor_parallel(x, comm);
+  FIVEFOLD_CHECK(sequence > 0, "TensorParallel: the sequence length of this forward is unknown");
+  return gather_from_sequence_parallel(x, sequence, comm);
+}
+
+torch::Tensor TensorParallel::leave(const torch::Tensor& partial) const {
+  return sequence_parallel ? reduce_scatter_to_sequence_parallel(partial, comm)
+                           : reduce_from_tensor_parallel(partial, comm);
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, int rank, int ranks)
+    : shard_(part_of(out, 0, rank, ranks)) {
+  weight = register_parameter("weight", torch::empty({part_size(shard_), in}));
+}
+
+torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
+  return torch::matmul(x, weight.t());
+}
+
+std::map<std::string, ch03::TensorShard> ColumnParallelLinearImpl::shards() const {
+  return {{"weight", shard_}};
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, int rank, int ranks)
+    : shard_(part_of(in, 1, rank, ranks)) {
+  weight = register_parameter("weight", torch::empty({out, part_size(shard_)}));
+}
+
+torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
+  return torch::matmul(x, weight.t());  // this rank's share of the sum over the input features
+}
+
+std::map<std::string, ch03::TensorShard> RowParallelLinearImpl::shards() const {
+  return {{"weight", shard_}};
+}
+
+TensorParallelMlpImpl::TensorParallelMlpImpl(int64_t d_model, int64_t d_ff, TensorParallelPtr tp)
+    : tp_(std::move(tp)) {
+  gate_proj =
+      register_module("gate_proj", ColumnParallelLinear(d_model, d_ff, tp_->rank(), tp_->size()));
+  up_proj =
+      register_module("up_proj", ColumnParallelLinear(d_model, d_ff, tp_->rank(), tp_->size()));
+  down_proj =
+      register_module("down_proj", RowParallelLinear(d_ff, d_model, tp_->rank(), tp_->size()));
+}
+
+torch::Tensor TensorParallelMlpImpl::forward(const torch::Tensor& x) {
+  auto h = tp_->enter(x);  // f: the same input on every rank, its gradient summed backward
+  // SiLU acts on each hidden feature alone, so it runs on this rank's features without talking.
+  auto partial = down_proj(torch::silu(gate_proj(h)) * up_proj(h));
+  return tp_->leave(partial);  // g: the ranks' partial sums added
+}
+
+TensorParallelAttentionImpl::TensorParallelAttentionImpl(const ch03::ModelConfig& c,
+                                                         TensorParallelPtr tp)
+    : tp_(std::move(tp)),
+      n_heads_(c.n_heads / tp_->size()),
+      n_kv_heads_(c.n_kv_heads / tp_->size()),
+      head_dim_(c.resolved_head_dim()) {
+  const int r = tp_->rank(), n = tp_->size();
+  // Whole heads per rank: rank r's query heads are r·H/tp .. and the key/value heads they read
+  // are r·K/tp .., the same grouping chapter 03's attention uses (tp divides both counts).
+  q_proj = register_module("q_proj", ColumnParallelLinear(c.d_model, c.n_heads * head_dim_, r, n));
+  k_proj =
+      register_module("k_proj", ColumnParallelLinear(c.d_model, c.n_kv_heads * head_dim_, r, n));
+  v_proj =
+      register_module("v_proj", ColumnParallelLinear(c.d_model, c.n_kv_heads * head_dim_, r, n));
+  o_proj = register_module("o_proj", RowParallelLinear(c.n_heads * head_dim_, c.d_model, r, n));
+}
+
+torch::Tensor TensorParallelAttentionImpl::forward(const torch::Tensor& x,
+                                                   const torch::Tensor& positions,
+                                                   ch03::LayerCache* cache) {
+  tp_->sequence = positions.size(0);  // the whole sequence, for the gathers of this forward
+  auto h = tp_->enter(x);             // [batch, seq, d_model] on every rank
+  const int64_t batch = h.size(0), seq = h.size(1);
+  auto heads = [&](const torch::Tensor& t, int64_t n) {
+    return t.view({batch, seq, n, head_dim_}).transpose(1, 2);
+  };
+  auto q = heads(q_proj(h), n_heads_);
+  auto k = heads(k_proj(h), n_kv_heads_), v = heads(v_proj(h), n_kv_heads_);
+  if (encoding) std::tie(q, k) = encoding->encode(q, k, positions);
+  const int64_t cached = cache != nullptr && cache->keys.defined() ? cache->keys.size(2) : 0;
+  if (cache != nullptr) {
+    if (cached > 0) {
+      k = torch::cat({cache->keys, k}, 2);
+      v = torch::cat({cache->values, v}, 2);
+    }
+    cache->keys = k;
+    cache->values = v;
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  auto out = kernel->attend(q, k, v, positions, key_positions(positions, cached), scale).output;
+  auto partial = o_proj(out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_}));
+  return tp_->leave(partial);
+}
+
+VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t d_model,
+                                                       TensorParallelPtr tp)
+    : tp_(std::move(tp)), shard_(part_of(vocab, 0, tp_->rank(), tp_->size())) {
+  first_ = part_offset(shard_);
+  weight = register_parameter("weight", torch::empty({part_size(shard_), d_model}));
+}
+
+torch::Tensor VocabParallelEmbeddingImpl::forward(const torch::Tensor& tokens) {
+  // Tokens this rank holds look their row up; the others get zeros, which the sum over the
+  // ranks fills in from the rank that holds them.
+  const auto mine = (tokens >= first_) & (tokens < first_ + weight.size(0));
+  const auto local = torch::where(mine, tokens - first_, torch::zeros_like(tokens));
+  auto rows = torch::embedding(weight, local) * mine.unsqueeze(-1).to(weight.scalar_type());
+  return tp_->leave(rows);  // g, or under sequence parallelism this rank's part of the sequence
+}
+
+std::map<std::string, ch03::TensorShard> VocabParallelEmbeddingImpl::shards() const {
+  return {{"weight", shard_}};
+}
+
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& local, const torch::Tensor& targets,
+                                           int64_t first, const dist::CommunicatorPtr& tp) {
+  const int64_t rows = local.size(-1);
+  auto logits = local.reshape({-1, rows});  // [tokens, rows]
+  auto target = targets.reshape({-1});
+  const auto counted = target != -100;  // PyTorch's ignore_index
+  // 1. The max over the whole vocabulary, for a stable exponential. A constant per token: no
+  //    gradient flows through it, so a plain all-reduce.
+  auto max = std::get<0>(logits.detach().max(-1));
+  tp->all_reduce(max, dist::ReduceOp::Max);
+  auto shifted = logits - max.unsqueeze(-1);
+  // 2. Σ exp over the whole vocabulary: each rank's partial sum, added by g (its gradient
+  //    reaches each rank's own logits unchanged).
+  auto sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(-1), tp);
+  // 3. The target's logit, from the rank that holds its row (zeros elsewhere), added by g.
+  const auto mine = (target >= first) & (target < first + rows) & counted;
+  const auto index = torch::where(mine, target - first, torch::zeros_like(target));
+  auto picked = shifted.gather(1, index.unsqueeze(1)).squeeze(1) * mine.to(shifted.scalar_type());
+  auto target_logit = reduce_from_tensor_parallel(picked, tp);
+  // -log softmax(target) = log Σ exp − target logit, averaged over the counted tokens.
+  auto per_token = (torch::log(sum_exp) - target_logit) * counted.to(shifted.scalar_type());
+  return per_token.sum() / counted.sum().to(shifted.scalar_type());
+}
+
+VocabParallelHeadImpl::VocabParallelHeadImpl(int64_t vocab, int64_t d_model, TensorParallelPtr tp,
+                                             torch::Tensor tied_weight)
+    : tp_(std::move(tp)),
+      shard_(part_of(vocab, 0, tp_->rank(), tp_->size())),
+      tied_(tied_weight.defined()) {
+  first_ = part_offset(shard_);
+  weight = tied_ ? tied_weight
+                 : register_parameter("weight", torch::empty({part_size(shard_), d_model}));
+  FIVEFOLD_CHECK(weight.size(0) == part_size(shard_), "VocabParallelHead: the tied table holds ",
+                 weight.size(0), " rows, this rank's part is ", part_size(shard_));
+}
+
+torch::Tensor VocabParallelHeadImpl::local_logits(const torch::Tensor& hidden, int64_t seq) {
+  tp_->sequence = seq;
+  // enter: f (the hidden state feeds every rank's rows; its gradient is their sum), or the
+  // sequence all-gather whose backward reduce-scatters that sum.
+  return torch::matmul(tp_->enter(hidden), weight.t());  // [batch, seq, rows]
+}
+
+torch::Tensor VocabParallelHeadImpl::logits(const torch::Tensor& hidden) {
+  const int64_t seq = tp_->sequence_parallel ? tp_->sequence : hidden.size(1);
+  return GatherVocabulary::apply(local_logits(hidden, seq), shard_.full_size, tp_->comm);
+}
+
+torch::Tensor VocabParallelHeadImpl::loss(const torch::Tensor& hidden,
+                                          const torch::Tensor& targets) {
+  return vocab_parallel_cross_entropy(local_logits(hidden, targets.size(1)), targets, first_,
+                                      tp_->comm);
+}
+
+std::map<std::string, ch03::TensorShard> VocabParallelHeadImpl::shards() const {
+  if (tied_) return {};  // the embedding declares the tied table
+  return {{"weight", shard_}};
+}
+
+void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size) {
+  FIVEFOLD_CHECK(tp_size >= 1, "--tp must be at least 1, got ", tp_size);
+  if (tp_size == 1) return;
+  FIVEFOLD_CHECK(config.n_heads % tp_size == 0, "--tp ", tp_size, ": the model's ", config.n_heads,
+                 " attention heads do not split over ", tp_size,
+                 " ranks (tensor parallelism gives each rank whole heads)");
+  FIVEFOLD_CHECK(config.n_kv_heads % tp_size == 0, "--tp ", tp_size, ": the model's ",
+                 config.n_kv_heads, " key/value heads do not split over ", tp_size,
+                 " ranks (each rank holds the whole key/value heads its query heads read; "
+                 "replicating key/value heads when n_kv_heads < tp is not built)");
+  FIVEFOLD_CHECK(config.extensions.is_null(), "--tp ", tp_size,
+                 ": tensor parallelism of MLA and Mixture-of-Experts layers (a deepseek_v3 "
+                 "config) is not built yet; Llama-style models split");
+}
+
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config, TensorParallelPtr tp) {
+  FIVEFOLD_CHECK(tp != nullptr && tp->comm != nullptr, "ch10::recipe: no tensor-parallel group");
+  check_tensor_parallel(config, tp->size());
+  ch03::ModelRecipe r = ch07::recipe(config);  // RoPE / YaRN as the config asks
+  r.attention = [tp](const ch03::ModelConfig& c, int64_t) -> std::shared_ptr<ch03::AttentionLayer> {
+    return std::make_shared<TensorParallelAttentionImpl>(c, tp);
+  };
+  r.mlp = [tp](const ch03::ModelConfig& c, int64_t) -> std::shared_ptr<ch03::FeedForwardLayer> {
+    return std::make_shared<TensorParallelMlpImpl>(c.d_model, c.d_ff, tp);
+  };
+  r.embedding = [tp](const ch03::ModelConfig& c) -> std::shared_ptr<ch03::TokenEmbedding> {
+    return std::make_shared<VocabParallelEmbeddingImpl>(c.vocab_size, c.d_model, tp);
+  };
+  r.output = [tp](const ch03::ModelConfig& c,
+                  torch::Tensor tied) -> std::shared_ptr<ch03::OutputLayer> {
+    return std::make_shared<VocabParallelHeadImpl>(c.vocab_size, c.d_model, tp, tied);
+  };
+  return r;
+}
+
+ch03::Transformer make_model(const ch03::ModelConfig& config, TensorParallelPtr tp,
+                             const ch03::ModelPart& part) {
+  return ch03::Transformer(config, recipe(config, tp), part);
+}
+
+std::vector<std::string> partial_gradient_parameters(ch03::Transformer& model,
+                                                     const TensorParallel& tp) {
+  std::vector<std::string> names;
+  if (!tp.sequence_parallel) return names;
+  // Under sequence parallelism the parameters outside the split layers, the norms, see only this
+  // rank's part of the sequence: each rank's gradient is a partial sum over the sequence.
+  const auto shards = model->parameter_shards();
+  for (const auto& item : model->named_parameters())
+    if (shards.count(item.key()) == 0) names.push_back(item.key());
+  return names;
+}
+
+}  // namespace fivefold::ch10

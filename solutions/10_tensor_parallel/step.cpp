@@ -1,0 +1,145 @@
+// Chapter 10: the tensor-parallel training step, and gathering slices into whole tensors by name.
+
+#include "10_tensor_parallel/step.h"
+
+#include <utility>
+
+#include "fivefold/error.h"
+#include "fivefold/seed.h"
+
+namespace fivefold::ch10 {
+
+namespace {
+
+// The slice description of `key`: a parameter's own, or its optimizer moments' (which are shaped
+// as the parameter). Null when `key` is whole.
+const ch03::TensorShard* shard_of(const std::string& key,
+                                  const std::map<std::string, ch03::TensorShard>& shards) {
+  for (const std::string suffix : {"", ".exp_avg", ".exp_avg_sq"}) {
+    if (key.size() <= suffix.size() ||
+        key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const auto found = shards.find(key.substr(0, key.size() - suffix.size()));
+    if (found != shards.end()) return &found->second;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+io::TensorMap gather_shards(const io::TensorMap& local,
+                            const std::map<std::string, ch03::TensorShard>& shards,
+                            dist::Communicator& tp) {
+  io::TensorMap whole;
+  for (const auto& [name, t] : local) {  // a std::map: the same order on every rank
+    const ch03::TensorShard* s = shard_of(name, shards);
+    if (s == nullptr) {
+      whole[name] = t;
+      continue;
+    }
+    FIVEFOLD_CHECK(s->count == tp.size() && s->index == tp.rank(), "gather_shards: ", name,
+                   " is part ", s->index, " of ", s->count, ", not this tp rank's");
+    // The communicator gathers along dim 0: put the split dimension first, and back.
+    auto moved = t.movedim(s->dim, 0).contiguous();
+    whole[name] =
+        tp.all_gather(moved, split_sizes(s->full_size, s->count)).movedim(0, s->dim).contiguous();
+  }
+  return whole;
+}
+
+io::TensorMap slice_shards(const io::TensorMap& whole,
+                           const std::map<std::string, ch03::TensorShard>& shards) {
+  io::TensorMap local;
+  for (const auto& [name, t] : whole) {
+    const ch03::TensorShard* s = shard_of(name, shards);
+    if (s == nullptr) {
+      local[name] = t;
+      continue;
+    }
+    FIVEFOLD_CHECK(t.dim() > s->dim && t.size(s->dim) == s->full_size, "slice_shards: ", name,
+                   " has shape ", t.sizes(), ", expected ", s->full_size, " along dimension ",
+                   s->dim);
+    local[name] = shard(t, s->dim, s->index, s->count).contiguous();
+  }
+  return local;
+}
+
+ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
+                                                 const TensorParallel& tp) {
+  ch09::ModelParallelGroups groups;
+  if (tp.size() == 1) return groups;
+  groups.norm = tp.comm;  // each tp rank adds the squares of its slices
+  for (const auto& name : partial_gradient_parameters(model, tp)) groups.partial[name] = tp.comm;
+  const auto shards = model->parameter_shards();
+  for (const auto& item : model->named_parameters()) {
+    // A whole (replicated) tensor is the same on every tp rank: counted once, on tp rank 0.
+    if (shards.count(item.key()) == 0 && tp.rank() != 0)
+      groups.counted_elsewhere.insert(item.key());
+  }
+  return groups;
+}
+
+TensorParallelStep::TensorParallelStep(ch03::Transformer model, TensorParallelPtr tp,
+                                       dist::CommunicatorPtr dp, int stage,
+                                       const ch03::TrainConfig& config, ch03::ModelBuilder whole)
+    : tp_(std::move(tp)), shards_(model->parameter_shards()), whole_(std::move(whole)) {
+  auto groups = tensor_parallel_groups(model, *tp_);
+  inner_ = std::make_unique<ch09::DataParallelStep>(std::move(model), std::move(dp), stage, config,
+                                                    std::move(groups));
+}
+
+ch03::StepResult TensorParallelStep::step(const std::vector<ch03::Batch>& micro_batches,
+                                          int64_t step) {
+  // Every tp rank runs the same micro-batches (the same rows of the global batch) through its
+  // slice; the loss each computes is the whole model's, the same on every tp rank.
+  return inner_->step(micro_batches, step);
+}
+
+ch03::Transformer& TensorParallelStep::full_model() {
+  auto& local = inner_->full_model();  // ZeRO-3 gathers over dp first
+  io::TensorMap slices;
+  for (const auto& item : local->named_parameters()) slices[item.key()] = item.value().detach();
+  const auto whole = gather_shards(slices, shards_, *tp_->comm);
+  if (!full_) full_ = whole_(local->config(), ch03::ModelPart{});
+  torch::NoGradGuard no_grad;
+  for (auto& item : full_->named_parameters()) {
+    const auto found = whole.find(item.key());
+    FIVEFOLD_CHECK(found != whole.end(), "TensorParallelStep: no slice of ", item.key());
+    item.value().copy_(found->second);
+  }
+  return full_;
+}
+
+io::TensorMap TensorParallelStep::optimizer_state() {
+  return gather_shards(inner_->optimizer_state(), shards_, *tp_->comm);
+}
+
+void TensorParallelStep::load_optimizer_state(const io::TensorMap& state,
+                                              const std::string& source) {
+  inner_->load_optimizer_state(slice_shards(state, shards_), source);
+}
+
+io::TensorMap TensorParallelStep::gradients() {
+  return gather_shards(inner_->gradients(), shards_, *tp_->comm);
+}
+
+ch03::StepFactory tensor_parallel_step(TensorParallelPtr tp, dist::CommunicatorPtr dp, int stage,
+                                       ch03::ModelBuilder whole) {
+  return [tp, dp, stage, whole](ch03::Transformer model, const ch03::TrainConfig& config) {
+    // This rank's slice, holding the slices of the model the run built or loaded.
+    auto local = make_model(model->config(), tp);
+    io::TensorMap weights;
+    for (const auto& item : model->named_parameters()) weights[item.key()] = item.value().detach();
+    const auto mine = slice_shards(weights, local->parameter_shards());
+    torch::NoGradGuard no_grad;
+    for (auto& item : local->named_parameters()) {
+      const auto found = mine.find(item.key());
+      FIVEFOLD_CHECK(found != mine.end(), "tensor_parallel_step: the model has no ", item.key());
+      item.value().copy_(found->second);
+    }
+    return std::unique_ptr<ch03::TrainingStep>(
+        new TensorParallelStep(local, tp, dp, stage, config, whole));
+  };
+}
+
+}  // namespace fivefold::ch10
