@@ -274,13 +274,15 @@ int train(int argc, char** argv) {
   c.model.seed = static_cast<uint64_t>(args.integer("seed"));
   // Refused before the mesh's communicators exist (and again below for a resumed run's model).
   c.model.validate();
-  ch10::check_tensor_parallel(c.model, static_cast<int>(tp));
+  ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
   c.build_model = ch07::make_model;  // the most complete model the chapters build
   // The mesh: tensor-parallel peers are neighbouring ranks (tp fastest).
   dist::DeviceMesh mesh(world, {{"dp", static_cast<int>(dp)}, {"tp", static_cast<int>(tp)}});
   auto data = mesh.comm("dp");
-  // Expert load and the balancing update, with the load summed over the data-parallel ranks.
-  c.after_step = [data](Transformer& m) { return ch07::after_step(m, data.get()); };
+  // Expert load and the balancing update, with the load summed over the ranks that routed
+  // different tokens: the data-parallel ones, and under sequence parallelism the tp ones too.
+  auto routed = args.on("sequence-parallel") ? mesh.comm("dp+tp") : data;
+  c.after_step = [routed](Transformer& m) { return ch07::after_step(m, routed.get()); };
   c.placement.data_rank = mesh.coord("dp");
   c.placement.data_ranks = dp;
   c.placement.processes = world->size();
@@ -303,7 +305,7 @@ int train(int argc, char** argv) {
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
-  ch10::check_tensor_parallel(c.model, static_cast<int>(tp));  // every rank refuses alike
+  ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
   check_model_fits(c.model, dp, zero, runtime.launch().local_size);
 
   const RunResult r = run_training(c, args.on("resume"));

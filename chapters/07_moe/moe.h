@@ -126,8 +126,10 @@ class LocalDispatcher : public TokenDispatcher {
 /// MLP with moe_intermediate_size), `shared_experts` (absent when n_shared_experts is 0).
 class MoeImpl : public ch03::FeedForwardLayer {
  public:
-  /// Sizes from the model (d_model) and `config`.
-  MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config);
+  /// Sizes from the model (d_model) and `config`. `shared` fills the shared-experts slot when
+  /// given (chapter 10: a tensor-parallel MLP of the same width); default chapter 03's MLP.
+  MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config,
+          std::shared_ptr<ch03::FeedForwardLayer> shared = nullptr);
   /// x [batch, seq, d_model] -> same shape: Σ_k gate·expert(x) + shared(x), in four stages:
   /// route (the router and `route`), dispatch (the dispatcher), the experts (run_experts), combine
   /// (the dispatcher). In training (gradients on) it counts the load, and with α > 0 adds the
@@ -149,9 +151,9 @@ class MoeImpl : public ch03::FeedForwardLayer {
   /// The settings.
   const MoeConfig& config() const { return config_; }
 
-  TopkRouter gate{nullptr};                       ///< the router
-  torch::nn::ModuleList experts;                  ///< E routed experts
-  std::shared_ptr<ch03::MlpImpl> shared_experts;  ///< always on; null when none
+  TopkRouter gate{nullptr};                                ///< the router
+  torch::nn::ModuleList experts;                           ///< E routed experts
+  std::shared_ptr<ch03::FeedForwardLayer> shared_experts;  ///< always on; null when none
   /// Dispatch and combine (LocalDispatcher; chapter 13: all-to-all over the expert-parallel ranks).
   std::shared_ptr<TokenDispatcher> dispatcher = std::make_shared<LocalDispatcher>();
 

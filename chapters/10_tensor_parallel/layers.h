@@ -22,8 +22,10 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "03_transformer/model.h"
+#include "06_mla/mla.h"
 #include "10_tensor_parallel/mappings.h"
 #include "fivefold/dist.h"
 
@@ -121,6 +123,46 @@ class TensorParallelAttentionImpl : public ch03::AttentionLayer {
 };
 TORCH_MODULE(TensorParallelAttention);
 
+/// A module some of whose whole (unsplit) parameters get only part of their gradient on each tp
+/// rank, the part flowing from this rank's heads: the step sums them over tp.
+class PartialGradients {
+ public:
+  virtual ~PartialGradients() = default;
+  /// Those parameters, by their name within the module.
+  virtual std::vector<std::string> partial_gradients() const = 0;
+};
+
+/// Chapter 06's Multi-head Latent Attention split by heads (the training path). The
+/// down-projections to the query and key/value latents, their norms and the shared rotary key are
+/// small and stay whole on every rank (each rank computes them for its heads, so their gradients
+/// are partial sums over tp); q_b_proj (or q_proj) and kv_b_proj are column-parallel by heads,
+/// o_proj row-parallel. With a KV cache (inference) it refuses: generation runs on the gathered
+/// model.
+class TensorParallelMlaImpl : public ch03::AttentionLayer, public PartialGradients {
+ public:
+  /// Sizes from the model and `mla`, heads split over `tp`.
+  TensorParallelMlaImpl(const ch03::ModelConfig& config, const ch06::MlaConfig& mla,
+                        TensorParallelPtr tp);
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
+                        ch03::LayerCache* cache = nullptr) override;
+  std::vector<std::string> partial_gradients() const override;
+  ColumnParallelLinear q_proj{nullptr};           ///< when q_lora_rank is 0: d_model -> local heads
+  torch::nn::Linear q_a_proj{nullptr};            ///< whole: d_model -> q_lora_rank
+  ch03::RMSNorm q_a_layernorm{nullptr};           ///< whole
+  ColumnParallelLinear q_b_proj{nullptr};         ///< q_lora_rank -> local heads·(nope + rope)
+  torch::nn::Linear kv_a_proj_with_mqa{nullptr};  ///< whole: d_model -> d_c + rope
+  ch03::RMSNorm kv_a_layernorm{nullptr};          ///< whole
+  ColumnParallelLinear kv_b_proj{nullptr};        ///< d_c -> local heads·(nope + v)
+  RowParallelLinear o_proj{nullptr};              ///< local heads·v -> d_model (partial)
+
+ private:
+  TensorParallelPtr tp_;
+  int64_t n_heads_;  // this rank's
+  ch06::MlaConfig mla_;
+  double scale_;
+};
+TORCH_MODULE(TensorParallelMla);
+
 /// The embedding split by vocabulary rows: this rank holds rows [first, first + rows) (parts by
 /// fivefold::split_sizes: 259 over 2 ranks is 130 + 129). A token outside them contributes zeros;
 /// the sum over ranks (g, or the reduce-scatter along the sequence) is its row.
@@ -174,12 +216,16 @@ class VocabParallelHeadImpl : public ch03::OutputLayer, public ch03::ShardedModu
 TORCH_MODULE(VocabParallelHead);
 
 /// Throws fivefold::Error, naming the reason, for a config that `tp_size` ranks cannot split:
-/// heads or key/value heads not divisible by tp (a rank must hold whole heads), or an
-/// architecture this chapter does not split yet. Vocabulary, d_ff and sequence split unevenly.
-void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size);
+/// heads or key/value heads not divisible by tp (a rank must hold whole heads); with sequence
+/// parallelism, Mixture-of-Experts settings that need the whole sequence's routing statistics on
+/// one rank (the Switch auxiliary loss, capacity). Vocabulary, d_ff and sequence split unevenly.
+void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size,
+                           bool sequence_parallel = false);
 
 /// Chapter 10's recipe: chapter 07's (which decides RoPE/YaRN, MLA, experts for the config) with
-/// every matrix split over `tp`: attention, MLP, embedding and head.
+/// every matrix split over `tp`: attention (GQA or MLA), MLP, embedding and head. Mixture-of-
+/// Experts layers keep whole routed experts on every rank (chapter 13 distributes them) and
+/// split their shared experts; under sequence parallelism each rank routes its own tokens.
 ch03::ModelRecipe recipe(const ch03::ModelConfig& config, TensorParallelPtr tp);
 
 /// The tensor-parallel model (or `part` of it) for `config` over `tp`; check_tensor_parallel
@@ -187,9 +233,10 @@ ch03::ModelRecipe recipe(const ch03::ModelConfig& config, TensorParallelPtr tp);
 ch03::Transformer make_model(const ch03::ModelConfig& config, TensorParallelPtr tp,
                              const ch03::ModelPart& part = {});
 
-/// The names of the parameters whose gradient on each rank is a partial sum over tp: under
-/// sequence parallelism, the weights applied to this rank's part of the sequence only (the
-/// norms); empty without it.
+/// The names of the trainable parameters whose gradient on each rank is a partial sum over tp:
+/// those a PartialGradients module declares (MLA's latent projections), and under sequence
+/// parallelism every whole parameter (norms, router, routed experts: they see this rank's part of
+/// the sequence only).
 std::vector<std::string> partial_gradient_parameters(ch03::Transformer& model,
                                                      const TensorParallel& tp);
 

@@ -109,15 +109,19 @@ torch::Tensor TopkRouterImpl::scores(const torch::Tensor& x) {
   return scoring_func_ == "sigmoid" ? torch::sigmoid(logits) : torch::softmax(logits, -1);
 }
 
-MoeImpl::MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config) : config_(config) {
+MoeImpl::MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config,
+                 std::shared_ptr<ch03::FeedForwardLayer> shared)
+    : config_(config) {
   gate = register_module("gate", TopkRouter(model.d_model, config));
   experts = register_module("experts", torch::nn::ModuleList());
   const auto expert = with_width(model, config.moe_intermediate_size);
   for (int64_t j = 0; j < config.n_routed_experts; ++j) experts->push_back(ch03::Mlp(expert));
   if (config.n_shared_experts > 0) {
-    shared_experts = register_module(
-        "shared_experts", std::make_shared<ch03::MlpImpl>(with_width(
-                              model, config.n_shared_experts * config.moe_intermediate_size)));
+    if (!shared) {
+      shared = std::make_shared<ch03::MlpImpl>(
+          with_width(model, config.n_shared_experts * config.moe_intermediate_size));
+    }
+    shared_experts = register_module("shared_experts", std::move(shared));
   }
   load_.counts = torch::zeros({config.n_routed_experts}, torch::kLong);
 }
@@ -146,7 +150,9 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
   // Dispatch the kept assignments to their experts, run them, combine the gated outputs.
   const DispatchedTokens dispatched = dispatcher->dispatch(x, experts_of, kept, c.n_routed_experts);
   auto out = dispatcher->combine(run_experts(dispatched), dispatched, gates, tokens, k);
-  if (shared_experts) out = out + shared_experts->forward(x);
+  // The shared experts see every token, in the input's own shape ([batch, seq, d]: a
+  // tensor-parallel shared expert gathers the sequence).
+  if (shared_experts) out = out + shared_experts->forward(input).reshape({-1, d});
 
   if (torch::GradMode::is_enabled()) {  // training: count the load, balance
     const auto counts = torch::bincount(experts_of, {}, c.n_routed_experts);

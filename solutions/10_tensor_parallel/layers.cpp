@@ -3,6 +3,7 @@
 #include "10_tensor_parallel/layers.h"
 
 #include <cmath>
+#include <set>
 #include <utility>
 
 #include "07_moe/moe.h"
@@ -147,6 +148,73 @@ torch::Tensor TensorParallelAttentionImpl::forward(const torch::Tensor& x,
   return tp_->leave(partial);
 }
 
+TensorParallelMlaImpl::TensorParallelMlaImpl(const ch03::ModelConfig& c, const ch06::MlaConfig& mla,
+                                             TensorParallelPtr tp)
+    : tp_(std::move(tp)),
+      n_heads_(c.n_heads / tp_->size()),
+      mla_(mla),
+      scale_(ch06::softmax_scale(c, mla)) {
+  const int r = tp_->rank(), n = tp_->size();
+  const int64_t q_width = c.n_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim);
+  auto whole = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
+  // Rows of q_b_proj, kv_b_proj and columns of o_proj are laid out head after head: an equal
+  // split gives each rank whole heads.
+  if (mla.q_lora_rank > 0) {
+    q_a_proj = register_module("q_a_proj", whole(c.d_model, mla.q_lora_rank));
+    q_a_layernorm = register_module("q_a_layernorm", ch03::RMSNorm(mla.q_lora_rank, 1e-6));
+    q_b_proj = register_module("q_b_proj", ColumnParallelLinear(mla.q_lora_rank, q_width, r, n));
+  } else {
+    q_proj = register_module("q_proj", ColumnParallelLinear(c.d_model, q_width, r, n));
+  }
+  kv_a_proj_with_mqa = register_module("kv_a_proj_with_mqa",
+                                       whole(c.d_model, mla.kv_lora_rank + mla.qk_rope_head_dim));
+  kv_a_layernorm = register_module("kv_a_layernorm", ch03::RMSNorm(mla.kv_lora_rank, 1e-6));
+  kv_b_proj = register_module(
+      "kv_b_proj", ColumnParallelLinear(mla.kv_lora_rank,
+                                        c.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim), r, n));
+  o_proj =
+      register_module("o_proj", RowParallelLinear(c.n_heads * mla.v_head_dim, c.d_model, r, n));
+}
+
+torch::Tensor TensorParallelMlaImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                             ch03::LayerCache* cache) {
+  FIVEFOLD_CHECK(cache == nullptr,
+                 "tensor-parallel MLA runs the training path only: generate with the gathered "
+                 "model (TrainingStep::full_model)");
+  tp_->sequence = positions.size(0);
+  auto h = tp_->enter(x);  // [batch, seq, d_model] on every rank
+  const int64_t batch = h.size(0), seq = h.size(1), heads = n_heads_;
+  const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, dv = mla_.v_head_dim;
+  // Chapter 06's forward_naive on this rank's heads.
+  auto q = (mla_.q_lora_rank > 0 ? q_b_proj(q_a_layernorm(q_a_proj(h))) : q_proj(h))
+               .view({batch, seq, heads, nope + rope})
+               .transpose(1, 2);
+  auto q_nope = q.narrow(-1, 0, nope), q_rope = q.narrow(-1, nope, rope);
+  auto down = kv_a_proj_with_mqa(h);  // whole on every rank: [b, s, d_c + rope]
+  auto latent = kv_a_layernorm(down.narrow(-1, 0, mla_.kv_lora_rank));
+  auto k_rope = down.narrow(-1, mla_.kv_lora_rank, rope).unsqueeze(1);
+  if (encoding) std::tie(q_rope, k_rope) = encoding->encode(q_rope, k_rope, positions);
+  auto up = kv_b_proj(latent).view({batch, seq, heads, nope + dv}).transpose(1, 2);
+  auto k_nope = up.narrow(-1, 0, nope), v = up.narrow(-1, nope, dv);
+  auto k = torch::cat({k_nope, k_rope.expand({batch, heads, seq, rope})}, -1);
+  auto out =
+      kernel->attend(torch::cat({q_nope, q_rope}, -1), k, v, positions, positions, scale_).output;
+  return tp_->leave(o_proj(out.transpose(1, 2).reshape({batch, seq, heads * dv})));
+}
+
+std::vector<std::string> TensorParallelMlaImpl::partial_gradients() const {
+  // The whole projections feed only this rank's heads here: each rank's gradient is its heads'
+  // share.
+  std::vector<std::string> names{"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"};
+  if (mla_.q_lora_rank > 0) {
+    names.push_back("q_a_proj.weight");
+    names.push_back("q_a_layernorm.weight");
+  }
+  return names;
+}
+
 VocabParallelEmbeddingImpl::VocabParallelEmbeddingImpl(int64_t vocab, int64_t d_model,
                                                        TensorParallelPtr tp)
     : tp_(std::move(tp)), shard_(part_of(vocab, 0, tp_->rank(), tp_->size())) {
@@ -226,29 +294,61 @@ std::map<std::string, ch03::TensorShard> VocabParallelHeadImpl::shards() const {
   return {{"weight", shard_}};
 }
 
-void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size) {
+void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size, bool sequence_parallel) {
   FIVEFOLD_CHECK(tp_size >= 1, "--tp must be at least 1, got ", tp_size);
   if (tp_size == 1) return;
   FIVEFOLD_CHECK(config.n_heads % tp_size == 0, "--tp ", tp_size, ": the model's ", config.n_heads,
                  " attention heads do not split over ", tp_size,
                  " ranks (tensor parallelism gives each rank whole heads)");
-  FIVEFOLD_CHECK(config.n_kv_heads % tp_size == 0, "--tp ", tp_size, ": the model's ",
+  const bool mla = !config.extensions.is_null();
+  FIVEFOLD_CHECK(mla || config.n_kv_heads % tp_size == 0, "--tp ", tp_size, ": the model's ",
                  config.n_kv_heads, " key/value heads do not split over ", tp_size,
                  " ranks (each rank holds the whole key/value heads its query heads read; "
                  "replicating key/value heads when n_kv_heads < tp is not built)");
-  FIVEFOLD_CHECK(config.extensions.is_null(), "--tp ", tp_size,
-                 ": tensor parallelism of MLA and Mixture-of-Experts layers (a deepseek_v3 "
-                 "config) is not built yet; Llama-style models split");
+  if (!mla || !sequence_parallel || !config.extensions.contains("n_routed_experts") ||
+      config.extensions["n_routed_experts"].is_null())
+    return;
+  const auto moe = ch07::MoeConfig::from_json(config.extensions);
+  FIVEFOLD_CHECK(moe.aux_loss_alpha == 0 && moe.capacity_factor == 0,
+                 "--sequence-parallel routes each rank's part of the sequence on its own, but the "
+                 "Switch auxiliary loss and expert capacity need the whole sequence's routing "
+                 "statistics (global statistics come with chapter 13): use aux_loss_alpha 0 and "
+                 "dropless routing, or leave out --sequence-parallel");
 }
 
 ch03::ModelRecipe recipe(const ch03::ModelConfig& config, TensorParallelPtr tp) {
   FIVEFOLD_CHECK(tp != nullptr && tp->comm != nullptr, "ch10::recipe: no tensor-parallel group");
-  check_tensor_parallel(config, tp->size());
+  check_tensor_parallel(config, tp->size(), tp->sequence_parallel);
   ch03::ModelRecipe r = ch07::recipe(config);  // RoPE / YaRN as the config asks
-  r.attention = [tp](const ch03::ModelConfig& c, int64_t) -> std::shared_ptr<ch03::AttentionLayer> {
-    return std::make_shared<TensorParallelAttentionImpl>(c, tp);
-  };
-  r.mlp = [tp](const ch03::ModelConfig& c, int64_t) -> std::shared_ptr<ch03::FeedForwardLayer> {
+  if (config.extensions.is_null()) {
+    r.attention = [tp](const ch03::ModelConfig& c,
+                       int64_t) -> std::shared_ptr<ch03::AttentionLayer> {
+      return std::make_shared<TensorParallelAttentionImpl>(c, tp);
+    };
+  } else {
+    const auto mla = ch06::MlaConfig::from_json(config.extensions);
+    r.attention = [tp, mla](const ch03::ModelConfig& c,
+                            int64_t) -> std::shared_ptr<ch03::AttentionLayer> {
+      return std::make_shared<TensorParallelMlaImpl>(c, mla, tp);
+    };
+  }
+  const auto& e = config.extensions;
+  const bool moe =
+      !e.is_null() && e.contains("n_routed_experts") && !e["n_routed_experts"].is_null();
+  r.mlp = [tp, moe, e](const ch03::ModelConfig& c,
+                       int64_t layer) -> std::shared_ptr<ch03::FeedForwardLayer> {
+    if (moe) {
+      const auto m = ch07::MoeConfig::from_json(e);
+      if (m.is_moe_layer(layer)) {
+        // Whole routed experts on every rank; the shared experts split like a dense MLP.
+        std::shared_ptr<ch03::FeedForwardLayer> shared;
+        if (m.n_shared_experts > 0) {
+          shared = std::make_shared<TensorParallelMlpImpl>(
+              c.d_model, m.n_shared_experts * m.moe_intermediate_size, tp);
+        }
+        return std::make_shared<ch07::MoeImpl>(c, m, shared);
+      }
+    }
     return std::make_shared<TensorParallelMlpImpl>(c.d_model, c.d_ff, tp);
   };
   r.embedding = [tp](const ch03::ModelConfig& c) -> std::shared_ptr<ch03::TokenEmbedding> {
@@ -268,14 +368,26 @@ ch03::Transformer make_model(const ch03::ModelConfig& config, TensorParallelPtr 
 
 std::vector<std::string> partial_gradient_parameters(ch03::Transformer& model,
                                                      const TensorParallel& tp) {
-  std::vector<std::string> names;
-  if (!tp.sequence_parallel) return names;
-  // Under sequence parallelism the parameters outside the split layers, the norms, see only this
-  // rank's part of the sequence: each rank's gradient is a partial sum over the sequence.
-  const auto shards = model->parameter_shards();
+  std::set<std::string> names;
+  if (tp.size() == 1) return {};
+  // Declared by the layers: whole weights that feed only this rank's heads.
+  for (const auto& item : model->named_modules("", /*include_self=*/false)) {
+    const auto* declares = dynamic_cast<const PartialGradients*>(item.value().get());
+    if (declares == nullptr) continue;
+    for (const auto& name : declares->partial_gradients()) names.insert(item.key() + "." + name);
+  }
+  // Under sequence parallelism every whole parameter (norms, router, routed experts) sees only
+  // this rank's part of the sequence.
+  if (tp.sequence_parallel) {
+    const auto shards = model->parameter_shards();
+    for (const auto& item : model->named_parameters())
+      if (shards.count(item.key()) == 0) names.insert(item.key());
+  }
+  std::vector<std::string> trainable;  // a parameter without gradient (a balancing bias) has none
   for (const auto& item : model->named_parameters())
-    if (shards.count(item.key()) == 0) names.push_back(item.key());
-  return names;
+    if (names.count(item.key()) > 0 && item.value().requires_grad())
+      trainable.push_back(item.key());
+  return trainable;
 }
 
 }  // namespace fivefold::ch10

@@ -1,6 +1,6 @@
 # `fivefold train --tp` under mpirun, as a user runs it:
 #   cmake -DFIVEFOLD=<program> -DMPIRUN=<mpirun and its flags> -DWORK=<scratch>
-#         -P cli_tensor_parallel.cmake
+#         -DMOE_CONFIG=<a deepseek_v3 config.json> -P cli_tensor_parallel.cmake
 # The default model's sizes (the byte vocabulary of 259 rows splits 130 + 129 over 2 ranks and
 # 65 + 65 + 65 + 64 over 4; d_ff 352) on 1 process, then tp 2 and 4, with and without sequence
 # parallelism (a sequence of 15 tokens: uneven parts), combined with dp and each ZeRO stage: every
@@ -33,6 +33,28 @@ foreach(layout "2;2;0;off" "2;2;1;on" "4;4;0;on" "4;2;2;off" "4;2;3;on")
   train(${np} ${out} ${common} ${flags})
   curve(${out} got)
   expect_same_curve("${got}" "${want}" "${np} ranks, tp ${tp}, ZeRO-${zero}, SP ${sp}")
+endforeach()
+
+# DeepSeek-V3 in miniature (MLA with YaRN, 8 routed experts and a shared one, the balancing bias
+# updated after every step from the load summed over the ranks that routed different tokens).
+set(moe --steps 4 --batch 8 --seq 15 --synthetic-examples 300 --warmup 1 --grad-clip 0.5
+    --eval-every 0 --exact-match 0 --eval-batches 1 --save-every 0 --peak-gflops 100
+    --no-progress --model-config ${MOE_CONFIG})
+train(1 ${WORK}/moe-single ${moe})
+curve(${WORK}/moe-single want_moe)
+foreach(layout "2;2;0;on" "4;2;1;off" "4;4;2;on")
+  list(GET layout 0 np)
+  list(GET layout 1 tp)
+  list(GET layout 2 zero)
+  list(GET layout 3 sp)
+  set(flags --tp ${tp} --zero ${zero})
+  if(sp STREQUAL "on")
+    list(APPEND flags --sequence-parallel)
+  endif()
+  set(out ${WORK}/moe-np${np}-tp${tp}-zero${zero}-sp${sp})
+  train(${np} ${out} ${moe} ${flags})
+  curve(${out} got)
+  expect_same_curve("${got}" "${want_moe}" "MLA + MoE: ${np} ranks, tp ${tp}, ZeRO-${zero}, SP ${sp}")
 endforeach()
 
 # The run saved at tp 2 (dp 2, ZeRO-3, SP) at step 2 continues on 1 process and at tp 4.

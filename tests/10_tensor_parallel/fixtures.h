@@ -21,6 +21,28 @@ inline ch03::ModelConfig tp_config(bool tied) {
   return c;
 }
 
+/// DeepSeek-V3 in miniature (chapters 06 and 07): MLA with a query latent in every block (8
+/// heads), a dense first layer, then 8 routed experts (2 per token, with the balancing bias) and a
+/// shared expert of width 24 (uneven over 4 ranks... 6 each), RoPE on the decoupled part.
+inline ch03::ModelConfig deepseek_config() {
+  ch03::ModelConfig c = tp_config(false);
+  c.n_kv_heads = c.n_heads;
+  c.extensions = {{"q_lora_rank", 16},
+                  {"kv_lora_rank", 16},
+                  {"qk_nope_head_dim", 8},
+                  {"qk_rope_head_dim", 4},
+                  {"v_head_dim", 6},
+                  {"n_routed_experts", 8},
+                  {"num_experts_per_tok", 2},
+                  {"n_shared_experts", 1},
+                  {"moe_intermediate_size", 22},
+                  {"n_group", 1},
+                  {"topk_group", 1},
+                  {"first_k_dense_replace", 1},
+                  {"fivefold_bias_update_speed", 0.01}};
+  return c;
+}
+
 /// Batches of 4 rows x 13 tokens (13 positions: uneven parts under sequence parallelism).
 inline const ch03::BatchSampler& tp_batches() {
   static const ch03::TokenDataset data(

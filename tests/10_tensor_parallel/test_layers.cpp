@@ -13,6 +13,7 @@
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/step.h"
+#include "fivefold/comm_stats.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
 #include "fixtures.h"
@@ -34,7 +35,11 @@ io::TensorMap weights_of(ch03::Transformer& model) {
 
 io::TensorMap grads_of(ch03::Transformer& model) {
   io::TensorMap g;
-  for (const auto& item : model->named_parameters()) g[item.key()] = item.value().grad().clone();
+  // A parameter without gradient (an expert no token chose, the balancing bias) counts as zeros.
+  for (const auto& item : model->named_parameters()) {
+    const auto& grad = item.value().grad();
+    g[item.key()] = grad.defined() ? grad.clone() : torch::zeros_like(item.value());
+  }
   return g;
 }
 
@@ -45,17 +50,24 @@ std::vector<std::pair<std::string, torch::Tensor>> named(ch03::Transformer& mode
 }
 
 struct Variant {
-  bool tied, sp;
+  bool tied, sp, deepseek;
+  ch03::ModelConfig config() const {
+    return deepseek ? fivefold::ch10::testing::deepseek_config() : tp_config(tied);
+  }
+  std::string name() const {
+    return std::string(deepseek ? "MLA + MoE" : (tied ? "tied" : "untied")) + (sp ? ", SP" : "");
+  }
 };
-const Variant kVariants[] = {{false, false}, {false, true}, {true, false}, {true, true}};
+const Variant kVariants[] = {{false, false, false}, {false, true, false}, {true, false, false},
+                             {true, true, false},   {false, false, true}, {false, true, true}};
 
 }  // namespace
 
 TEST(TensorParallelModel, StartsFromTheSingleDeviceWeights) {
   for (const auto& v : kVariants) {
     auto tp = std::make_shared<TensorParallel>(TensorParallel{world(), v.sp});
-    auto local = make_model(tp_config(v.tied), tp);
-    auto whole = ch07::make_model(tp_config(v.tied));
+    auto local = make_model(v.config(), tp);
+    auto whole = ch07::make_model(v.config());
     const auto gathered = gather_shards(weights_of(local), local->parameter_shards(), *world());
     const auto want = weights_of(whole);
     ASSERT_EQ(gathered.size(), want.size());
@@ -68,15 +80,15 @@ TEST(TensorParallelModel, StartsFromTheSingleDeviceWeights) {
 
 TEST(TensorParallelModel, GradientsEqualOneDevice) {
   for (const auto& v : kVariants) {
-    SCOPED_TRACE(std::string(v.tied ? "tied" : "untied") + (v.sp ? ", SP" : ""));
+    SCOPED_TRACE(v.name());
     const auto batch = tp_batches().batch(0);
-    auto whole = ch07::make_model(tp_config(v.tied));
+    auto whole = ch07::make_model(v.config());
     auto want_loss = ch03::loss_of(whole, batch);
     want_loss.backward();
     const double want_norm = ch03::clip_gradients(whole, 0);
 
     auto tp = std::make_shared<TensorParallel>(TensorParallel{world(), v.sp});
-    auto local = make_model(tp_config(v.tied), tp);
+    auto local = make_model(v.config(), tp);
     auto loss = ch03::loss_of(local, batch);
     loss.backward();
     // fp32 over different summation orders: 1e-6 relative on the loss.
@@ -97,10 +109,10 @@ TEST(TensorParallelModel, SgdStepsEqualOneDevice) {
   // Plain SGD moves each weight by lr x its gradient: a gradient off by any factor shows.
   const double lr = 0.5;
   for (const auto& v : kVariants) {
-    SCOPED_TRACE(std::string(v.tied ? "tied" : "untied") + (v.sp ? ", SP" : ""));
-    auto whole = ch07::make_model(tp_config(v.tied));
+    SCOPED_TRACE(v.name());
+    auto whole = ch07::make_model(v.config());
     auto tp = std::make_shared<TensorParallel>(TensorParallel{world(), v.sp});
-    auto local = make_model(tp_config(v.tied), tp);
+    auto local = make_model(v.config(), tp);
     const auto groups = tensor_parallel_groups(local, *tp);
     for (int step = 0; step < 3; ++step) {
       const auto batch = tp_batches().batch(step);
@@ -111,7 +123,8 @@ TEST(TensorParallelModel, SgdStepsEqualOneDevice) {
       ch09::reduce_partial_gradients(named(local), groups);
       torch::NoGradGuard no_grad;
       for (auto* m : {&whole, &local})
-        for (auto& p : (*m)->parameters()) p.sub_(lr * p.grad());
+        for (auto& p : (*m)->parameters())
+          if (p.grad().defined()) p.sub_(lr * p.grad());
     }
     const auto gathered = gather_shards(weights_of(local), local->parameter_shards(), *world());
     for (const auto& [name, w] : weights_of(whole)) {
@@ -158,4 +171,35 @@ TEST(TensorParallelModel, RefusesWhatItCannotSplit) {
   c.vocab_size = 257;  // vocabulary and d_ff split unevenly: accepted
   c.d_ff = 66;
   EXPECT_NO_THROW(check_tensor_parallel(c, 4));
+}
+
+// The communication of one tensor-parallel MLP, forward and backward, counted by the communicator
+// (payload: the bytes handed to each operation), against the formula: without sequence
+// parallelism one all-reduce of the [b, s, h] activation forward (g) and one backward (f); with
+// it, an all-gather (its gathered [b, s, h] result) and a reduce-scatter (its [b, s, h] input)
+// each way. The same bytes either way: 4·b·s·h·4 bytes of payload per layer and step in fp32.
+TEST(TensorParallelCommunication, PayloadPerLayerEqualsTheFormula) {
+  auto comm = world();
+  const int64_t b = 2, s = 7, h = 32;
+  for (bool sp : {false, true}) {
+    auto tp = std::make_shared<TensorParallel>(TensorParallel{comm, sp});
+    tp->sequence = s;
+    TensorParallelMlp mlp(h, 70, tp);
+    const auto part = sequence_part(s, comm->rank(), comm->size());
+    auto x = torch::randn({b, sp ? part.length : s, h}, generator_for(0, "x")).requires_grad_(true);
+    dist::reset_comm_stats();
+    mlp->forward(x).sum().backward();
+    const int64_t activation = b * s * h * 4;  // bytes of one [b, s, h] fp32 tensor
+    const auto count = [&](dist::Op op) { return dist::comm_counts(comm->name(), op); };
+    if (!sp) {
+      EXPECT_EQ(count(dist::Op::AllReduce).calls, 2);
+      EXPECT_EQ(count(dist::Op::AllReduce).payload_bytes, 2 * activation);
+    } else {
+      EXPECT_EQ(count(dist::Op::AllGather).calls, 2);  // forward (enter), backward (leave)
+      EXPECT_EQ(count(dist::Op::AllGather).payload_bytes, 2 * activation);
+      EXPECT_EQ(count(dist::Op::ReduceScatter).calls, 2);  // forward (leave), backward (enter)
+      EXPECT_EQ(count(dist::Op::ReduceScatter).payload_bytes, 2 * activation);
+      EXPECT_EQ(count(dist::Op::AllReduce).calls, 0);
+    }
+  }
 }
