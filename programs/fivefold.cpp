@@ -17,6 +17,7 @@
 #include "03_transformer/checkpoint.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
+#include "10_tensor_parallel/plan.h"
 #include "commands.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
@@ -152,8 +153,14 @@ int plan(int argc, char** argv) {
   args.option("dp", "0",
               "data-parallel ranks: adds per-rank memory for DDP and ZeRO-1/2/3 "
               "(chapter 09; fp32 AdamW)");
+  args.option("tp", "0",
+              "tensor-parallel ranks: adds per-rank parameters and memory, and the TP "
+              "communication of one micro-batch (chapter 10; Llama-shaped models)");
+  args.option("micro-batch", "1", "sequences per micro-batch, for --tp's communication");
   args.flag("json", "print JSON instead of a table");
   if (!args.parse(argc, argv)) return 0;
+  FIVEFOLD_CHECK(args.integer("tp") >= 0, "--tp must be >= 0");
+  FIVEFOLD_CHECK(args.integer("micro-batch") >= 1, "--micro-batch must be >= 1");
 
   using fivefold::ch02::TransformerShape;
   TransformerShape shape;
@@ -162,6 +169,9 @@ int plan(int argc, char** argv) {
     const auto config = fivefold::io::read_json(args.str("config"));
     if (config.is_object() && config.value("model_type", "") == "deepseek_v3") {
       FIVEFOLD_CHECK(args.integer("dp") >= 0, "--dp must be >= 0");
+      FIVEFOLD_CHECK(args.integer("tp") == 0,
+                     "--tp: chapter 10's formulas are for Llama-shaped models (MLA and experts "
+                     "split differently)");
       try {
         return plan_deepseek(config, args.real("tokens"), args.real("peak"), args.real("mfu"),
                              args.integer("devices"), args.integer("dp"), args.on("json"));
@@ -207,7 +217,34 @@ int plan(int argc, char** argv) {
   auto result = out;
   const int64_t dp = args.integer("dp");
   FIVEFOLD_CHECK(dp >= 0, "--dp must be >= 0");
-  if (dp > 0) result["zero"] = zero_memory(fivefold::ch02::count_parameters(shape).total, dp);
+  const int64_t tp = args.integer("tp");
+  const int64_t psi = tp > 0 ? fivefold::ch10::parameters_per_rank(shape, static_cast<int>(tp))
+                             : fivefold::ch02::count_parameters(shape).total;
+  if (dp > 0) result["zero"] = zero_memory(psi, dp);
+  if (tp > 0) {
+    const int64_t b = args.integer("micro-batch");
+    nlohmann::json traffic;
+    for (bool sp : {false, true}) {
+      const auto t =
+          fivefold::ch10::tensor_parallel_traffic(shape, static_cast<int>(tp), b, context, sp);
+      nlohmann::json ops;
+      const std::pair<const char*, fivefold::ch10::Traffic> kinds[] = {
+          {"all_reduce", t.all_reduce},
+          {"all_gather", t.all_gather},
+          {"reduce_scatter", t.reduce_scatter}};
+      for (const auto& [name, k] : kinds) {
+        ops[name] = {
+            {"calls", k.calls}, {"payload_bytes", k.payload_bytes}, {"wire_bytes", k.wire_bytes}};
+      }
+      ops["wire_bytes"] = t.wire_bytes();
+      traffic[sp ? "sequence_parallel" : "plain"] = ops;
+    }
+    result["tensor_parallel"] = {{"tp", tp},
+                                 {"parameters_per_rank", psi},
+                                 {"memory_per_rank_bytes", 16 * psi},
+                                 {"micro_batch", {{"sequences", b}, {"tokens", b * context}}},
+                                 {"communication_per_micro_batch", traffic}};
+  }
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
     return 0;
@@ -229,6 +266,31 @@ int plan(int argc, char** argv) {
       "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes a parameter; "
       "activations not included; no sharding)\n",
       si(out["memory_per_device_bytes"]["total_without_activations"], "B").c_str());
+  if (tp > 0) {
+    const auto& t = result["tensor_parallel"];
+    std::printf(
+        "tensor parallel tp %lld: %s parameters per rank, %s per rank (fp32 AdamW, "
+        "activations not included)\n",
+        static_cast<long long>(tp), si(t["parameters_per_rank"].get<double>()).c_str(),
+        si(t["memory_per_rank_bytes"].get<double>(), "B").c_str());
+    for (const char* mode : {"plain", "sequence_parallel"}) {
+      const auto& c = t["communication_per_micro_batch"][mode];
+      std::printf(
+          "  %-17s per micro-batch of %lld x %lld tokens (fp32): all-reduce %lld x, "
+          "all-gather %lld x, reduce-scatter %lld x; %s handed over, %s on the wire per "
+          "rank\n",
+          mode, static_cast<long long>(args.integer("micro-batch")),
+          static_cast<long long>(context), static_cast<long long>(c["all_reduce"]["calls"]),
+          static_cast<long long>(c["all_gather"]["calls"]),
+          static_cast<long long>(c["reduce_scatter"]["calls"]),
+          si(c["all_reduce"]["payload_bytes"].get<double>() +
+                 c["all_gather"]["payload_bytes"].get<double>() +
+                 c["reduce_scatter"]["payload_bytes"].get<double>(),
+             "B")
+              .c_str(),
+          si(c["wire_bytes"].get<double>(), "B").c_str());
+    }
+  }
   if (dp > 0) print_zero_memory(result["zero"], dp);
   if (out.contains("training")) {
     const auto& t = out["training"];

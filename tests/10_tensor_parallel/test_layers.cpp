@@ -12,6 +12,7 @@
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/layers.h"
+#include "10_tensor_parallel/plan.h"
 #include "10_tensor_parallel/step.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/error.h"
@@ -200,6 +201,39 @@ TEST(TensorParallelCommunication, PayloadPerLayerEqualsTheFormula) {
       EXPECT_EQ(count(dist::Op::ReduceScatter).calls, 2);  // forward (leave), backward (enter)
       EXPECT_EQ(count(dist::Op::ReduceScatter).payload_bytes, 2 * activation);
       EXPECT_EQ(count(dist::Op::AllReduce).calls, 0);
+    }
+  }
+}
+
+// The formulas of plan.h against the real model: the parameters each rank's slice holds, and every
+// operation one micro-batch's forward and backward issues on the tp communicator (calls and
+// payload exactly; the ring model's wire bytes to the last bit of a double).
+TEST(TensorParallelPlan, FormulasEqualWhatTheModelHoldsAndSends) {
+  auto comm = world();
+  for (const auto& v : kVariants) {
+    if (v.deepseek) continue;  // the formulas are for Llama-shaped models
+    SCOPED_TRACE(v.name());
+    auto tp = std::make_shared<TensorParallel>(TensorParallel{comm, v.sp});
+    auto local = make_model(v.config(), tp);
+    int64_t held = 0;
+    for (const auto& p : local->parameters()) held += p.numel();
+    EXPECT_EQ(held, parameters_per_rank(v.config().shape(), comm->size(), comm->rank()));
+
+    const auto batch = tp_batches().batch(0);
+    dist::reset_comm_stats();
+    ch03::loss_of(local, batch).backward();
+    const auto want = tensor_parallel_traffic(v.config().shape(), comm->size(),
+                                              batch.inputs.size(0), batch.inputs.size(1), v.sp);
+    const std::pair<dist::Op, Traffic> kinds[] = {{dist::Op::AllReduce, want.all_reduce},
+                                                  {dist::Op::AllGather, want.all_gather},
+                                                  {dist::Op::ReduceScatter, want.reduce_scatter}};
+    for (const auto& [op, formula] : kinds) {
+      SCOPED_TRACE(dist::op_name(op));
+      const auto measured = dist::comm_counts(comm->name(), op);
+      EXPECT_EQ(measured.calls, formula.calls);
+      EXPECT_EQ(measured.payload_bytes, formula.payload_bytes);
+      EXPECT_NEAR(measured.modelled_wire_bytes, formula.wire_bytes,
+                  1e-6 * formula.wire_bytes + 1e-9);
     }
   }
 }

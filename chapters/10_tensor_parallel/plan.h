@@ -1,0 +1,49 @@
+#pragma once
+/// @file plan.h
+/// @brief Chapter 10's formulas for a Llama-shaped model (chapter 02's TransformerShape) split over
+/// t tensor-parallel ranks: what one rank holds and what one micro-batch makes it communicate.
+/// The tests count both from the real code (the parameters a rank's model holds; every
+/// operation the communicator issues) and compare exactly; `fivefold plan --tp` prints them.
+/// See notes/10_tensor_parallel.md for the derivations and Llama-2-7B at tp 8.
+
+#include <cstdint>
+
+#include "02_flops_6np/flops.h"
+
+namespace fivefold::ch10 {
+
+/// Parameters on rank `rank` of `t`: every matrix split (attention and MLP by heads and hidden
+/// features, embedding and head by vocabulary rows, the first V mod t ranks holding one more), the
+/// norms whole on every rank.
+int64_t parameters_per_rank(const ch02::TransformerShape& shape, int t, int rank = 0);
+
+/// Operations and bytes of one kind, as the communicator counts them (comm_stats.h).
+struct Traffic {
+  int64_t calls = 0;          ///< operations
+  int64_t payload_bytes = 0;  ///< bytes handed to them (the gathered result of an all-gather)
+  double wire_bytes = 0;      ///< the ring model's bytes sent by one rank
+};
+
+/// What one micro-batch's forward and backward (loss through the vocabulary-parallel head) makes
+/// one rank of the tensor-parallel group do, per operation, for b sequences of s tokens in
+/// `element_bytes`-byte activations (4: fp32, as this course trains).
+struct TensorParallelTraffic {
+  Traffic all_reduce;
+  Traffic all_gather;
+  Traffic reduce_scatter;
+  /// Wire bytes of all three: the same with and without sequence parallelism (a reduce-scatter
+  /// and an all-gather move what one all-reduce moves).
+  double wire_bytes() const;
+};
+
+/// Without sequence parallelism: per layer, g's all-reduce of the [b, s, h] activation after
+/// attention and after the MLP (forward) and f's two (backward): 4L; plus the embedding's g, the
+/// head's f and the loss's three all-reduces of one number per token (max, Σ exp, target
+/// logit). With it: per layer 4 all-gathers and 4 reduce-scatters of [b, s, h] (each all-reduce
+/// becomes a pair); the embedding reduce-scatters forward and all-gathers backward, the head
+/// all-gathers forward and reduce-scatters backward; the loss is unchanged.
+TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shape, int t, int64_t b,
+                                              int64_t s, bool sequence_parallel,
+                                              int64_t element_bytes = 4);
+
+}  // namespace fivefold::ch10

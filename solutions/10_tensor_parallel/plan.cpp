@@ -1,0 +1,58 @@
+// Chapter 10: tensor parallelism's memory and communication formulas.
+
+#include "10_tensor_parallel/plan.h"
+
+#include "fivefold/error.h"
+#include "fivefold/seed.h"
+
+namespace fivefold::ch10 {
+
+int64_t parameters_per_rank(const ch02::TransformerShape& s, int t, int rank) {
+  s.validate();
+  FIVEFOLD_CHECK(t >= 1 && rank >= 0 && rank < t, "parameters_per_rank: rank ", rank, " of ", t);
+  FIVEFOLD_CHECK(!s.biases && !s.layer_norm && s.learned_positions == 0,
+                 "parameters_per_rank: a Llama-shaped model (RMSNorm, no biases)");
+  const int64_t h = s.d_model;
+  const auto mine = [&](int64_t n) { return split_sizes(n, t)[static_cast<size_t>(rank)]; };
+  const int64_t q = s.n_heads * s.head_dim, kv = s.n_kv_heads * s.head_dim;
+  const int64_t matrices = s.gated_mlp ? 3 : 2;
+  // Split: q, k, v by output rows, o by input columns; the MLP by its hidden features.
+  const int64_t layer = (mine(q) + 2 * mine(kv)) * h + h * mine(q) + matrices * h * mine(s.d_ff);
+  const int64_t rows = mine(s.vocab_size) * h;  // this rank's vocabulary rows
+  return s.n_layers * layer + (2 * s.n_layers + 1) * h + rows + (s.tied_embeddings ? 0 : rows);
+}
+
+double TensorParallelTraffic::wire_bytes() const {
+  return all_reduce.wire_bytes + all_gather.wire_bytes + reduce_scatter.wire_bytes;
+}
+
+TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shape, int t, int64_t b,
+                                              int64_t s, bool sequence_parallel,
+                                              int64_t element_bytes) {
+  FIVEFOLD_CHECK(t >= 1 && b >= 1 && s >= 1, "tensor_parallel_traffic: t, b and s must be >= 1");
+  const int64_t L = shape.n_layers;
+  const int64_t activation = b * s * shape.d_model * element_bytes;  // one [b, s, h] tensor
+  const int64_t per_token = b * s * element_bytes;                   // one number per token
+  const double ring = static_cast<double>(t - 1) / static_cast<double>(t);
+  TensorParallelTraffic traffic;
+  auto add = [](Traffic& k, int64_t calls, int64_t bytes, double wire_factor) {
+    k.calls += calls;
+    k.payload_bytes += calls * bytes;
+    k.wire_bytes += static_cast<double>(calls * bytes) * wire_factor;
+  };
+  add(traffic.all_reduce, 3, per_token, 2 * ring);  // the loss: max, Σ exp, target logit
+  if (!sequence_parallel) {
+    // g after attention and the MLP, f before them (backward); the embedding's g, the head's f.
+    add(traffic.all_reduce, 4 * L + 2, activation, 2 * ring);
+  } else {
+    // Each all-reduce becomes an all-gather and a reduce-scatter: entering a split layer
+    // gathers (backward: reduce-scatters), leaving it reduce-scatters (backward: gathers).
+    // + the head's gather (forward) and the embedding's reduce-scatter's gather (backward).
+    add(traffic.all_gather, 4 * L + 2, activation, ring);
+    // + the embedding's reduce-scatter (forward) and the head's gather's (backward).
+    add(traffic.reduce_scatter, 4 * L + 2, activation, ring);
+  }
+  return traffic;
+}
+
+}  // namespace fivefold::ch10
