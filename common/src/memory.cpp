@@ -15,6 +15,7 @@ namespace {
 
 std::atomic<int64_t> g_current{0};
 std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_largest{0};  // the largest single allocation
 std::atomic<bool> g_installed{false};
 std::atomic<uint64_t> g_generation{0};  // which tracker an allocation belongs to
 
@@ -62,6 +63,10 @@ class CountingAllocator final : public c10::Allocator {
     int64_t peak = g_peak.load();
     while (now > peak && !g_peak.compare_exchange_weak(peak, now)) {
     }
+    int64_t largest = g_largest.load();
+    while (static_cast<int64_t>(bytes) > largest &&
+           !g_largest.compare_exchange_weak(largest, static_cast<int64_t>(bytes))) {
+    }
     return {data, data, &release, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
@@ -78,6 +83,7 @@ MemoryTracker::MemoryTracker() {
   g_generation += 1;  // allocations of earlier trackers no longer count
   g_current = 0;
   g_peak = 0;
+  g_largest = 0;
   g_previous = c10::GetCPUAllocator();
   c10::SetCPUAllocator(&g_counting, kPriority);
 }
@@ -91,6 +97,11 @@ int64_t MemoryTracker::current_bytes() const { return g_current.load(); }
 
 int64_t MemoryTracker::peak_bytes() const { return g_peak.load(); }
 
-void MemoryTracker::reset_peak() { g_peak = g_current.load(); }
+void MemoryTracker::reset_peak() {
+  g_peak = g_current.load();
+  g_largest = 0;
+}
+
+int64_t MemoryTracker::largest_allocation_bytes() const { return g_largest.load(); }
 
 }  // namespace fivefold

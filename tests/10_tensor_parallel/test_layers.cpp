@@ -16,6 +16,7 @@
 #include "10_tensor_parallel/step.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/error.h"
+#include "fivefold/memory.h"
 #include "fivefold/seed.h"
 #include "fixtures.h"
 #include "testing.h"
@@ -235,5 +236,29 @@ TEST(TensorParallelPlan, FormulasEqualWhatTheModelHoldsAndSends) {
       EXPECT_NEAR(measured.modelled_wire_bytes, formula.wire_bytes,
                   1e-6 * formula.wire_bytes + 1e-9);
     }
+  }
+}
+
+// The vocabulary-parallel head never builds the full logits: through a whole training forward and
+// backward, no storage on a rank is as large as the [b, s, V] fp32 logits (measured: the largest
+// single allocation), while the single-device model allocates them. At tp 2 the largest is the
+// local logits, about half.
+TEST(VocabParallelLoss, FullLogitsNeverExist) {
+  const auto batch = tp_batches().batch(0);
+  const auto config = tp_config(false);
+  const int64_t full_logits = batch.inputs.numel() * config.vocab_size * 4;
+  auto whole = ch07::make_model(config);
+  {
+    MemoryTracker memory;
+    ch03::loss_of(whole, batch).backward();
+    EXPECT_GE(memory.largest_allocation_bytes(), full_logits);  // the measure sees them
+  }
+  if (world()->size() == 1) return;
+  for (bool sp : {false, true}) {
+    auto tp = std::make_shared<TensorParallel>(TensorParallel{world(), sp});
+    auto local = make_model(config, tp);
+    MemoryTracker memory;
+    ch03::loss_of(local, batch).backward();
+    EXPECT_LT(memory.largest_allocation_bytes(), full_logits);
   }
 }

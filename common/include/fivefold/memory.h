@@ -21,7 +21,10 @@ class MemoryTracker {
   int64_t current_bytes() const;
   /// Highest current_bytes() since construction or the last reset_peak().
   int64_t peak_bytes() const;
-  /// Sets the peak to the current value.
+  /// The largest single storage allocated since construction or the last reset_peak() (chapter
+  /// 10: the full logits never exist on a tensor-parallel rank).
+  int64_t largest_allocation_bytes() const;
+  /// Sets the peak to the current value, and forgets the largest allocation.
   void reset_peak();
 };
 
