@@ -24,6 +24,11 @@ void record_comm(const std::string& communicator, Op op, int64_t bytes, double w
   counts.modelled_wire_bytes += wire_bytes;
 }
 
+void record_comm_time(const std::string& communicator, Op op, double seconds) {
+  std::lock_guard<std::mutex> lock(stats_mutex());
+  stats_table()[communicator][op].blocked_seconds += seconds;
+}
+
 CommStats comm_stats() {
   std::lock_guard<std::mutex> lock(stats_mutex());
   return stats_table();

@@ -261,6 +261,16 @@ Work Communicator::enqueue(Op op, int64_t bytes, double wire_bytes, torch::Tenso
 void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
                               const std::function<void()>& body, int dst, int src) {
   record_comm(name_, op, bytes, wire_bytes);
+  const auto start = std::chrono::steady_clock::now();
+  struct Timed {  // the caller's time inside the operation, however it ends
+    const std::string& name;
+    Op op;
+    std::chrono::steady_clock::time_point start;
+    ~Timed() {
+      const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - start;
+      record_comm_time(name, op, spent.count());
+    }
+  } timed{name_, op, start};
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return queue_.empty() && !busy_; });  // earlier async ops go first
   busy_ = true;

@@ -29,6 +29,10 @@ struct OpCounts {
   int64_t calls = 0;               ///< operations issued
   int64_t payload_bytes = 0;       ///< measured: bytes handed to the operations (file comment)
   double modelled_wire_bytes = 0;  ///< modelled: bytes this rank sends (file comment)
+  /// Measured: seconds the calling thread spent inside the synchronous operations (waiting for
+  /// queued ones first, then the transfer, including waiting for the peers). Asynchronous
+  /// operations add nothing here: their cost is what Work::wait() blocks, which the caller times.
+  double blocked_seconds = 0;
 };
 
 /// communicator name -> op -> counts.
@@ -45,6 +49,8 @@ OpCounts comm_counts(const std::string& communicator, Op op);
 
 /// Adds one operation to the counts; called by Communicator for every operation it issues.
 void record_comm(const std::string& communicator, Op op, int64_t bytes, double wire_bytes);
+/// Adds the seconds a synchronous operation blocked its caller; called by Communicator.
+void record_comm_time(const std::string& communicator, Op op, double seconds);
 
 /// A readable table of the counts (one row per communicator and op).
 std::string format_comm_stats(const CommStats& stats);
