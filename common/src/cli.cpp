@@ -1,9 +1,12 @@
 #include "fivefold/cli.h"
 
+#include <chrono>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 #include "fivefold/error.h"
+#include "fivefold/runtime.h"
 
 namespace fivefold {
 
@@ -139,6 +142,10 @@ int run_guarded(const char* program, const std::function<int()>& body) {
     std::cerr << prefix
               << "error: " << (what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what)
               << std::endl;
+    // In a job of several processes the launcher ends every rank as soon as one exits with an
+    // error. The ranks usually refuse the same input together: give the others a moment to say
+    // so too, so that every rank's message reaches the terminal.
+    if (read_launch_environment().size > 1) std::this_thread::sleep_for(std::chrono::seconds(2));
     return 1;
   }
 }
