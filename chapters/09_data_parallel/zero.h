@@ -90,8 +90,9 @@ struct ModelParallelGroups {
 };
 
 /// Adds up the partial gradients of `params` (name, parameter) over their groups, in place: one
-/// all-reduce per group, of all that group's gradients packed together, in name order on every
-/// rank. Parameters without a gradient count as zeros.
+/// all-reduce per group, of all that group's gradients packed together, the groups in the order
+/// their first parameter's name sorts (the same order on every rank). Parameters without a
+/// gradient count as zeros.
 void reduce_partial_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& params,
                               const ModelParallelGroups& groups);
 

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "03_transformer/model.h"
@@ -33,6 +34,9 @@ namespace fivefold::ch10 {
 
 /// The tensor-parallel group of a model, shared by its layers.
 struct TensorParallel {
+  /// The group `comm`, with or without sequence parallelism.
+  explicit TensorParallel(dist::CommunicatorPtr comm, bool sequence_parallel = false)
+      : comm(std::move(comm)), sequence_parallel(sequence_parallel) {}
   dist::CommunicatorPtr comm;      ///< the tp ranks
   bool sequence_parallel = false;  ///< activations outside the split layers split by sequence
   /// The whole sequence length of the forward pass under way, set by each attention layer from
@@ -40,8 +44,15 @@ struct TensorParallel {
   /// split unevenly. Unused without sequence parallelism.
   int64_t sequence = 0;
 
+  /// The replica groups made so far (replica_group's cache).
+  std::map<int, dist::CommunicatorPtr> replica_groups;
+
   int rank() const { return comm->rank(); }
   int size() const { return comm->size(); }
+  /// When a tensor is cut into `parts` < size() parts, rank r holds part r / (size / parts): the
+  /// ranks holding the same part as this one (grouped-query attention with fewer key/value heads
+  /// than ranks). Made on first use, collective over `comm`: every rank asks in the same order.
+  dist::CommunicatorPtr replica_group(int parts);
   /// Into the split layers: f (copy_to_tensor_parallel), or under sequence parallelism the
   /// all-gather of the sequence. x [batch, seq or seq_r, d] -> [batch, seq, d].
   torch::Tensor enter(const torch::Tensor& x) const;
@@ -101,10 +112,21 @@ class TensorParallelMlpImpl : public ch03::FeedForwardLayer {
 };
 TORCH_MODULE(TensorParallelMlp);
 
+/// A module some of whose parameters get only part of their gradient on each rank, the part
+/// flowing from this rank's heads: the step sums each over the group the module names.
+class PartialGradients {
+ public:
+  virtual ~PartialGradients() = default;
+  /// Those parameters, by their name within the module, and the group to sum each over.
+  virtual std::map<std::string, dist::CommunicatorPtr> partial_gradients() const = 0;
+};
+
 /// Chapter 03's grouped-query attention split by heads: each rank holds n_heads / tp query heads
-/// and n_kv_heads / tp key/value heads (the ones its query heads read), and o_proj's matching
-/// columns. tp must divide both head counts (checked by check_tensor_parallel).
-class TensorParallelAttentionImpl : public ch03::AttentionLayer {
+/// and the key/value heads they read, and o_proj's matching columns. tp must divide n_heads; with
+/// n_kv_heads >= tp it divides them too (n_kv_heads / tp per rank); with fewer key/value heads
+/// than ranks, tp / n_kv_heads ranks share each one, holding the same rows of k_proj and v_proj,
+/// whose gradients are then partial sums over those ranks (check_tensor_parallel).
+class TensorParallelAttentionImpl : public ch03::AttentionLayer, public PartialGradients {
  public:
   /// Projections sized from `config`, split over `tp`.
   TensorParallelAttentionImpl(const ch03::ModelConfig& config, TensorParallelPtr tp);
@@ -116,21 +138,15 @@ class TensorParallelAttentionImpl : public ch03::AttentionLayer {
   ColumnParallelLinear k_proj{nullptr};  ///< d_model -> local kv heads · head_dim
   ColumnParallelLinear v_proj{nullptr};  ///< d_model -> local kv heads · head_dim
   RowParallelLinear o_proj{nullptr};     ///< local heads · head_dim -> d_model (partial)
+  /// k_proj and v_proj when ranks share their key/value head; none otherwise.
+  std::map<std::string, dist::CommunicatorPtr> partial_gradients() const override;
 
  private:
   TensorParallelPtr tp_;
   int64_t n_heads_, n_kv_heads_, head_dim_;  // this rank's heads
+  dist::CommunicatorPtr kv_replicas_;        // the ranks sharing this rank's key/value head
 };
 TORCH_MODULE(TensorParallelAttention);
-
-/// A module some of whose whole (unsplit) parameters get only part of their gradient on each tp
-/// rank, the part flowing from this rank's heads: the step sums them over tp.
-class PartialGradients {
- public:
-  virtual ~PartialGradients() = default;
-  /// Those parameters, by their name within the module.
-  virtual std::vector<std::string> partial_gradients() const = 0;
-};
 
 /// Chapter 06's Multi-head Latent Attention split by heads (the training path). The
 /// down-projections to the query and key/value latents, their norms and the shared rotary key are
@@ -145,7 +161,8 @@ class TensorParallelMlaImpl : public ch03::AttentionLayer, public PartialGradien
                         TensorParallelPtr tp);
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
                         ch03::LayerCache* cache = nullptr) override;
-  std::vector<std::string> partial_gradients() const override;
+  /// The whole latent projections and their norms, over tp.
+  std::map<std::string, dist::CommunicatorPtr> partial_gradients() const override;
   ColumnParallelLinear q_proj{nullptr};           ///< when q_lora_rank is 0: d_model -> local heads
   torch::nn::Linear q_a_proj{nullptr};            ///< whole: d_model -> q_lora_rank
   ch03::RMSNorm q_a_layernorm{nullptr};           ///< whole
@@ -216,7 +233,8 @@ class VocabParallelHeadImpl : public ch03::OutputLayer, public ch03::ShardedModu
 TORCH_MODULE(VocabParallelHead);
 
 /// Throws fivefold::Error, naming the reason, for a config that `tp_size` ranks cannot split:
-/// heads or key/value heads not divisible by tp (a rank must hold whole heads); with sequence
+/// query heads not divisible by tp (a rank must hold whole heads), key/value heads that neither
+/// divide by tp nor divide it (a rank must read whole key/value heads); with sequence
 /// parallelism, Mixture-of-Experts settings that need the whole sequence's routing statistics on
 /// one rank (the Switch auxiliary loss, capacity). Vocabulary, d_ff and sequence split unevenly.
 void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size,
@@ -233,11 +251,12 @@ ch03::ModelRecipe recipe(const ch03::ModelConfig& config, TensorParallelPtr tp);
 ch03::Transformer make_model(const ch03::ModelConfig& config, TensorParallelPtr tp,
                              const ch03::ModelPart& part = {});
 
-/// The names of the trainable parameters whose gradient on each rank is a partial sum over tp:
-/// those a PartialGradients module declares (MLA's latent projections), and under sequence
-/// parallelism every whole parameter (norms, router, routed experts: they see this rank's part of
-/// the sequence only).
-std::vector<std::string> partial_gradient_parameters(ch03::Transformer& model,
-                                                     const TensorParallel& tp);
+/// The trainable parameters whose gradient on each rank is a partial sum, and the group to sum
+/// each over: those a PartialGradients module declares (MLA's latent projections over tp, shared
+/// key/value heads over the ranks sharing them), and under sequence parallelism every whole
+/// parameter over tp (norms, router, routed experts: they see this rank's part of the sequence
+/// only).
+std::map<std::string, dist::CommunicatorPtr> partial_gradient_parameters(ch03::Transformer& model,
+                                                                         const TensorParallel& tp);
 
 }  // namespace fivefold::ch10

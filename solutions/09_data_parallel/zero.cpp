@@ -61,24 +61,32 @@ void reduce_partial_gradients(const std::vector<std::pair<std::string, torch::Te
                               const ModelParallelGroups& groups) {
   if (groups.partial.empty()) return;
   torch::NoGradGuard no_grad;
-  // The partial gradients of each group, in name order (the same on every rank of the group).
-  std::map<dist::Communicator*, std::vector<std::pair<std::string, torch::Tensor>>> by_group;
-  for (const auto& [name, p] : params) {
+  // The partial gradients in name order, then grouped by communicator in the order the groups
+  // first appear: the same order on every rank (never the order of pointers, which differs from
+  // process to process: two ranks reducing two groups in opposite orders would wait forever).
+  auto sorted = params;
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::pair<dist::Communicator*, std::vector<torch::Tensor>>> by_group;
+  for (const auto& [name, p] : sorted) {
     const auto found = groups.partial.find(name);
-    if (found != groups.partial.end()) by_group[found->second.get()].emplace_back(name, p);
+    if (found == groups.partial.end()) continue;
+    auto* comm = found->second.get();
+    auto it = std::find_if(by_group.begin(), by_group.end(),
+                           [&](const auto& g) { return g.first == comm; });
+    if (it == by_group.end()) it = by_group.insert(by_group.end(), {comm, {}});
+    it->second.push_back(p);
   }
   for (auto& [comm, members] : by_group) {
-    std::sort(members.begin(), members.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
     std::vector<torch::Tensor> flat;
-    for (auto& [name, p] : members) {
+    for (auto& p : members) {
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
       flat.push_back(p.grad().reshape(-1));
     }
     auto packed = torch::cat(flat);
     comm->all_reduce(packed);  // one all-reduce for all of this group's partial gradients
     int64_t offset = 0;
-    for (auto& [name, p] : members) {
+    for (auto& p : members) {
       p.mutable_grad().copy_(packed.narrow(0, offset, p.numel()).view_as(p));
       offset += p.numel();
     }

@@ -56,6 +56,14 @@ torch::Tensor TensorParallel::enter(const torch::Tensor& x) const {
   return gather_from_sequence_parallel(x, sequence, comm);
 }
 
+dist::CommunicatorPtr TensorParallel::replica_group(int parts) {
+  FIVEFOLD_CHECK(parts >= 1 && size() % parts == 0, "TensorParallel: ", size(),
+                 " ranks do not share ", parts, " parts evenly");
+  auto& group = replica_groups[parts];
+  if (!group) group = comm->split(rank() / (size() / parts), rank(), comm->name() + ".replicas");
+  return group;
+}
+
 torch::Tensor TensorParallel::leave(const torch::Tensor& partial) const {
   return sequence_parallel ? reduce_scatter_to_sequence_parallel(partial, comm)
                            : reduce_from_tensor_parallel(partial, comm);
@@ -106,19 +114,29 @@ torch::Tensor TensorParallelMlpImpl::forward(const torch::Tensor& x) {
 
 TensorParallelAttentionImpl::TensorParallelAttentionImpl(const ch03::ModelConfig& c,
                                                          TensorParallelPtr tp)
-    : tp_(std::move(tp)),
-      n_heads_(c.n_heads / tp_->size()),
-      n_kv_heads_(c.n_kv_heads / tp_->size()),
-      head_dim_(c.resolved_head_dim()) {
+    : tp_(std::move(tp)), n_heads_(c.n_heads / tp_->size()), head_dim_(c.resolved_head_dim()) {
   const int r = tp_->rank(), n = tp_->size();
   // Whole heads per rank: rank r's query heads are r·H/tp .. and the key/value heads they read
-  // are r·K/tp .., the same grouping chapter 03's attention uses (tp divides both counts).
+  // are r·K/tp .., the grouping chapter 03's attention uses. With fewer key/value heads than
+  // ranks (tp a multiple of K), the tp / K ranks r with the same r / (tp / K) read the same one.
+  const int kv_parts = c.n_kv_heads % n == 0 ? n : static_cast<int>(c.n_kv_heads);
+  const int kv_part = r / (n / kv_parts);
+  n_kv_heads_ = c.n_kv_heads / kv_parts;
+  if (kv_parts < n) kv_replicas_ = tp_->replica_group(kv_parts);
   q_proj = register_module("q_proj", ColumnParallelLinear(c.d_model, c.n_heads * head_dim_, r, n));
-  k_proj =
-      register_module("k_proj", ColumnParallelLinear(c.d_model, c.n_kv_heads * head_dim_, r, n));
-  v_proj =
-      register_module("v_proj", ColumnParallelLinear(c.d_model, c.n_kv_heads * head_dim_, r, n));
+  k_proj = register_module(
+      "k_proj", ColumnParallelLinear(c.d_model, c.n_kv_heads * head_dim_, kv_part, kv_parts));
+  v_proj = register_module(
+      "v_proj", ColumnParallelLinear(c.d_model, c.n_kv_heads * head_dim_, kv_part, kv_parts));
   o_proj = register_module("o_proj", RowParallelLinear(c.n_heads * head_dim_, c.d_model, r, n));
+}
+
+std::map<std::string, dist::CommunicatorPtr> TensorParallelAttentionImpl::partial_gradients()
+    const {
+  // A shared key/value head serves each sharing rank's query heads: each rank's gradient of its
+  // rows is that rank's share.
+  if (!kv_replicas_) return {};
+  return {{"k_proj.weight", kv_replicas_}, {"v_proj.weight", kv_replicas_}};
 }
 
 torch::Tensor TensorParallelAttentionImpl::forward(const torch::Tensor& x,
@@ -204,13 +222,14 @@ torch::Tensor TensorParallelMlaImpl::forward(const torch::Tensor& x, const torch
   return tp_->leave(o_proj(out.transpose(1, 2).reshape({batch, seq, heads * dv})));
 }
 
-std::vector<std::string> TensorParallelMlaImpl::partial_gradients() const {
+std::map<std::string, dist::CommunicatorPtr> TensorParallelMlaImpl::partial_gradients() const {
   // The whole projections feed only this rank's heads here: each rank's gradient is its heads'
   // share.
-  std::vector<std::string> names{"kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"};
+  std::map<std::string, dist::CommunicatorPtr> names{{"kv_a_proj_with_mqa.weight", tp_->comm},
+                                                     {"kv_a_layernorm.weight", tp_->comm}};
   if (mla_.q_lora_rank > 0) {
-    names.push_back("q_a_proj.weight");
-    names.push_back("q_a_layernorm.weight");
+    names["q_a_proj.weight"] = tp_->comm;
+    names["q_a_layernorm.weight"] = tp_->comm;
   }
   return names;
 }
@@ -301,10 +320,11 @@ void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size, bool se
                  " attention heads do not split over ", tp_size,
                  " ranks (tensor parallelism gives each rank whole heads)");
   const bool mla = !config.extensions.is_null();
-  FIVEFOLD_CHECK(mla || config.n_kv_heads % tp_size == 0, "--tp ", tp_size, ": the model's ",
-                 config.n_kv_heads, " key/value heads do not split over ", tp_size,
-                 " ranks (each rank holds the whole key/value heads its query heads read; "
-                 "replicating key/value heads when n_kv_heads < tp is not built)");
+  FIVEFOLD_CHECK(mla || config.n_kv_heads % tp_size == 0 || tp_size % config.n_kv_heads == 0,
+                 "--tp ", tp_size, ": the model's ", config.n_kv_heads,
+                 " key/value heads do not split over ", tp_size,
+                 " ranks (each rank reads whole key/value heads: tp must divide n_kv_heads, or "
+                 "be a multiple of it so that ranks share them)");
   if (!mla || !sequence_parallel || !config.extensions.contains("n_routed_experts") ||
       config.extensions["n_routed_experts"].is_null())
     return;
@@ -366,28 +386,28 @@ ch03::Transformer make_model(const ch03::ModelConfig& config, TensorParallelPtr 
   return ch03::Transformer(config, recipe(config, tp), part);
 }
 
-std::vector<std::string> partial_gradient_parameters(ch03::Transformer& model,
-                                                     const TensorParallel& tp) {
-  std::set<std::string> names;
-  if (tp.size() == 1) return {};
-  // Declared by the layers: whole weights that feed only this rank's heads.
+std::map<std::string, dist::CommunicatorPtr> partial_gradient_parameters(ch03::Transformer& model,
+                                                                         const TensorParallel& tp) {
+  std::map<std::string, dist::CommunicatorPtr> partial;
+  if (tp.size() == 1) return partial;
+  // Declared by the layers: weights whose rows feed only this rank's heads.
   for (const auto& item : model->named_modules("", /*include_self=*/false)) {
     const auto* declares = dynamic_cast<const PartialGradients*>(item.value().get());
     if (declares == nullptr) continue;
-    for (const auto& name : declares->partial_gradients()) names.insert(item.key() + "." + name);
+    for (const auto& [name, group] : declares->partial_gradients())
+      partial[item.key() + "." + name] = group;
   }
   // Under sequence parallelism every whole parameter (norms, router, routed experts) sees only
   // this rank's part of the sequence.
   if (tp.sequence_parallel) {
     const auto shards = model->parameter_shards();
     for (const auto& item : model->named_parameters())
-      if (shards.count(item.key()) == 0) names.insert(item.key());
+      if (shards.count(item.key()) == 0) partial[item.key()] = tp.comm;
   }
-  std::vector<std::string> trainable;  // a parameter without gradient (a balancing bias) has none
+  // A parameter without gradient (the balancing bias) has nothing to sum.
   for (const auto& item : model->named_parameters())
-    if (names.count(item.key()) > 0 && item.value().requires_grad())
-      trainable.push_back(item.key());
-  return trainable;
+    if (!item.value().requires_grad()) partial.erase(item.key());
+  return partial;
 }
 
 }  // namespace fivefold::ch10

@@ -17,7 +17,10 @@ int64_t parameters_per_rank(const ch02::TransformerShape& s, int t, int rank) {
   const int64_t q = s.n_heads * s.head_dim, kv = s.n_kv_heads * s.head_dim;
   const int64_t matrices = s.gated_mlp ? 3 : 2;
   // Split: q, k, v by output rows, o by input columns; the MLP by its hidden features.
-  const int64_t layer = (mine(q) + 2 * mine(kv)) * h + h * mine(q) + matrices * h * mine(s.d_ff);
+  // Key/value rows: this rank's share, or, with fewer key/value heads than ranks, the one head
+  // it shares with t / n_kv others.
+  const int64_t kv_rows = s.n_kv_heads % t == 0 ? mine(kv) : s.head_dim;
+  const int64_t layer = (mine(q) + 2 * kv_rows) * h + h * mine(q) + matrices * h * mine(s.d_ff);
   const int64_t rows = mine(s.vocab_size) * h;  // this rank's vocabulary rows
   return s.n_layers * layer + (2 * s.n_layers + 1) * h + rows + (s.tied_embeddings ? 0 : rows);
 }

@@ -3,6 +3,7 @@
 #include "10_tensor_parallel/step.h"
 
 #include <utility>
+#include <vector>
 
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
@@ -37,12 +38,21 @@ io::TensorMap gather_shards(const io::TensorMap& local,
       whole[name] = t;
       continue;
     }
-    FIVEFOLD_CHECK(s->count == tp.size() && s->index == tp.rank(), "gather_shards: ", name,
-                   " is part ", s->index, " of ", s->count, ", not this tp rank's");
+    // count parts over tp.size() ranks: rank r holds part r / sharing (sharing = 1 but for a
+    // key/value head shared by several ranks).
+    FIVEFOLD_CHECK(tp.size() % s->count == 0 && s->index == tp.rank() / (tp.size() / s->count),
+                   "gather_shards: ", name, " is part ", s->index, " of ", s->count,
+                   ", not this tp rank's");
+    const int sharing = tp.size() / static_cast<int>(s->count);
     // The communicator gathers along dim 0: put the split dimension first, and back.
     auto moved = t.movedim(s->dim, 0).contiguous();
-    whole[name] =
-        tp.all_gather(moved, split_sizes(s->full_size, s->count)).movedim(0, s->dim).contiguous();
+    std::vector<int64_t> sizes;
+    for (int r = 0; r < tp.size(); ++r)
+      sizes.push_back(split_sizes(s->full_size, s->count)[static_cast<size_t>(r / sharing)]);
+    auto gathered = tp.all_gather(moved, sizes).split_with_sizes(sizes);
+    std::vector<torch::Tensor> parts;  // one copy of each part: the first sharing rank's
+    for (int r = 0; r < tp.size(); r += sharing) parts.push_back(gathered[static_cast<size_t>(r)]);
+    whole[name] = torch::cat(parts).movedim(0, s->dim).contiguous();
   }
   return whole;
 }
@@ -69,12 +79,15 @@ ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
   ch09::ModelParallelGroups groups;
   if (tp.size() == 1) return groups;
   groups.norm = tp.comm;  // each tp rank adds the squares of its slices
-  for (const auto& name : partial_gradient_parameters(model, tp)) groups.partial[name] = tp.comm;
+  groups.partial = partial_gradient_parameters(model, tp);
   const auto shards = model->parameter_shards();
   for (const auto& item : model->named_parameters()) {
-    // A whole (replicated) tensor is the same on every tp rank: counted once, on tp rank 0.
-    if (shards.count(item.key()) == 0 && tp.rank() != 0)
-      groups.counted_elsewhere.insert(item.key());
+    // A whole (replicated) tensor is the same on every tp rank: counted once, on tp rank 0. A
+    // slice shared by tp / count ranks (a key/value head) is counted by the first of them.
+    const auto found = shards.find(item.key());
+    const int sharing =
+        found == shards.end() ? tp.size() : tp.size() / static_cast<int>(found->second.count);
+    if (tp.rank() % sharing != 0) groups.counted_elsewhere.insert(item.key());
   }
   return groups;
 }

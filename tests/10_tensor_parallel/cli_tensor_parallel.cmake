@@ -72,9 +72,10 @@ foreach(target "1;1" "4;4")
   expect_same_curve("${got}" "${want}" "saved at tp 2 x dp 2, resumed on ${np} ranks at tp ${tp}")
 endforeach()
 
-# Refusals, on every rank, before anything is written: 4 heads do not split over 3 ranks; 2
-# key/value heads do not split over 4; sequence parallelism needs tp.
+# Refusals, on every rank, before anything is written: 4 heads do not split over 3 ranks; 3
+# key/value heads neither split over 4 ranks nor are shared by them; sequence parallelism needs
+# tp.
 refused_on_every_rank(3 ${WORK}/bad "4 attention heads do not split over 3" ${common} --tp 3)
-refused_on_every_rank(4 ${WORK}/bad "2 key/value heads do not split over 4" ${common} --tp 4
-                      --n-kv-heads 2)
+refused_on_every_rank(4 ${WORK}/bad "3 key/value heads do not split over 4" ${common} --tp 4
+                      --d-model 96 --n-heads 12 --n-kv-heads 3)
 refused_on_every_rank(2 ${WORK}/bad "needs --tp 2 or more" ${common} --sequence-parallel)

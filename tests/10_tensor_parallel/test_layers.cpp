@@ -5,7 +5,9 @@
 // changes). Shown to fail on purpose at 2 ranks, each test run alone (the harness ends the job at
 // the first failure): f's backward made the identity fails GradientsEqualOneDevice (the embedding's
 // gradient) and SgdStepsEqualOneDevice; g's forward made the identity fails both; the norms'
-// partial gradients left unsummed under SP (tensor_parallel_groups) fails both with SP; the norm's
+// partial gradients left unsummed under SP (tensor_parallel_groups) fails both with SP; the shared
+// key/value heads' partial gradients left unsummed fails GradientsEqualOneDevice at 4 ranks with 2
+// key/value heads (k_proj's gradient); the norm's
 // squares not summed over tp, or the replicated norms counted on every tp rank, fails
 // GradientsEqualOneDevice (the global norm).
 
@@ -53,15 +55,21 @@ std::vector<std::pair<std::string, torch::Tensor>> named(ch03::Transformer& mode
 
 struct Variant {
   bool tied, sp, deepseek;
+  int64_t kv_heads = 4;  // 2: at tp 4, pairs of ranks share each key/value head
   ch03::ModelConfig config() const {
-    return deepseek ? fivefold::ch10::testing::deepseek_config() : tp_config(tied);
+    if (deepseek) return fivefold::ch10::testing::deepseek_config();
+    auto c = tp_config(tied);
+    c.n_kv_heads = kv_heads;
+    return c;
   }
   std::string name() const {
-    return std::string(deepseek ? "MLA + MoE" : (tied ? "tied" : "untied")) + (sp ? ", SP" : "");
+    return std::string(deepseek ? "MLA + MoE" : (tied ? "tied" : "untied")) + (sp ? ", SP" : "") +
+           (kv_heads != 4 ? ", 2 key/value heads" : "");
   }
 };
-const Variant kVariants[] = {{false, false, false}, {false, true, false}, {true, false, false},
-                             {true, true, false},   {false, false, true}, {false, true, true}};
+const Variant kVariants[] = {{false, false, false},    {false, true, false},   {true, false, false},
+                             {true, true, false},      {false, false, true},   {false, true, true},
+                             {false, false, false, 2}, {false, true, false, 2}};
 
 }  // namespace
 
@@ -167,7 +175,11 @@ TEST(TensorParallelModel, RefusesWhatItCannotSplit) {
     EXPECT_NE(std::string(e.what()).find("6 attention heads"), std::string::npos) << e.what();
   }
   c = tp_config(false);
-  c.n_kv_heads = 2;  // 8 query heads split, 2 key/value heads do not
+  c.n_kv_heads = 2;  // 8 query heads split; pairs of ranks share each of the 2 key/value heads
+  EXPECT_NO_THROW(check_tensor_parallel(c, 4));
+  c.n_heads = 12;  // 12 query heads over 4 ranks; 3 key/value heads neither split nor are shared
+  c.n_kv_heads = 3;
+  c.d_model = 48;
   EXPECT_THROW(check_tensor_parallel(c, 4), Error);
   c = tp_config(false);
   c.vocab_size = 257;  // vocabulary and d_ff split unevenly: accepted

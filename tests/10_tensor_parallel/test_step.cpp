@@ -33,6 +33,7 @@ ch03::TrainConfig adamw() {
 struct Layout {
   int tp, stage;
   bool sp, deepseek;
+  int64_t kv_heads = 4;
 };
 
 }  // namespace
@@ -48,12 +49,15 @@ TEST(TensorParallelStep, FollowsTheSingleProcessCurve) {
     // optimizer).
     for (int stage : {0, 2})
       for (bool sp : {false, true}) layouts.push_back({tp, stage, sp, true});
+    layouts.push_back({tp, 1, true, false, 2});  // key/value heads shared at tp 4
   }
   const int steps = 3;
   for (const auto& l : layouts) {
     SCOPED_TRACE("tp " + std::to_string(l.tp) + " dp " + std::to_string(n / l.tp) + " ZeRO " +
-                 std::to_string(l.stage) + (l.sp ? " SP" : "") + (l.deepseek ? " MLA + MoE" : ""));
-    const auto config = l.deepseek ? fivefold::ch10::testing::deepseek_config() : tp_config(false);
+                 std::to_string(l.stage) + (l.sp ? " SP" : "") + (l.deepseek ? " MLA + MoE" : "") +
+                 (l.kv_heads != 4 ? " 2 kv heads" : ""));
+    auto config = l.deepseek ? fivefold::ch10::testing::deepseek_config() : tp_config(false);
+    if (!l.deepseek) config.n_kv_heads = l.kv_heads;
     ch03::SingleProcessStep single(ch07::make_model(config), adamw());
     dist::DeviceMesh mesh(world(), {{"dp", n / l.tp}, {"tp", l.tp}});
     auto tp = std::make_shared<TensorParallel>(TensorParallel{mesh.comm("tp"), l.sp});
