@@ -122,23 +122,36 @@ class LocalDispatcher : public TokenDispatcher {
                         const torch::Tensor& gates, int64_t tokens, int64_t k) override;
 };
 
+/// The routed experts a process holds: experts first .. first + count − 1 of the E (all of them
+/// by default; chapter 13 gives each expert-parallel rank its own range).
+struct ExpertRange {
+  int64_t first = 0;   ///< the first expert held
+  int64_t count = -1;  ///< experts held; -1: all from `first` on
+};
+
 /// DeepSeek-V3's MoE layer in chapter 03's MLP slot: `gate`, `experts.{j}` (chapter 03's SwiGLU
 /// MLP with moe_intermediate_size), `shared_experts` (absent when n_shared_experts is 0).
 class MoeImpl : public ch03::FeedForwardLayer {
  public:
   /// Sizes from the model (d_model) and `config`. `shared` fills the shared-experts slot when
   /// given (chapter 10: a tensor-parallel MLP of the same width); default chapter 03's MLP.
+  /// `held`: the routed experts built here, registered under their global index (experts.{j}),
+  /// so their names and initial weights are those of the whole layer's.
   MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config,
-          std::shared_ptr<ch03::FeedForwardLayer> shared = nullptr);
+          std::shared_ptr<ch03::FeedForwardLayer> shared = nullptr, ExpertRange held = {});
   /// x [batch, seq, d_model] -> same shape: Σ_k gate·expert(x) + shared(x), in four stages:
   /// route (the router and `route`), dispatch (the dispatcher), the experts (run_experts), combine
   /// (the dispatcher). In training (gradients on) it counts the load, and with α > 0 adds the
   /// auxiliary loss's gradient to the router's in backward (the loss value itself is reported in
   /// load(), not added to the model's).
   torch::Tensor forward(const torch::Tensor& x) override;
-  /// The experts on their tokens: expert j on the rows_per_expert[j] rows that follow expert
-  /// j − 1's -> outputs [rows, d_model] in the same order.
+  /// The experts held on their tokens: the i-th expert held on the rows_per_expert[i] rows that
+  /// follow the (i − 1)-th's -> outputs [rows, d_model] in the same order.
   torch::Tensor run_experts(const DispatchedTokens& dispatched);
+  /// Routed expert j (global index); throws fivefold::Error when this layer does not hold it.
+  ch03::MlpImpl& expert(int64_t j);
+  /// The routed experts this layer holds.
+  ExpertRange held_experts() const { return held_; }
   /// The routing of the last forward, gates detached (for tests and the demo).
   const Routing& last_routing() const { return last_routing_; }
   /// The load since the last reset.
@@ -152,13 +165,14 @@ class MoeImpl : public ch03::FeedForwardLayer {
   const MoeConfig& config() const { return config_; }
 
   TopkRouter gate{nullptr};                                ///< the router
-  torch::nn::ModuleList experts;                           ///< E routed experts
+  torch::nn::ModuleDict experts;  ///< the routed experts held, keyed by global index ("0", ...)
   std::shared_ptr<ch03::FeedForwardLayer> shared_experts;  ///< always on; null when none
   /// Dispatch and combine (LocalDispatcher; chapter 13: all-to-all over the expert-parallel ranks).
   std::shared_ptr<TokenDispatcher> dispatcher = std::make_shared<LocalDispatcher>();
 
  private:
   MoeConfig config_;
+  ExpertRange held_;
   Routing last_routing_;
   ExpertLoad load_;
 };

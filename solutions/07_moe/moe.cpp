@@ -110,12 +110,21 @@ torch::Tensor TopkRouterImpl::scores(const torch::Tensor& x) {
 }
 
 MoeImpl::MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config,
-                 std::shared_ptr<ch03::FeedForwardLayer> shared)
-    : config_(config) {
+                 std::shared_ptr<ch03::FeedForwardLayer> shared, ExpertRange held)
+    : config_(config), held_(held) {
+  if (held_.count < 0) held_.count = config.n_routed_experts - held_.first;
+  FIVEFOLD_CHECK(held_.first >= 0 && held_.count >= 0 &&
+                     held_.first + held_.count <= config.n_routed_experts,
+                 "MoE: experts [", held_.first, ", ", held_.first + held_.count,
+                 ") are not within the layer's ", config.n_routed_experts);
   gate = register_module("gate", TopkRouter(model.d_model, config));
-  experts = register_module("experts", torch::nn::ModuleList());
+  experts = register_module("experts", torch::nn::ModuleDict());
   const auto expert = with_width(model, config.moe_intermediate_size);
-  for (int64_t j = 0; j < config.n_routed_experts; ++j) experts->push_back(ch03::Mlp(expert));
+  for (int64_t j = held_.first; j < held_.first + held_.count; ++j) {
+    // Registered as experts.{j}, the global index, whichever experts this layer holds.
+    experts->update(std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>{
+        {std::to_string(j), ch03::Mlp(expert).ptr()}});
+  }
   if (config.n_shared_experts > 0) {
     if (!shared) {
       shared = std::make_shared<ch03::MlpImpl>(
@@ -173,14 +182,27 @@ torch::Tensor MoeImpl::forward(const torch::Tensor& input) {
 }
 
 torch::Tensor MoeImpl::run_experts(const DispatchedTokens& dispatched) {
+  FIVEFOLD_CHECK(static_cast<int64_t>(dispatched.rows_per_expert.size()) == held_.count,
+                 "MoE: the dispatcher grouped tokens for ", dispatched.rows_per_expert.size(),
+                 " experts, this layer holds ", held_.count, " (experts [", held_.first, ", ",
+                 held_.first + held_.count,
+                 "): a layer holding some experts needs an expert-parallel dispatcher)");
   const auto pieces = dispatched.tokens.split_with_sizes(dispatched.rows_per_expert);
   std::vector<torch::Tensor> outputs;
-  for (size_t j = 0; j < pieces.size(); ++j) {
+  for (size_t i = 0; i < pieces.size(); ++i) {
     // An expert that received no token computes nothing (and gets no gradient).
-    outputs.push_back(pieces[j].size(0) == 0 ? pieces[j]
-                                             : experts[j]->as<ch03::MlpImpl>()->forward(pieces[j]));
+    outputs.push_back(pieces[i].size(0) == 0
+                          ? pieces[i]
+                          : expert(held_.first + static_cast<int64_t>(i)).forward(pieces[i]));
   }
   return torch::cat(outputs);  // [rows, d_model]
+}
+
+ch03::MlpImpl& MoeImpl::expert(int64_t j) {
+  const std::string key = std::to_string(j);
+  FIVEFOLD_CHECK(experts->contains(key), "MoE: expert ", j, " is not held here (experts [",
+                 held_.first, ", ", held_.first + held_.count, "))");
+  return *experts[key]->as<ch03::MlpImpl>();
 }
 
 DispatchedTokens LocalDispatcher::dispatch(const torch::Tensor& x, const torch::Tensor& experts,

@@ -11,6 +11,7 @@
 #include "03_transformer/checkpoint.h"
 #include "03_transformer/trainer.h"
 #include "07_moe/moe.h"
+#include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/seed.h"
 #include "testing.h"
@@ -124,7 +125,8 @@ TEST(Moe, EveryExpertAtEqualWeightIsTheDenseAverage) {
     layer->gate->weight.zero_();  // every score equal: gates 1/4 each after renormalising
     const auto x = inputs(6);
     auto average = torch::zeros_like(x);
-    for (const auto& expert : *layer->experts) average += expert->as<ch03::MlpImpl>()->forward(x);
+    for (const auto& expert : layer->experts->values())
+      average += expert->as<ch03::MlpImpl>()->forward(x);
     EXPECT_TENSOR_CLOSE(layer->forward(x), average / 4, 1e-6, 1e-5);
   }
 }
@@ -248,7 +250,7 @@ TEST(Moe, DroppedTokensAreCountedExactly) {
       for (int64_t s = 0; s < 2; ++s) {
         const int64_t e = experts[t][s].item<int64_t>();
         if (taken[e]++ >= capacity) continue;
-        manual[t] += layer->experts[e]->as<ch03::MlpImpl>()->forward(flat[t].unsqueeze(0))[0] *
+        manual[t] += layer->expert(e).forward(flat[t].unsqueeze(0))[0] *
                      layer->last_routing().gates[t][s];
       }
     }
@@ -283,7 +285,7 @@ TEST(Moe, ParameterCountsMatchNumelAndDeepSeekV3) {
   for (int64_t layer : {1, 2}) {  // the MoE layers: 8 experts, 2 used per token
     auto& moe = *model->block(layer).mlp->as<MoeImpl>();
     for (int64_t j = 2; j < 8; ++j)
-      for (const auto& p : moe.experts[j]->parameters()) unused += p.numel();
+      for (const auto& p : moe.expert(j).parameters()) unused += p.numel();
   }
   const auto counted = count_parameters(config);
   EXPECT_EQ(counted.total, numel);
@@ -364,4 +366,36 @@ TEST(Moe, SmallModelTrainsAndReportsItsLoad) {
                   ->named_parameters()["model.layers.1.mlp.gate.e_score_correction_bias"];
   EXPECT_GT(bias.abs().max().item<double>(), 0);
   EXPECT_LE(bias.abs().max().item<double>(), 40 * 0.001 + 1e-6);
+}
+
+// A layer may hold only some of its routed experts (chapter 13 gives each expert-parallel rank a
+// range): they keep their global names, experts.{j}, and so the whole model's initial weights;
+// the other experts are not built; a dispatcher that keeps every token here cannot serve them.
+TEST(MoeParts, HeldExpertsKeepTheirGlobalNamesAndWeights) {
+  const auto config = tiny_model();
+  Transformer whole = make_model(config);
+  const auto moe = MoeConfig::from_json(config.extensions);
+  ch03::ModelRecipe r = recipe(config);
+  r.mlp = [moe](const ch03::ModelConfig& c,
+                int64_t layer) -> std::shared_ptr<ch03::FeedForwardLayer> {
+    if (!moe.is_moe_layer(layer)) return nullptr;
+    return std::make_shared<MoeImpl>(c, moe, nullptr, ExpertRange{2, 4});  // experts 2 .. 5
+  };
+  Transformer part(config, r);
+  auto want = whole->named_parameters();
+  int64_t held = 0;
+  for (const auto& item : part->named_parameters()) {
+    ASSERT_TRUE(want.contains(item.key())) << item.key();
+    EXPECT_TENSOR_EQ(item.value(), want[item.key()]);
+    if (item.key().find(".experts.") != std::string::npos) ++held;
+  }
+  EXPECT_EQ(held, 2 * 4 * 3);  // 2 MoE layers x 4 experts x 3 matrices
+  EXPECT_TRUE(part->named_parameters().contains("model.layers.1.mlp.experts.5.up_proj.weight"));
+  EXPECT_FALSE(part->named_parameters().contains("model.layers.1.mlp.experts.6.up_proj.weight"));
+  auto& layer = *part->block(1).mlp->as<MoeImpl>();
+  EXPECT_EQ(layer.held_experts().first, 2);
+  EXPECT_THROW(layer.expert(6), fivefold::Error);
+  const auto tokens = torch::randint(config.vocab_size, {2, 8}, generator_for(0, "tokens"));
+  EXPECT_THROW(part->forward(tokens), fivefold::Error);  // LocalDispatcher groups all 8 experts
+  EXPECT_THROW(MoeImpl(config, moe, nullptr, ExpertRange{6, 4}), fivefold::Error);  // 6 .. 9 of 8
 }
