@@ -164,7 +164,7 @@ class MoeImpl : public ch03::FeedForwardLayer {
   /// The settings.
   const MoeConfig& config() const { return config_; }
 
-  TopkRouter gate{nullptr};                                ///< the router
+  TopkRouter gate{nullptr};       ///< the router
   torch::nn::ModuleDict experts;  ///< the routed experts held, keyed by global index ("0", ...)
   std::shared_ptr<ch03::FeedForwardLayer> shared_experts;  ///< always on; null when none
   /// Dispatch and combine (LocalDispatcher; chapter 13: all-to-all over the expert-parallel ranks).

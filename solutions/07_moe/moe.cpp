@@ -113,10 +113,10 @@ MoeImpl::MoeImpl(const ch03::ModelConfig& model, const MoeConfig& config,
                  std::shared_ptr<ch03::FeedForwardLayer> shared, ExpertRange held)
     : config_(config), held_(held) {
   if (held_.count < 0) held_.count = config.n_routed_experts - held_.first;
-  FIVEFOLD_CHECK(held_.first >= 0 && held_.count >= 0 &&
-                     held_.first + held_.count <= config.n_routed_experts,
-                 "MoE: experts [", held_.first, ", ", held_.first + held_.count,
-                 ") are not within the layer's ", config.n_routed_experts);
+  FIVEFOLD_CHECK(
+      held_.first >= 0 && held_.count >= 0 && held_.first + held_.count <= config.n_routed_experts,
+      "MoE: experts [", held_.first, ", ", held_.first + held_.count,
+      ") are not within the layer's ", config.n_routed_experts);
   gate = register_module("gate", TopkRouter(model.d_model, config));
   experts = register_module("experts", torch::nn::ModuleDict());
   const auto expert = with_width(model, config.moe_intermediate_size);

@@ -250,8 +250,8 @@ TEST(Moe, DroppedTokensAreCountedExactly) {
       for (int64_t s = 0; s < 2; ++s) {
         const int64_t e = experts[t][s].item<int64_t>();
         if (taken[e]++ >= capacity) continue;
-        manual[t] += layer->expert(e).forward(flat[t].unsqueeze(0))[0] *
-                     layer->last_routing().gates[t][s];
+        manual[t] +=
+            layer->expert(e).forward(flat[t].unsqueeze(0))[0] * layer->last_routing().gates[t][s];
       }
     }
     EXPECT_TENSOR_CLOSE(out.view({20, 16}), manual, 1e-5, 1e-5);

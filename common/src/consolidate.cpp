@@ -1,0 +1,47 @@
+#include "fivefold/consolidate.h"
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+#include "fivefold/error.h"
+
+namespace fivefold {
+
+io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator& comm) {
+  // 1. What each rank holds: names, shapes, dtypes, as JSON bytes, all-gathered.
+  nlohmann::json listing = nlohmann::json::array();
+  for (const auto& [name, t] : mine)
+    listing.push_back({name, t.sizes().vec(), static_cast<int>(t.scalar_type())});
+  const std::string text = listing.dump();
+  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
+  const auto lengths = comm.all_gather(length);  // [ranks]
+  std::vector<int64_t> sizes(lengths.data_ptr<int64_t>(),
+                             lengths.data_ptr<int64_t>() + lengths.numel());
+  auto bytes = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
+  std::copy(text.begin(), text.end(), bytes.data_ptr<uint8_t>());
+  const auto all = comm.all_gather(bytes, sizes);
+  // 2. Each name from the lowest rank that holds it, broadcast in rank order, then name order:
+  //    the same sequence of broadcasts on every rank.
+  io::TensorMap whole;
+  int64_t offset = 0;
+  for (int r = 0; r < comm.size(); ++r) {
+    const auto* begin = all.data_ptr<uint8_t>() + offset;
+    const auto entries = nlohmann::json::parse(begin, begin + sizes[static_cast<size_t>(r)]);
+    offset += sizes[static_cast<size_t>(r)];
+    for (const auto& entry : entries) {
+      const std::string name = entry[0];
+      if (whole.count(name) > 0) continue;  // a lower rank gave it already
+      auto shape = entry[1].get<std::vector<int64_t>>();
+      const auto dtype = static_cast<torch::ScalarType>(entry[2].get<int>());
+      torch::Tensor t = r == comm.rank() ? mine.at(name).detach().contiguous().clone()
+                                         : torch::empty(shape, torch::TensorOptions(dtype));
+      comm.broadcast(t, r);
+      whole[name] = t;
+    }
+  }
+  return whole;
+}
+
+}  // namespace fivefold
