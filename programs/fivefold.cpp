@@ -244,6 +244,9 @@ int plan(int argc, char** argv) {
                                  {"memory_per_rank_bytes", 16 * psi},
                                  {"micro_batch", {{"sequences", b}, {"tokens", b * context}}},
                                  {"communication_per_micro_batch", traffic}};
+    result["tensor_parallel"]["sequence_parallel_activation_savings_bytes"] =
+        fivefold::ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b,
+                                                             context);
   }
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
@@ -290,6 +293,10 @@ int plan(int argc, char** argv) {
               .c_str(),
           si(c["wire_bytes"].get<double>(), "B").c_str());
     }
+    std::printf(
+        "  sequence parallelism keeps %s fewer activation bytes per micro-batch on rank 0 "
+        "(fp32: what the norms keep for the tokens other ranks hold)\n",
+        si(t["sequence_parallel_activation_savings_bytes"].get<double>(), "B").c_str());
   }
   if (dp > 0) print_zero_memory(result["zero"], dp);
   if (out.contains("training")) {

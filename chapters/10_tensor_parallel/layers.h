@@ -47,7 +47,9 @@ struct TensorParallel {
   /// The replica groups made so far (replica_group's cache).
   std::map<int, dist::CommunicatorPtr> replica_groups;
 
+  /// This rank's index in the group.
   int rank() const { return comm->rank(); }
+  /// t, the ranks in the group.
   int size() const { return comm->size(); }
   /// When a tensor is cut into `parts` < size() parts, rank r holds part r / (size / parts): the
   /// ranks holding the same part as this one (grouped-query attention with fewer key/value heads

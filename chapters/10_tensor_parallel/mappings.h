@@ -73,11 +73,12 @@ void save_communicator(torch::autograd::AutogradContext* ctx, const dist::Commun
 /// The communicator save_communicator kept.
 dist::CommunicatorPtr saved_communicator(torch::autograd::AutogradContext* ctx);
 
-/// @name The same collectives along the sequence, outside autograd
-/// x [batch, seq_r, ...] -> [batch, seq, ...]: every rank's part, in rank order.
+/// All-gather along the sequence, outside autograd: x [batch, seq_r, ...] -> [batch, seq, ...],
+/// every rank's part in rank order.
 torch::Tensor all_gather_sequence(const torch::Tensor& x, int64_t seq, dist::Communicator& tp);
-/// x [batch, seq, ...] -> this rank's part of the sum over `tp`, [batch, seq_r, ...].
+
+/// Reduce-scatter along the sequence, outside autograd: x [batch, seq, ...] -> this rank's part of
+/// the sum over `tp`, [batch, seq_r, ...].
 torch::Tensor reduce_scatter_sequence(const torch::Tensor& x, dist::Communicator& tp);
-/// @}
 
 }  // namespace fivefold::ch10

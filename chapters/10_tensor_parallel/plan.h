@@ -28,9 +28,9 @@ struct Traffic {
 /// one rank of the tensor-parallel group do, per operation, for b sequences of s tokens in
 /// `element_bytes`-byte activations (4: fp32, as this course trains).
 struct TensorParallelTraffic {
-  Traffic all_reduce;
-  Traffic all_gather;
-  Traffic reduce_scatter;
+  Traffic all_reduce;      ///< f and g, and the loss's three per-token sums
+  Traffic all_gather;      ///< sequence parallelism: entering a split layer (forward)
+  Traffic reduce_scatter;  ///< sequence parallelism: leaving a split layer (forward)
   /// Wire bytes of all three: the same with and without sequence parallelism (a reduce-scatter
   /// and an all-gather move what one all-reduce moves).
   double wire_bytes() const;
@@ -45,5 +45,15 @@ struct TensorParallelTraffic {
 TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shape, int t, int64_t b,
                                               int64_t s, bool sequence_parallel,
                                               int64_t element_bytes = 4);
+
+/// The activation bytes sequence parallelism saves on rank `rank` of `t` for one micro-batch of b
+/// sequences of s tokens: what a forward pass keeps for backward outside the split layers
+/// scales with the tokens the rank holds, n_r = b·(its part of s) under SP against b·s without.
+/// Per norm and token: its input, x² (which the mean keeps), x·rms⁻¹ and rms⁻¹: 3h + 1 numbers;
+/// 2L + 1 norms. The split layers' inputs (the gathered sequence, or the replicated one) and
+/// everything inside them are the same size with or without SP, so the difference is exactly
+///   (b·s − n_r)·(2L + 1)·(3h + 1)·element_bytes.
+int64_t sequence_parallel_activation_savings(const ch02::TransformerShape& shape, int t, int rank,
+                                             int64_t b, int64_t s, int64_t element_bytes = 4);
 
 }  // namespace fivefold::ch10

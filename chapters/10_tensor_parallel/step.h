@@ -45,12 +45,16 @@ class TensorParallelStep : public ch03::TrainingStep {
   /// full_model() fills (ch07::make_model).
   TensorParallelStep(ch03::Transformer model, TensorParallelPtr tp, dist::CommunicatorPtr dp,
                      int stage, const ch03::TrainConfig& config, ch03::ModelBuilder whole);
+  /// Chapter 09's step on this rank's slice: every tp rank runs the same micro-batches.
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
+  /// This rank's slice.
   ch03::Transformer& model() override { return inner_->model(); }
   /// The single-device model with the gathered parameters (collective over tp and, for ZeRO-3,
   /// dp). Built on first use: it costs the whole model's memory on every rank.
   ch03::Transformer& full_model() override;
+  /// AdamW's state gathered by parameter name: the single process's layout (collective).
   io::TensorMap optimizer_state() override;
+  /// Keeps this rank's slices of a state in that layout.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The gradients the last step applied (after clipping), whole, by name (collective).
   io::TensorMap gradients();

@@ -58,4 +58,17 @@ TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shap
   return traffic;
 }
 
+int64_t sequence_parallel_activation_savings(const ch02::TransformerShape& shape, int t, int rank,
+                                             int64_t b, int64_t s, int64_t element_bytes) {
+  FIVEFOLD_CHECK(t >= 1 && rank >= 0 && rank < t, "sequence_parallel_activation_savings: rank ",
+                 rank, " of ", t);
+  const int64_t h = shape.d_model;
+  const int64_t tokens = b * s, held = b * split_sizes(s, t)[static_cast<size_t>(rank)];
+  // Kept per token outside the split layers, per norm: its input, x² (the mean keeps it), x·rms⁻¹
+  // and rms⁻¹: 3h + 1. Two norms a layer (the second's input is the residual after attention),
+  // and the final one.
+  const int64_t per_token = (2 * shape.n_layers + 1) * (3 * h + 1);
+  return (tokens - held) * per_token * element_bytes;
+}
+
 }  // namespace fivefold::ch10

@@ -274,3 +274,29 @@ TEST(VocabParallelLoss, FullLogitsNeverExist) {
     EXPECT_LT(memory.largest_allocation_bytes(), full_logits);
   }
 }
+
+// What sequence parallelism saves, measured: the bytes a forward pass leaves for backward on each
+// rank (storage allocated during the forward and still alive with the loss), without and with
+// sequence parallelism, differ by exactly the activations outside the split layers for the tokens
+// this rank no longer holds (plan.h). The rest (the split layers' inputs, gathered or replicated,
+// and everything inside them) is the same size either way.
+TEST(TensorParallelPlan, SequenceParallelSavesTheActivationsOutsideTheSplitLayers) {
+  auto comm = world();
+  const auto config = tp_config(false);
+  const auto batch = tp_batches().batch(0);
+  int64_t kept[2] = {0, 0};
+  for (bool sp : {false, true}) {
+    auto tp = std::make_shared<TensorParallel>(comm, sp);
+    auto local = make_model(config, tp);
+    MemoryTracker memory;
+    auto loss = ch03::loss_of(local, batch);
+    kept[sp ? 1 : 0] = memory.current_bytes();
+    loss.backward();
+  }
+  const auto want = sequence_parallel_activation_savings(
+      config.shape(), comm->size(), comm->rank(), batch.inputs.size(0), batch.inputs.size(1));
+  EXPECT_EQ(kept[0] - kept[1], want);
+  if (comm->size() > 1) {
+    EXPECT_LT(kept[1], kept[0]);
+  }
+}
