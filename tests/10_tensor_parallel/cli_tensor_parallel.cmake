@@ -19,21 +19,28 @@ set(common --steps 4 --batch 8 --seq 15 --d-model 64 --n-layers 2 --n-heads 4 --
 
 train(1 ${WORK}/single ${common})
 curve(${WORK}/single want)
-# np; tp; zero; sequence parallelism
-foreach(layout "2;2;0;off" "2;2;1;on" "4;4;0;on" "4;2;2;off" "4;2;3;on")
-  list(GET layout 0 np)
-  list(GET layout 1 tp)
-  list(GET layout 2 zero)
-  list(GET layout 3 sp)
-  set(flags --tp ${tp} --zero ${zero})
-  if(sp STREQUAL "on")
-    list(APPEND flags --sequence-parallel)
-  endif()
-  set(out ${WORK}/np${np}-tp${tp}-zero${zero}-sp${sp})
-  train(${np} ${out} ${common} ${flags})
-  curve(${out} got)
-  expect_same_curve("${got}" "${want}" "${np} ranks, tp ${tp}, ZeRO-${zero}, SP ${sp}")
-endforeach()
+# Trains each layout "np,tp,zero,sp" with the run's flags (`run_flags`: a list variable's name) into
+# WORK/<prefix>np..., and expects the curve named by `expected` from each.
+function(expect_layouts prefix label run_flags expected)
+  foreach(layout IN LISTS ARGN)
+    string(REPLACE "," ";" layout "${layout}")
+    list(GET layout 0 np)
+    list(GET layout 1 tp)
+    list(GET layout 2 zero)
+    list(GET layout 3 sp)
+    set(extra --tp ${tp} --zero ${zero})
+    if(sp STREQUAL "on")
+      list(APPEND extra --sequence-parallel)
+    endif()
+    set(out ${WORK}/${prefix}np${np}-tp${tp}-zero${zero}-sp${sp})
+    train(${np} ${out} ${${run_flags}} ${extra})
+    curve(${out} got)
+    expect_same_curve("${got}" "${${expected}}" "${label}${np} ranks, tp ${tp}, ZeRO-${zero}, SP ${sp}")
+  endforeach()
+endfunction()
+
+# np, tp, zero, sequence parallelism
+expect_layouts("" "" common want "2,2,0,off" "2,2,1,on" "4,4,0,on" "4,2,2,off" "4,2,3,on")
 
 # DeepSeek-V3 in miniature (MLA with YaRN, 8 routed experts and a shared one, the balancing bias
 # updated after every step from the load summed over the ranks that routed different tokens).
@@ -42,20 +49,7 @@ set(moe --steps 4 --batch 8 --seq 15 --synthetic-examples 300 --warmup 1 --grad-
     --no-progress --model-config ${MOE_CONFIG})
 train(1 ${WORK}/moe-single ${moe})
 curve(${WORK}/moe-single want_moe)
-foreach(layout "2;2;0;on" "4;2;1;off" "4;4;2;on")
-  list(GET layout 0 np)
-  list(GET layout 1 tp)
-  list(GET layout 2 zero)
-  list(GET layout 3 sp)
-  set(flags --tp ${tp} --zero ${zero})
-  if(sp STREQUAL "on")
-    list(APPEND flags --sequence-parallel)
-  endif()
-  set(out ${WORK}/moe-np${np}-tp${tp}-zero${zero}-sp${sp})
-  train(${np} ${out} ${moe} ${flags})
-  curve(${out} got)
-  expect_same_curve("${got}" "${want_moe}" "MLA + MoE: ${np} ranks, tp ${tp}, ZeRO-${zero}, SP ${sp}")
-endforeach()
+expect_layouts(moe- "MLA + MoE: " moe want_moe "2,2,0,on" "4,2,1,off" "4,4,2,on")
 
 # The run saved at tp 2 (dp 2, ZeRO-3, SP) at step 2 continues on 1 process and at tp 4.
 set(saved ${WORK}/np4-tp2-zero3-spon)
