@@ -317,10 +317,16 @@ struct ModelPart {
   /// Holds the final norm and the output layer. With tied embeddings the output layer reads the
   /// embedding table, so a part with the head holds model.embed_tokens too.
   bool head = true;
+  /// Further ranges [first, last) held after [first_layer, last_layer), in increasing order: an
+  /// interleaved pipeline stage (chapter 11) holds one range per virtual stage.
+  std::vector<std::pair<int64_t, int64_t>> more_layers;
   /// last_layer resolved against `n_layers`; throws fivefold::Error for a range outside it.
   int64_t end(int64_t n_layers) const;
   /// Whether this is the whole model.
   bool whole(int64_t n_layers) const;
+  /// The global indices of every layer held, in increasing order; throws fivefold::Error for
+  /// ranges that overlap, run backwards or leave the model.
+  std::vector<int64_t> layers(int64_t n_layers) const;
 };
 
 /// The trunk, registered as "model" so that names read model.layers.{i}...

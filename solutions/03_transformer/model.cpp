@@ -202,7 +202,19 @@ int64_t ModelPart::end(int64_t n_layers) const {
 }
 
 bool ModelPart::whole(int64_t n_layers) const {
-  return first_layer == 0 && end(n_layers) == n_layers && embedding && head;
+  return static_cast<int64_t>(layers(n_layers).size()) == n_layers && embedding && head;
+}
+
+std::vector<int64_t> ModelPart::layers(int64_t n_layers) const {
+  std::vector<int64_t> held;
+  for (int64_t i = first_layer; i < end(n_layers); ++i) held.push_back(i);
+  for (const auto& [first, last] : more_layers) {
+    FIVEFOLD_CHECK(first <= last && last <= n_layers && (held.empty() || first > held.back()),
+                   "model part: layers [", first, ", ", last,
+                   ") must follow the ranges before them, within the model's ", n_layers);
+    for (int64_t i = first; i < last; ++i) held.push_back(i);
+  }
+  return held;
 }
 
 TrunkImpl::TrunkImpl(const ModelConfig& c, const ModelRecipe& recipe, const ModelPart& part) {
@@ -212,7 +224,7 @@ TrunkImpl::TrunkImpl(const ModelConfig& c, const ModelRecipe& recipe, const Mode
         recipe.embedding ? recipe.embedding(c) : Embedding(c.vocab_size, c.d_model).ptr());
   }
   layers = register_module("layers", torch::nn::ModuleDict());
-  for (int64_t i = part.first_layer; i < part.end(c.n_layers); ++i) {
+  for (int64_t i : part.layers(c.n_layers)) {
     Block block(c, recipe.attention ? recipe.attention(c, i) : nullptr,
                 recipe.mlp ? recipe.mlp(c, i) : nullptr);
     block->self_attn->encoding = recipe.position_encoding;
@@ -243,15 +255,12 @@ TransformerImpl::TransformerImpl(ModelConfig config, const ModelRecipe& recipe,
 BlockImpl& TransformerImpl::block(int64_t layer) {
   const std::string key = std::to_string(layer);
   FIVEFOLD_CHECK(model->layers->contains(key), "Transformer: layer ", layer,
-                 " is not held by this part (layers ", part_.first_layer, " .. ",
-                 part_.last_layer - 1, ")");
+                 " is not held by this part");
   return *model->layers[key]->as<BlockImpl>();
 }
 
 std::vector<int64_t> TransformerImpl::layer_indices() const {
-  std::vector<int64_t> indices;
-  for (int64_t i = part_.first_layer; i < part_.last_layer; ++i) indices.push_back(i);
-  return indices;
+  return part_.layers(config_.n_layers);
 }
 
 void TransformerImpl::initialise_parameters() {
@@ -324,9 +333,8 @@ torch::Tensor TransformerImpl::embed(const torch::Tensor& tokens) {
 
 torch::Tensor TransformerImpl::forward_layers(torch::Tensor x, const torch::Tensor& positions,
                                               int64_t first, int64_t last, KVCache* cache) {
-  FIVEFOLD_CHECK(part_.first_layer <= first && first <= last && last <= part_.last_layer,
-                 "Transformer: layers [", first, ", ", last, ") are not all held by this part [",
-                 part_.first_layer, ", ", part_.last_layer, ")");
+  FIVEFOLD_CHECK(0 <= first && first <= last && last <= config_.n_layers, "Transformer: layers [",
+                 first, ", ", last, ") are not within the model's ", config_.n_layers);
   // Under sequence parallelism (chapter 10) x holds a slice of the sequence that `positions`
   // spans in full; otherwise the two have the same length.
   FIVEFOLD_CHECK(positions.dim() == 1 && positions.scalar_type() == torch::kLong &&

@@ -99,9 +99,9 @@ TEST(Transformer, PartsHoldTheWholeModelsWeightsAndComputeItsForward) {
     ModelConfig config = small(2, tied);
     config.n_layers = 4;
     Transformer whole(config);
-    ModelPart first_part{0, 1, /*embedding=*/true, /*head=*/false};
-    ModelPart middle_part{1, 3, false, false};
-    ModelPart last_part{3, -1, false, true};
+    ModelPart first_part{0, 1, /*embedding=*/true, /*head=*/false, {}};
+    ModelPart middle_part{1, 3, false, false, {}};
+    ModelPart last_part{3, -1, false, true, {}};
     Transformer first(config, ModelRecipe{}, first_part),
         middle(config, ModelRecipe{}, middle_part), last(config, ModelRecipe{}, last_part);
     auto reference = whole->named_parameters();
@@ -128,13 +128,28 @@ TEST(Transformer, PartsHoldTheWholeModelsWeightsAndComputeItsForward) {
     // The same operations in the same order: bit for bit.
     EXPECT_TENSOR_EQ(last->logits(x), whole(tokens));
     EXPECT_TRUE(fivefold::testing::throws_error_containing(
-        [&] { middle->forward_layers(x, positions, 0, 2); }, "not all held by this part"));
+        [&] { middle->forward_layers(x, positions, 0, 2); }, "layer 0 is not held by this part"));
+    // An interleaved pipeline stage (chapter 11) holds several ranges: layers 0 and 2..3 here.
+    ModelPart ranges{0, 1, true, true, {}};
+    ranges.more_layers = {{2, 4}};
+    Transformer gapped(config, ModelRecipe{}, ranges);
+    EXPECT_EQ(gapped->layer_indices(), (std::vector<int64_t>{0, 2, 3}));
+    EXPECT_FALSE(gapped->part().whole(config.n_layers));
+    for (const auto& item : gapped->named_parameters()) {
+      SCOPED_TRACE(item.key());
+      EXPECT_TENSOR_EQ(item.value(), reference[item.key()]);
+    }
+    EXPECT_TRUE(fivefold::testing::throws_error_containing(
+        [&] { gapped->forward_layers(x, positions, 0, 2); }, "layer 1 is not held"));
+    ranges.more_layers = {{0, 2}};
+    EXPECT_TRUE(fivefold::testing::throws_error_containing(
+        [&] { Transformer(config, ModelRecipe{}, ranges); }, "must follow the ranges before"));
     EXPECT_TRUE(
         fivefold::testing::throws_error_containing([&] { middle->embed(tokens); }, "no embedding"));
   }
   EXPECT_TRUE(fivefold::testing::throws_error_containing(
       [] {
-        Transformer(small(), ModelRecipe{}, ModelPart{1, 5, true, true});
+        Transformer(small(), ModelRecipe{}, ModelPart{1, 5, true, true, {}});
       },
       "not within the model's 2"));
 }
