@@ -6,6 +6,7 @@
 /// 1 and 2 (ZeroOptimizer: optimizer state, and in stage 2 gradients, sharded) and 3
 /// (FullyShardedDataParallel: parameters sharded too).
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -31,8 +32,14 @@ class DataParallelStep : public ch03::TrainingStep {
   /// the global norm counts every piece once. Throws fivefold::Error, before any communication,
   /// for a stage outside 0..3 or stage 3 with Mixture-of-Experts layers (their balancing bias
   /// changes outside the optimizer).
+  /// `forward_backward`: runs forward and backward over this rank's micro-batches, each loss
+  /// weighted by its share of the rows, and returns this rank's mean loss (default: chapter 03's
+  /// loop; chapter 11 runs a pipeline schedule). With one given, DDP reduces every bucket after
+  /// it, and ZeRO-3 is refused (its units gather around the whole model's forward).
+  using ForwardBackward = std::function<double(const std::vector<ch03::Batch>&)>;
   DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
-                   const ch03::TrainConfig& config, ModelParallelGroups groups = {});
+                   const ch03::TrainConfig& config, ModelParallelGroups groups = {},
+                   ForwardBackward forward_backward = {});
   /// As ch03::TrainingStep::step; the loss is averaged over the ranks (one all-reduce of a number).
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
   ch03::Transformer& model() override { return model_; }
@@ -50,6 +57,7 @@ class DataParallelStep : public ch03::TrainingStep {
   int stage_;
   ch03::TrainConfig config_;
   ModelParallelGroups groups_;
+  ForwardBackward forward_backward_;
   std::unique_ptr<torch::optim::AdamW> adam_;  // stage 0
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroOptimizer> zero_;             // stages 1 and 2

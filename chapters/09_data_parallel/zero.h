@@ -203,6 +203,10 @@ class ZeroOptimizer {
   torch::Tensor grad_shard_;  // [shard] (kept in stage 2)
   ModelParallelGroups groups_;
   torch::Tensor norm_mask_;  // undefined: every element counts
+  // 1 for each parameter that has had a gradient on some rank: on one device its gradient then
+  // stays (zeroed, not freed), so AdamW keeps stepping it even in a step that gives it none (an
+  // expert no token chose). Stage 2 frees the full gradients, so it remembers here.
+  torch::Tensor had_gradient_;
 };
 
 }  // namespace fivefold::ch09

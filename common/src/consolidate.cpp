@@ -14,22 +14,12 @@ io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator
   nlohmann::json listing = nlohmann::json::array();
   for (const auto& [name, t] : mine)
     listing.push_back({name, t.sizes().vec(), static_cast<int>(t.scalar_type())});
-  const std::string text = listing.dump();
-  auto length = torch::tensor({static_cast<int64_t>(text.size())}, torch::kLong);
-  const auto lengths = comm.all_gather(length);  // [ranks]
-  std::vector<int64_t> sizes(lengths.data_ptr<int64_t>(),
-                             lengths.data_ptr<int64_t>() + lengths.numel());
-  auto bytes = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
-  std::copy(text.begin(), text.end(), bytes.data_ptr<uint8_t>());
-  const auto all = comm.all_gather(bytes, sizes);
+  const auto listings = all_gather_strings(listing.dump(), comm);
   // 2. Each name from the lowest rank that holds it, broadcast in rank order, then name order:
   //    the same sequence of broadcasts on every rank.
   io::TensorMap whole;
-  int64_t offset = 0;
   for (int r = 0; r < comm.size(); ++r) {
-    const auto* begin = all.data_ptr<uint8_t>() + offset;
-    const auto entries = nlohmann::json::parse(begin, begin + sizes[static_cast<size_t>(r)]);
-    offset += sizes[static_cast<size_t>(r)];
+    const auto entries = nlohmann::json::parse(listings[static_cast<size_t>(r)]);
     for (const auto& entry : entries) {
       const std::string name = entry[0];
       if (whole.count(name) > 0) continue;  // a lower rank gave it already
@@ -42,6 +32,24 @@ io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator
     }
   }
   return whole;
+}
+
+std::vector<std::string> all_gather_strings(const std::string& mine, dist::Communicator& comm) {
+  auto length = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong);
+  const auto lengths = comm.all_gather(length);  // [ranks]
+  std::vector<int64_t> sizes(lengths.data_ptr<int64_t>(),
+                             lengths.data_ptr<int64_t>() + lengths.numel());
+  auto bytes = torch::empty({static_cast<int64_t>(mine.size())}, torch::kUInt8);
+  std::copy(mine.begin(), mine.end(), bytes.data_ptr<uint8_t>());
+  const auto all = comm.all_gather(bytes, sizes);
+  std::vector<std::string> out;
+  int64_t offset = 0;
+  for (const int64_t size : sizes) {
+    const auto* begin = all.data_ptr<uint8_t>() + offset;
+    out.emplace_back(begin, begin + size);
+    offset += size;
+  }
+  return out;
 }
 
 }  // namespace fivefold

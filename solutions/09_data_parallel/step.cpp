@@ -2,6 +2,7 @@
 
 #include "09_data_parallel/step.h"
 
+#include <optional>
 #include <utility>
 
 #include "fivefold/error.h"
@@ -9,13 +10,18 @@
 namespace fivefold::ch09 {
 
 DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
-                                   const ch03::TrainConfig& config, ModelParallelGroups groups)
+                                   const ch03::TrainConfig& config, ModelParallelGroups groups,
+                                   ForwardBackward forward_backward)
     : model_(std::move(model)),
       comm_(std::move(comm)),
       stage_(stage),
       config_(config),
-      groups_(std::move(groups)) {
+      groups_(std::move(groups)),
+      forward_backward_(std::move(forward_backward)) {
   FIVEFOLD_CHECK(stage_ >= 0 && stage_ <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage_);
+  FIVEFOLD_CHECK(stage_ < 3 || !forward_backward_,
+                 "ZeRO-3 gathers each unit around the whole model's forward and backward: it "
+                 "does not run under a pipeline schedule yet (use --zero 0, 1 or 2)");
   const auto& extensions = model_->config().extensions;
   FIVEFOLD_CHECK(stage_ < 3 || !extensions.contains("n_routed_experts") ||
                      extensions["n_routed_experts"].is_null(),
@@ -42,7 +48,13 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
   int64_t rows = 0;
   for (const auto& b : micro_batches) rows += b.inputs.size(0);
   double local = 0;  // this rank's mean loss
-  for (size_t i = 0; i < micro_batches.size(); ++i) {
+  if (forward_backward_) {
+    // Someone else's order of backwards (a pipeline's): DDP reduces every bucket afterwards.
+    std::optional<DistributedDataParallel::NoSync> guard;
+    if (ddp_) guard.emplace(*ddp_);
+    local = forward_backward_(micro_batches);
+  }
+  for (size_t i = 0; i < (forward_backward_ ? 0 : micro_batches.size()); ++i) {
     const auto& b = micro_batches[i];
     // Each micro-batch's mean weighted by its share of the rows: the sum is this rank's mean.
     const double share = static_cast<double>(b.inputs.size(0)) / static_cast<double>(rows);

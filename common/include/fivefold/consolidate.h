@@ -4,6 +4,9 @@
 /// expert-parallel rank's experts), brought together into one map, for checkpoints and
 /// comparisons that see the whole model.
 
+#include <string>
+#include <vector>
+
 #include "fivefold/dist.h"
 #include "fivefold/io.h"
 
@@ -15,5 +18,9 @@ namespace fivefold {
 /// (as JSON), then each tensor is broadcast from its rank. Costs the whole map's memory on every
 /// rank: meant for checkpoints of the models this course trains.
 io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator& comm);
+
+/// Every rank's `mine`, in rank order, on every rank of `comm` (collective: two all-gathers, the
+/// lengths then the bytes).
+std::vector<std::string> all_gather_strings(const std::string& mine, dist::Communicator& comm);
 
 }  // namespace fivefold

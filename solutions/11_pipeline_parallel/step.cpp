@@ -1,0 +1,159 @@
+// Chapter 11: the training step with a pipeline, over pp x dp x tp ranks.
+
+#include <algorithm>
+#include <utility>
+
+#include "10_tensor_parallel/step.h"
+#include "11_pipeline_parallel/pipeline.h"
+#include "fivefold/consolidate.h"
+#include "fivefold/error.h"
+
+namespace fivefold::ch11 {
+
+namespace {
+
+const char* const kEmbedding = "model.embed_tokens.weight";
+
+// The tensors of `map` whose names (or whose parameter's, for optimizer state) are in `names`.
+io::TensorMap keep(const io::TensorMap& map, const std::set<std::string>& names) {
+  io::TensorMap out;
+  for (const auto& [key, t] : map) {
+    for (const std::string suffix : {"", ".exp_avg", ".exp_avg_sq", ".step"}) {
+      if (key.size() < suffix.size() ||
+          key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0)
+        continue;
+      if (names.count(key.substr(0, key.size() - suffix.size())) > 0) {
+        out[key] = t;
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+ch09::ModelParallelGroups pipeline_groups(ch03::Transformer& model, const PipelineLayout& layout) {
+  ch09::ModelParallelGroups groups;
+  if (layout.tp) groups = ch10::tensor_parallel_groups(model, *layout.tp);
+  groups.norm = layout.model_parallel;  // each stage (and tp slice) adds its own squares
+  const auto& pp = *layout.links->pp;
+  if (model->config().tied_embeddings && pp.size() > 1 && layout.links->ends) {
+    // The first stage embeds with the table, the last one's head reads it: each holds a copy
+    // whose gradient is a part of the whole; summed over the two, counted once (on the first).
+    FIVEFOLD_CHECK(groups.partial.count(kEmbedding) == 0,
+                   "pipeline: the tied embedding is already a partial gradient");
+    groups.partial[kEmbedding] = layout.links->ends;
+    if (pp.rank() == pp.size() - 1) groups.counted_elsewhere.insert(kEmbedding);
+  }
+  return groups;
+}
+
+PipelineParallelStep::PipelineParallelStep(ch03::Transformer model, PipelineLayout layout,
+                                           const ch03::TrainConfig& config,
+                                           ch03::ModelBuilder whole)
+    : layout_(std::move(layout)), shards_(model->parameter_shards()), whole_(std::move(whole)) {
+  for (const auto& item : model->named_parameters()) names_.insert(item.key());
+  PipelineExecutor::ActivationShape shape;
+  if (layout_.tp && layout_.tp->sequence_parallel) {
+    // Under sequence parallelism a stage sends each tp rank's part of the sequence.
+    shape = [tp = layout_.tp, d = model->config().d_model](const ch03::Batch& b) {
+      const auto part = ch10::sequence_part(b.inputs.size(1), tp->rank(), tp->size());
+      return std::vector<int64_t>{b.inputs.size(0), part.length, d};
+    };
+  }
+  executor_ = std::make_unique<PipelineExecutor>(model, layout_.links, layout_.virtual_stages,
+                                                 std::move(shape));
+  auto groups = pipeline_groups(model, layout_);
+  inner_ = std::make_unique<ch09::DataParallelStep>(
+      std::move(model), layout_.dp, layout_.zero, config, std::move(groups),
+      [this](const std::vector<ch03::Batch>& micro_batches) {
+        const auto m = static_cast<int64_t>(micro_batches.size());
+        auto found = schedules_.find(m);
+        if (found == schedules_.end())
+          found = schedules_
+                      .emplace(m, make_schedule(layout_.schedule, layout_.links->pp->size(),
+                                                layout_.virtual_stages, m))
+                      .first;
+        return executor_->run(found->second, micro_batches);
+      });
+}
+
+ch03::StepResult PipelineParallelStep::step(const std::vector<ch03::Batch>& micro_batches,
+                                            int64_t step) {
+  return inner_->step(micro_batches, step);
+}
+
+io::TensorMap PipelineParallelStep::gather(const io::TensorMap& local) {
+  const auto sliced = layout_.tp ? ch10::gather_shards(local, shards_, *layout_.tp->comm) : local;
+  return gather_named_tensors(sliced, *layout_.links->pp);
+}
+
+ch03::Transformer& PipelineParallelStep::full_model() {
+  io::TensorMap local;
+  for (const auto& item : inner_->full_model()->named_parameters())
+    local[item.key()] = item.value().detach();
+  const auto whole = gather(local);
+  if (!full_) full_ = whole_(inner_->model()->config(), ch03::ModelPart{});
+  torch::NoGradGuard no_grad;
+  for (auto& item : full_->named_parameters()) {
+    const auto found = whole.find(item.key());
+    FIVEFOLD_CHECK(found != whole.end(), "PipelineParallelStep: no stage holds ", item.key());
+    item.value().copy_(found->second);
+  }
+  return full_;
+}
+
+io::TensorMap PipelineParallelStep::optimizer_state() { return gather(inner_->optimizer_state()); }
+
+void PipelineParallelStep::load_optimizer_state(const io::TensorMap& state,
+                                                const std::string& source) {
+  const auto mine = keep(state, names_);
+  inner_->load_optimizer_state(layout_.tp ? ch10::slice_shards(mine, shards_) : mine, source);
+}
+
+io::TensorMap PipelineParallelStep::gradients() { return gather(inner_->gradients()); }
+
+ch03::StepFactory pipeline_parallel_step(PipelineLayout layout, ch03::ModelBuilder whole) {
+  return [layout, whole](ch03::Transformer model, const ch03::TrainConfig& config) {
+    const auto& c = model->config();
+    const auto part = stage_part(c.n_layers, layout.links->pp->size(), layout.virtual_stages,
+                                 layout.links->pp->rank());
+    auto local = layout.tp ? ch10::make_model(c, layout.tp, part) : whole(c, part);
+    // This rank's part (and slices) of the weights of the model the run built or loaded.
+    io::TensorMap weights;
+    for (const auto& item : model->named_parameters()) weights[item.key()] = item.value().detach();
+    const auto mine = ch10::slice_shards(weights, local->parameter_shards());
+    torch::NoGradGuard no_grad;
+    for (auto& item : local->named_parameters()) {
+      const auto found = mine.find(item.key());
+      FIVEFOLD_CHECK(found != mine.end(), "pipeline_parallel_step: the model has no ", item.key());
+      item.value().copy_(found->second);
+    }
+    return std::unique_ptr<ch03::TrainingStep>(
+        new PipelineParallelStep(local, layout, config, whole));
+  };
+}
+
+nlohmann::json merge_stage_metrics(const nlohmann::json& mine, dist::Communicator& pp) {
+  nlohmann::json loads = nlohmann::json::array();
+  double max_load = 0, dropped = 0, aux = 0;
+  for (const auto& text : all_gather_strings(mine.dump(), pp)) {
+    const auto stage = nlohmann::json::parse(text);
+    if (!stage.contains("moe_load")) continue;  // a stage without MoE layers
+    const auto layers = static_cast<double>(stage["moe_load"].size());
+    for (const auto& load : stage["moe_load"]) loads.push_back(load);
+    max_load = std::max(max_load, stage["moe_max_load"].get<double>());
+    // Every MoE layer routes the same tokens: averages over layers weight each stage by its count.
+    dropped += stage["moe_dropped"].get<double>() * layers;
+    aux += stage["moe_aux_loss"].get<double>() * layers;
+  }
+  if (loads.empty()) return nlohmann::json::object();
+  const auto n = static_cast<double>(loads.size());
+  return {{"moe_load", loads},
+          {"moe_max_load", max_load},
+          {"moe_dropped", dropped / n},
+          {"moe_aux_loss", aux / n}};
+}
+
+}  // namespace fivefold::ch11
