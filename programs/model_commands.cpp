@@ -3,6 +3,7 @@
 //   fivefold train --out runs/ch03 [--steps 300] [--data FILE] [--resume] ...
 //   mpirun -np 4 fivefold train --zero 1 ...     data parallel over 4 ranks (chapter 09)
 //   mpirun -np 4 fivefold train --tp 2 [--sequence-parallel] ...   tp 2 x dp 2 (chapter 10)
+//   mpirun -np 4 fivefold train --pp 2 --schedule 1f1b --accum 4 ...  pp 2 x dp 2 (chapter 11)
 //   fivefold generate --checkpoint runs/ch03 --prompt "12+35=" --max-new-tokens 8 --greedy
 //   fivefold generate --checkpoint DIR --prompt-ids 3,1,4 --max-new-tokens N --greedy
 //   fivefold eval --checkpoint runs/ch03 [--data FILE] [--exact-match 200]
@@ -23,6 +24,7 @@
 #include "07_moe/moe.h"
 #include "09_data_parallel/step.h"
 #include "10_tensor_parallel/step.h"
+#include "11_pipeline_parallel/pipeline.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -160,8 +162,9 @@ int train(int argc, char** argv) {
   ArgParser args(
       "fivefold train",
       "Trains the chapters' transformer (chapter 03, with chapter 04's rotary positions; "
-      "MLA and experts from a deepseek_v3 --model-config), on one process or data-parallel "
-      "under mpirun (chapter 09): on the built-in synthetic "
+      "MLA and experts from a deepseek_v3 --model-config), on one process or under mpirun "
+      "with data (chapter 09), tensor (10) and pipeline (11) parallelism: on the built-in "
+      "synthetic "
       "corpus (arithmetic, copying, reversal, key-value recall), a UTF-8 text file or "
       "a nanoGPT-style uint16 .bin. Writes OUT/metrics.jsonl and checkpoints "
       "OUT/step-N (Hugging Face layout plus optimizer and RNG state); --resume "
@@ -178,8 +181,8 @@ int train(int argc, char** argv) {
   args.option("batch", std::to_string(d.batch),
               "sequences per optimizer step, over all ranks (the global batch)");
   args.option("accum", "1",
-              "micro-batches per data-parallel rank and step (gradient accumulation; "
-              "dp x accum divides --batch)");
+              "micro-batches per data-parallel rank and step (gradient accumulation, and the "
+              "pipeline's micro-batches; dp x accum divides --batch)");
   args.option("dp", "", "data-parallel ranks (default: the world size / (tp x pp x cp))");
   args.option("zero", "0",
               "with --dp > 1: 0 DDP, 1 shard AdamW's state, 2 and the gradients, 3 and the "
@@ -189,7 +192,14 @@ int train(int argc, char** argv) {
               "heads and the key/value heads");
   args.flag("sequence-parallel",
             "with --tp > 1: norms and residuals on each rank's part of the sequence (chapter 10)");
-  args.option("pp", "1", "pipeline stages (chapter 11; only 1 for now)");
+  args.option("pp", "1",
+              "pipeline ranks (chapter 11): the layers cut into consecutive stages, as even as "
+              "they split");
+  args.option("schedule", "1f1b",
+              "with --pp > 1: gpipe, 1f1b, interleaved (--virtual-stages, accum a multiple of "
+              "pp) or zb (zero-bubble ZB-H1)");
+  args.option("virtual-stages", "1",
+              "with --schedule interleaved: stages per pipeline rank (pp x this <= layers)");
   args.option("cp", "1", "context-parallel ranks (chapter 12; only 1 for now)");
   args.option("ep", "1", "expert-parallel ranks (chapter 13; only 1 for now)");
   args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
@@ -222,9 +232,7 @@ int train(int argc, char** argv) {
   if (!args.parse(argc, argv)) return 0;
   // The layout, checked before anything starts: every rank sees the same flags and the same
   // world size, so every rank refuses the same way, before any communication.
-  const char* later[][2] = {{"pp", "11 (pipeline parallelism)"},
-                            {"cp", "12 (context parallelism)"},
-                            {"ep", "13 (expert parallelism)"}};
+  const char* later[][2] = {{"cp", "12 (context parallelism)"}, {"ep", "13 (expert parallelism)"}};
   for (const auto& [flag, chapter] : later) {
     FIVEFOLD_CHECK(args.integer(flag) == 1, "--", flag, " ", args.integer(flag),
                    ": only 1 is supported until chapter ", chapter, " is written");
@@ -236,13 +244,18 @@ int train(int argc, char** argv) {
   FIVEFOLD_CHECK(!args.on("sequence-parallel") || tp > 1,
                  "--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
                  "needs --tp 2 or more");
+  const int64_t pp = args.integer("pp");
+  FIVEFOLD_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
+  FIVEFOLD_CHECK(pp > 1 || (!args.given("schedule") && !args.given("virtual-stages")),
+                 "--schedule and --virtual-stages choose how a pipeline runs: they need --pp 2 "
+                 "or more");
   Runtime runtime;
   auto world = runtime.world();
-  FIVEFOLD_CHECK(world->size() % tp == 0, "--tp ", tp, " does not divide the ", world->size(),
-                 " processes");
-  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size() / tp;
-  FIVEFOLD_CHECK(dp >= 1 && dp * tp == world->size(), "--dp ", dp, " x tp ", tp,
-                 " x pp 1 x cp 1 must equal the number of processes, ", world->size());
+  FIVEFOLD_CHECK(world->size() % (tp * pp) == 0, "--tp ", tp, " x --pp ", pp,
+                 " does not divide the ", world->size(), " processes");
+  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size() / (tp * pp);
+  FIVEFOLD_CHECK(dp >= 1 && dp * tp * pp == world->size(), "--dp ", dp, " x tp ", tp, " x pp ", pp,
+                 " x cp 1 must equal the number of processes, ", world->size());
 
   RunConfig c;
   c.out_dir = args.str("out");
@@ -275,21 +288,44 @@ int train(int argc, char** argv) {
   // Refused before the mesh's communicators exist (and again below for a resumed run's model).
   c.model.validate();
   ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
+  const std::string schedule = args.str("schedule");
+  const int64_t virtual_stages = args.integer("virtual-stages");
+  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches, zero);
   c.build_model = ch07::make_model;  // the most complete model the chapters build
-  // The mesh: tensor-parallel peers are neighbouring ranks (tp fastest).
-  dist::DeviceMesh mesh(world, {{"dp", static_cast<int>(dp)}, {"tp", static_cast<int>(tp)}});
+  // The mesh: pipeline stages slowest, tensor-parallel peers neighbouring ranks (tp fastest).
+  dist::DeviceMesh mesh(
+      world,
+      {{"pp", static_cast<int>(pp)}, {"dp", static_cast<int>(dp)}, {"tp", static_cast<int>(tp)}});
   auto data = mesh.comm("dp");
   // Expert load and the balancing update, with the load summed over the ranks that routed
   // different tokens: the data-parallel ones, and under sequence parallelism the tp ones too.
   auto routed = args.on("sequence-parallel") ? mesh.comm("dp+tp") : data;
   c.after_step = [routed](Transformer& m) { return ch07::after_step(m, routed.get()); };
+  if (pp > 1) {  // each stage balances its own layers; the metrics line shows them all
+    c.after_step = [routed, stages = mesh.comm("pp")](Transformer& m) {
+      return ch11::merge_stage_metrics(ch07::after_step(m, routed.get()), *stages);
+    };
+  }
   c.placement.data_rank = mesh.coord("dp");
   c.placement.data_ranks = dp;
   c.placement.processes = world->size();
   c.placement.writer = world->rank() == 0;
+  ch10::TensorParallelPtr group;
   if (tp > 1) {
-    auto group = std::make_shared<ch10::TensorParallel>(
+    group = std::make_shared<ch10::TensorParallel>(
         ch10::TensorParallel{mesh.comm("tp"), args.on("sequence-parallel")});
+  }
+  if (pp > 1) {
+    ch11::PipelineLayout layout;
+    layout.links = std::make_shared<ch11::PipelineLinks>(mesh.comm("pp"));
+    layout.dp = data;
+    layout.model_parallel = mesh.comm("pp+tp");
+    layout.tp = group;
+    layout.zero = zero;
+    layout.schedule = schedule;
+    layout.virtual_stages = virtual_stages;
+    c.make_step = ch11::pipeline_parallel_step(layout, ch07::make_model);
+  } else if (tp > 1) {
     c.make_step = ch10::tensor_parallel_step(group, data, zero, ch07::make_model);
   } else if (world->size() > 1 || zero > 0) {
     c.make_step = ch09::data_parallel_step(data, zero);
@@ -306,6 +342,7 @@ int train(int argc, char** argv) {
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
   ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
+  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches, zero);
   check_model_fits(c.model, dp, zero, runtime.launch().local_size);
 
   const RunResult r = run_training(c, args.on("resume"));

@@ -49,7 +49,7 @@ struct PipelineLinks {
   /// schedule's last rank sends to the first), and the group of the first and last ranks (a tied
   /// embedding's two copies).
   explicit PipelineLinks(dist::CommunicatorPtr pp);
-  dist::CommunicatorPtr pp;    ///< the pipeline's ranks
+  dist::CommunicatorPtr pp;                    ///< the pipeline's ranks
   dist::CommunicatorPtr next_activations;      ///< to rank + 1 (null when p = 1)
   dist::CommunicatorPtr previous_activations;  ///< from rank − 1
   dist::CommunicatorPtr previous_gradients;    ///< to rank − 1
@@ -90,14 +90,14 @@ class PipelineExecutor {
   struct Slot;  // one (stage, micro-batch) in flight
   void compute(const Action& a, const std::vector<ch03::Batch>& micro_batches, double share_of_row);
   torch::Tensor received(std::map<std::pair<int64_t, int64_t>, dist::Work>& posted,
-                         std::map<std::pair<int64_t, int64_t>, torch::Tensor>& local,
-                         int64_t stage, int64_t micro_batch);
+                         std::map<std::pair<int64_t, int64_t>, torch::Tensor>& local, int64_t stage,
+                         int64_t micro_batch);
 
   ch03::Transformer model_;
   std::shared_ptr<PipelineLinks> links_;
   int64_t virtual_stages_;
   ActivationShape shape_;
-  std::vector<std::pair<int64_t, int64_t>> layers_;  // per virtual stage
+  std::vector<std::pair<int64_t, int64_t>> layers_;        // per virtual stage
   std::map<int64_t, std::vector<torch::Tensor>> weights_;  // this rank's stages' parameters
   std::map<std::pair<int64_t, int64_t>, std::shared_ptr<Slot>> slots_;
   // Tensors arriving: posted receives, and those passed between stages on this rank.

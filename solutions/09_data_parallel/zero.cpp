@@ -243,10 +243,10 @@ double ZeroOptimizer::step(int64_t step) {
   reduce_partial_gradients(named_, groups_);  // partial sums over tp first (chapter 10)
   auto has_gradient = torch::zeros({static_cast<int64_t>(params_.size())});
   auto flat = pack_padded_gradients(params_, layout_.shard * n, n, has_gradient, 0);
-  comm_->all_reduce(has_gradient);            // > 0: some rank has this parameter's gradient
+  comm_->all_reduce(has_gradient);  // > 0: some rank has this parameter's gradient
   if (!had_gradient_.defined()) had_gradient_ = torch::zeros_like(has_gradient);
   had_gradient_ = torch::maximum(had_gradient_, has_gradient.gt(0).to(torch::kFloat));
-  has_gradient = had_gradient_.clone();  // a gradient once: zeros now, as on one device
+  has_gradient = had_gradient_.clone();       // a gradient once: zeros now, as on one device
   if (stage_ == 2) zero_grad();               // the full gradients go as soon as they are packed
   grad_shard_ = comm_->reduce_scatter(flat);  // [shard]
   flat = torch::Tensor();

@@ -20,8 +20,7 @@ std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t n_layers, int64_t 
   return out;
 }
 
-ch03::ModelPart stage_part(int64_t n_layers, int64_t ranks, int64_t virtual_stages,
-                           int64_t rank) {
+ch03::ModelPart stage_part(int64_t n_layers, int64_t ranks, int64_t virtual_stages, int64_t rank) {
   const auto layers = stage_layers(n_layers, ranks * virtual_stages);
   ch03::ModelPart part;
   part.first_layer = layers[static_cast<size_t>(rank)].first;
@@ -38,9 +37,8 @@ void check_pipeline(const ch03::ModelConfig& config, int64_t ranks, int64_t virt
   FIVEFOLD_CHECK(ranks >= 1, "--pp must be at least 1, got ", ranks);
   make_schedule(schedule, ranks, virtual_stages, micro_batches);  // refuses what cannot run
   FIVEFOLD_CHECK(ranks * virtual_stages <= config.n_layers, "--pp ", ranks, " x --virtual-stages ",
-                 virtual_stages, " = ", ranks * virtual_stages,
-                 " stages, but the model has only ", config.n_layers,
-                 " layers: every stage needs at least one");
+                 virtual_stages, " = ", ranks * virtual_stages, " stages, but the model has only ",
+                 config.n_layers, " layers: every stage needs at least one");
   FIVEFOLD_CHECK(ranks == 1 || zero < 3,
                  "--zero 3 gathers each unit around the whole model's forward and backward: it "
                  "does not run under a pipeline schedule yet (use --zero 0, 1 or 2 with --pp)");
@@ -120,9 +118,10 @@ PipelineExecutor::PipelineExecutor(ch03::Transformer model, std::shared_ptr<Pipe
   }
 }
 
-torch::Tensor PipelineExecutor::received(std::map<std::pair<int64_t, int64_t>, dist::Work>& posted,
-                                         std::map<std::pair<int64_t, int64_t>, torch::Tensor>& local,
-                                         int64_t stage, int64_t micro_batch) {
+torch::Tensor PipelineExecutor::received(
+    std::map<std::pair<int64_t, int64_t>, dist::Work>& posted,
+    std::map<std::pair<int64_t, int64_t>, torch::Tensor>& local, int64_t stage,
+    int64_t micro_batch) {
   const std::pair<int64_t, int64_t> key{stage, micro_batch};
   torch::Tensor t;
   if (auto found = local.find(key); found != local.end()) {

@@ -11,8 +11,8 @@
 // norm's squares summed over nothing (groups.norm null), W restricted to the blocks only
 // (embedding and head gradients missing under zb), the last micro-batch skipped.
 
-#include "07_moe/moe.h"
 #include "../10_tensor_parallel/fixtures.h"
+#include "07_moe/moe.h"
 #include "11_pipeline_parallel/pipeline.h"
 #include "fivefold/mesh.h"
 #include "testing.h"
