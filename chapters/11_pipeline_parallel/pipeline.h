@@ -80,8 +80,11 @@ class PipelineExecutor {
   /// ch03::accumulate_gradients would on one device. Every rank of the pipeline gets the mean
   /// loss (broadcast from the last stage). Throws fivefold::Error for a schedule of another shape.
   double run(const Schedule& schedule, const std::vector<ch03::Batch>& micro_batches);
-  /// The compute actions of the last run, in order, timed.
+  /// The compute actions of the last run, in order, timed from the run's start on this rank.
   const std::vector<ExecutedAction>& timeline() const { return timeline_; }
+  /// When the last run started, in seconds of the steady clock (one clock for every process
+  /// on one machine: what lines the ranks' timelines up).
+  double started() const { return started_; }
   /// The most micro-batches (of one virtual stage each) whose activations this rank held at
   /// once in the last run.
   int64_t peak_in_flight() const { return peak_in_flight_; }
@@ -106,6 +109,7 @@ class PipelineExecutor {
   std::vector<std::pair<dist::Work, torch::Tensor>> sends_;
   std::vector<ExecutedAction> timeline_;
   int64_t in_flight_ = 0, peak_in_flight_ = 0;
+  double started_ = 0;
   double loss_ = 0;
 };
 

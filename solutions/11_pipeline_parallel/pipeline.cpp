@@ -204,6 +204,7 @@ double PipelineExecutor::run(const Schedule& schedule,
   in_flight_ = peak_in_flight_ = 0;
   timeline_.clear();
   const auto begin = std::chrono::steady_clock::now();
+  started_ = std::chrono::duration<double>(begin.time_since_epoch()).count();
   auto seconds = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
   };
