@@ -59,11 +59,12 @@ int run(int argc, char** argv) {
   const std::string out = args.str("out");
   if (world->rank() == 0) {
     std::filesystem::create_directories(out);
-    std::printf("pp %d (%d thread(s) each); d_model %lld, %lld layers, batch %lld x %lld in %lld "
-                "micro-batches\n",
-                p, torch::get_num_threads(), static_cast<long long>(config.d_model),
-                static_cast<long long>(config.n_layers), static_cast<long long>(batch),
-                static_cast<long long>(seq), static_cast<long long>(m));
+    std::printf(
+        "pp %d (%d thread(s) each); d_model %lld, %lld layers, batch %lld x %lld in %lld "
+        "micro-batches\n",
+        p, torch::get_num_threads(), static_cast<long long>(config.d_model),
+        static_cast<long long>(config.n_layers), static_cast<long long>(batch),
+        static_cast<long long>(seq), static_cast<long long>(m));
     std::printf("%-12s %3s %10s %11s %14s %14s %10s\n", "schedule", "v", "step ms", "tokens/s",
                 "idle mean", "idle max", "simulated");
   }
@@ -111,9 +112,9 @@ int run(int argc, char** argv) {
                   100 * *std::max_element(idle.begin(), idle.end()), 100 * simulation.bubble());
       const std::string stem = out + "/pp" + std::to_string(p) + "-" + name;
       write(stem + ".trace.json", ch11::chrome_trace(timelines).dump());
-      write(stem + ".svg", ch11::timeline_svg(timelines, name + ", pp " + std::to_string(p) +
-                                                             ", m " + std::to_string(m) +
-                                                             ": executed (seconds)"));
+      write(stem + ".svg",
+            ch11::timeline_svg(timelines, name + ", pp " + std::to_string(p) + ", m " +
+                                              std::to_string(m) + ": executed (seconds)"));
       write(stem + "-simulated.svg",
             ch11::timeline_svg(ch11::simulated_timelines(simulation),
                                name + ", pp " + std::to_string(p) + ", m " + std::to_string(m) +

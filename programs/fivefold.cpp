@@ -18,6 +18,7 @@
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/plan.h"
+#include "11_pipeline_parallel/plan.h"
 #include "commands.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
@@ -156,7 +157,13 @@ int plan(int argc, char** argv) {
   args.option("tp", "0",
               "tensor-parallel ranks: adds per-rank parameters and memory, and the TP "
               "communication of one micro-batch (chapter 10; Llama-shaped models)");
-  args.option("micro-batch", "1", "sequences per micro-batch, for --tp's communication");
+  args.option("micro-batch", "1", "sequences per micro-batch, for --tp's and --pp's communication");
+  args.option("pp", "0",
+              "pipeline ranks: adds each rank's layers and parameters, the bubble, the "
+              "micro-batches of activations it keeps and what it sends per step (chapter 11)");
+  args.option("schedule", "1f1b", "with --pp: gpipe, 1f1b, interleaved or zb");
+  args.option("virtual-stages", "1", "with --pp and --schedule interleaved: stages per rank");
+  args.option("micro-batches", "8", "with --pp: micro-batches per step (m)");
   args.flag("json", "print JSON instead of a table");
   if (!args.parse(argc, argv)) return 0;
   FIVEFOLD_CHECK(args.integer("tp") >= 0, "--tp must be >= 0");
@@ -169,6 +176,8 @@ int plan(int argc, char** argv) {
     const auto config = fivefold::io::read_json(args.str("config"));
     if (config.is_object() && config.value("model_type", "") == "deepseek_v3") {
       FIVEFOLD_CHECK(args.integer("dp") >= 0, "--dp must be >= 0");
+      FIVEFOLD_CHECK(args.integer("pp") == 0,
+                     "--pp: chapter 11's formulas are for Llama-shaped models");
       FIVEFOLD_CHECK(args.integer("tp") == 0,
                      "--tp: chapter 10's formulas are for Llama-shaped models (MLA and experts "
                      "split differently)");
@@ -248,6 +257,30 @@ int plan(int argc, char** argv) {
         fivefold::ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b,
                                                              context);
   }
+  const int64_t pp = args.integer("pp");
+  FIVEFOLD_CHECK(pp >= 0, "--pp must be >= 0");
+  if (pp > 0) {
+    const int64_t v = args.integer("virtual-stages"), m = args.integer("micro-batches");
+    const int64_t b = args.integer("micro-batch");
+    FIVEFOLD_CHECK(pp * v <= shape.n_layers, "--pp ", pp, " x --virtual-stages ", v,
+                   " stages, but the model has only ", shape.n_layers, " layers");
+    const auto plan = fivefold::ch11::pipeline_plan(shape, pp, v, m, args.str("schedule"));
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int64_t r = 0; r < pp; ++r) {
+      const auto& rank = plan.ranks[static_cast<size_t>(r)];
+      const auto t = fivefold::ch11::pipeline_traffic(pp, v, m, r, b * m, context, shape.d_model);
+      ranks.push_back({{"layers", rank.layers},
+                       {"parameters", rank.parameters},
+                       {"memory_bytes", 16 * rank.parameters},
+                       {"peak_micro_batches_in_flight", rank.peak_in_flight},
+                       {"sends_per_step", t.sends},
+                       {"send_bytes_per_step", t.payload_bytes}});
+    }
+    result["pipeline"] = {
+        {"pp", pp},           {"schedule", args.str("schedule")}, {"virtual_stages", v},
+        {"micro_batches", m}, {"micro_batch_sequences", b},       {"bubble", plan.bubble},
+        {"ranks", ranks}};
+  }
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
     return 0;
@@ -297,6 +330,32 @@ int plan(int argc, char** argv) {
         "  sequence parallelism keeps %s fewer activation bytes per micro-batch on rank 0 "
         "(fp32: what the norms keep for the tokens other ranks hold)\n",
         si(t["sequence_parallel_activation_savings_bytes"].get<double>(), "B").c_str());
+  }
+  if (pp > 0) {
+    const auto& pl = result["pipeline"];
+    std::printf(
+        "pipeline        pp %lld, %s, v %lld, m %lld: bubble %.1f%% of the time (F = B = W); "
+        "per step, micro-batches of %lld x %lld tokens:\n",
+        static_cast<long long>(pp), pl["schedule"].get<std::string>().c_str(),
+        static_cast<long long>(pl["virtual_stages"]), static_cast<long long>(pl["micro_batches"]),
+        100 * pl["bubble"].get<double>(), static_cast<long long>(args.integer("micro-batch")),
+        static_cast<long long>(context));
+    for (size_t r = 0; r < pl["ranks"].size(); ++r) {
+      const auto& rank = pl["ranks"][r];
+      std::string layers;
+      for (const auto& range : rank["layers"]) {
+        layers += (layers.empty() ? "" : ", ") + std::to_string(range[0].get<int64_t>()) + "-" +
+                  std::to_string(range[1].get<int64_t>() - 1);
+      }
+      std::printf(
+          "  rank %zu  layers %-10s %s parameters (%s fp32 AdamW); keeps the activations of "
+          "%lld micro-batches (through one of its stages each) at once; %lld sends, %s\n",
+          r, layers.c_str(), si(rank["parameters"].get<double>()).c_str(),
+          si(rank["memory_bytes"].get<double>(), "B").c_str(),
+          static_cast<long long>(rank["peak_micro_batches_in_flight"]),
+          static_cast<long long>(rank["sends_per_step"]),
+          si(rank["send_bytes_per_step"].get<double>(), "B").c_str());
+    }
   }
   if (dp > 0) print_zero_memory(result["zero"], dp);
   if (out.contains("training")) {

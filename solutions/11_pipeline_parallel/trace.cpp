@@ -89,16 +89,16 @@ nlohmann::json chrome_trace(const Timelines& timelines) {
                       {"tid", r},
                       {"args", {{"name", "rank " + std::to_string(r)}}}});
     for (const auto& a : timelines[r]) {
-      events.push_back({{"ph", "X"},
-                        {"name", std::string(action_name(a.action.kind)) + " " +
-                                     std::to_string(a.action.micro_batch)},
-                        {"cat", action_name(a.action.kind)},
-                        {"pid", 0},
-                        {"tid", r},
-                        {"ts", a.start * 1e6},
-                        {"dur", (a.end - a.start) * 1e6},
-                        {"args",
-                         {{"micro_batch", a.action.micro_batch}, {"stage", a.action.stage}}}});
+      events.push_back(
+          {{"ph", "X"},
+           {"name",
+            std::string(action_name(a.action.kind)) + " " + std::to_string(a.action.micro_batch)},
+           {"cat", action_name(a.action.kind)},
+           {"pid", 0},
+           {"tid", r},
+           {"ts", a.start * 1e6},
+           {"dur", (a.end - a.start) * 1e6},
+           {"args", {{"micro_batch", a.action.micro_batch}, {"stage", a.action.stage}}}});
     }
   }
   return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
@@ -109,8 +109,8 @@ std::string timeline_svg(const Timelines& timelines, const std::string& title) {
   const double width = 900, row = 28, left = 60, top = 30;
   const double scale = last > first ? width / (last - first) : 1;
   std::ostringstream svg;
-  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 10
-      << "\" height=\"" << top + row * static_cast<double>(timelines.size()) + 30
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 10 << "\" height=\""
+      << top + row * static_cast<double>(timelines.size()) + 30
       << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
       << "<text x=\"" << left << "\" y=\"18\" font-size=\"13\">" << title << "</text>\n";
   for (size_t r = 0; r < timelines.size(); ++r) {

@@ -11,9 +11,15 @@
 // norm's squares summed over nothing (groups.norm null), W restricted to the blocks only
 // (embedding and head gradients missing under zb), the last micro-batch skipped.
 
+#include <algorithm>
 #include "../10_tensor_parallel/fixtures.h"
+
+#include "03_transformer/checkpoint.h"
 #include "07_moe/moe.h"
 #include "11_pipeline_parallel/pipeline.h"
+#include "11_pipeline_parallel/plan.h"
+#include "fivefold/comm_stats.h"
+#include "fivefold/memory.h"
 #include "fivefold/mesh.h"
 #include "testing.h"
 
@@ -229,4 +235,64 @@ TEST(PipelineParallel, RefusesWhatItCannotRun) {
   EXPECT_EQ(part.more_layers, (std::vector<std::pair<int64_t, int64_t>>{{6, 8}}));
   EXPECT_FALSE(part.embedding);
   EXPECT_TRUE(part.head);
+}
+
+// The plan's figures against the real pipeline, for every schedule at p = the world (dp 1):
+// each rank's parameters (numel of its part), its sends and their bytes in one step (the
+// communicator's counts), and its activation memory: MemoryTracker's peak over a step, less what
+// it held before, lies between k and k + 1 times one micro-batch's activations of one of the
+// rank's stages (k: the simulator's peak in flight; the + 1 is the backward's working memory and
+// the tensors in transit). Shown to fail on purpose: GPipe's peak taken as 1F1B's (p − r) fails at
+// rank 0 with m = 2p + 1.
+TEST(PipelineParallel, PlanMatchesTheRealPipeline) {
+  const int p = world()->size();
+  for (const auto& schedule : schedule_names()) {
+    for (const bool tied : {false, true}) {
+      const int64_t v = schedule == "interleaved" ? 2 : 1, m = v == 2 ? 2 * p : 2 * p + 1;
+      SCOPED_TRACE(schedule + (tied ? " tied" : " untied"));
+      const auto config = model_config(tied ? "tied" : "untied", 1);
+      const auto shape = ch02::shape_from_hf_config(ch03::config_to_json(config));
+      const auto plan = pipeline_plan(shape, p, v, m, schedule);
+      auto built = build({p, 1, 1}, schedule, v);
+      auto step = built.make(ch07::make_model(config), no_clipping());
+      const int r = built.links->pp->rank();
+      const auto& mine = plan.ranks[static_cast<size_t>(r)];
+      int64_t held = 0;
+      for (const auto& item : step->model()->parameters()) held += item.numel();
+      EXPECT_EQ(held, mine.parameters);
+
+      // m micro-batches of 2 rows each: every one keeps the same activations.
+      const auto rows = batches().batch(0);
+      const auto micro =
+          split({rows.inputs.narrow(0, 0, 2 * m), rows.targets.narrow(0, 0, 2 * m)}, m);
+      step->step(micro, 0);  // gradients allocated: the next step allocates activations only
+      // One micro-batch through each of this rank's stages, kept for backward: A_c.
+      std::vector<double> one;
+      for (size_t c = 0; c < mine.layers.size(); ++c) {
+        fivefold::MemoryTracker tracker;
+        const auto stage = static_cast<int64_t>(c) * p + r;
+        auto input = stage == 0 ? step->model()->embed(micro[0].inputs)
+                                : torch::zeros({2, 13, config.d_model}).requires_grad_(true);
+        auto out = step->model()->forward_layers(input, ch03::position_range(0, 13),
+                                                 mine.layers[c].first, mine.layers[c].second);
+        if (stage == p * v - 1) out = step->model()->loss(out, micro[0].targets);
+        one.push_back(static_cast<double>(tracker.current_bytes()));
+      }
+      dist::reset_comm_stats();
+      fivefold::MemoryTracker tracker;
+      step->step(micro, 1);
+      const double peak = static_cast<double>(tracker.peak_bytes());
+      const auto k = static_cast<double>(mine.peak_in_flight);
+      const double least = *std::min_element(one.begin(), one.end()),
+                   most = *std::max_element(one.begin(), one.end());
+      EXPECT_GE(peak, k * least) << "A = " << least << " .. " << most;
+      EXPECT_LT(peak, (k + 1) * most) << "A = " << least << " .. " << most;
+
+      const auto want = pipeline_traffic(p, v, m, r, 2 * m, 13, config.d_model);
+      const auto act = dist::comm_counts("pp-activations", dist::Op::Send);
+      const auto grad = dist::comm_counts("pp-gradients", dist::Op::Send);
+      EXPECT_EQ(act.calls + grad.calls, want.sends);
+      EXPECT_EQ(act.payload_bytes + grad.payload_bytes, want.payload_bytes);
+    }
+  }
 }

@@ -1,0 +1,55 @@
+#pragma once
+/// @file plan.h
+/// @brief Chapter 11's formulas for a Llama-shaped model (chapter 02's TransformerShape) cut into
+/// a pipeline: what each rank holds, how long it idles, how many micro-batches of activations it
+/// keeps, and what it sends. The tests count each from the real code (the parameters a stage's
+/// model holds, the executor's peak, every send the communicator issues) and compare exactly;
+/// `fivefold plan --pp` prints them. Derivations: notes/11_pipeline_parallel.md.
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "02_flops_6np/flops.h"
+#include "11_pipeline_parallel/schedule.h"
+
+namespace fivefold::ch11 {
+
+/// One pipeline rank in a plan.
+struct RankPlan {
+  std::vector<std::pair<int64_t, int64_t>> layers;  ///< [first, last) of each virtual stage held
+  int64_t parameters = 0;      ///< its blocks, and the embedding / final norm and head at the ends
+  int64_t peak_in_flight = 0;  ///< most micro-batches (one virtual stage each) held at once
+};
+
+/// The plan of a schedule for a model.
+struct PipelinePlan {
+  Schedule schedule;            ///< the lists (make_schedule)
+  double bubble = 0;            ///< bubble_formula: idle share with F = B = W
+  std::vector<RankPlan> ranks;  ///< per pipeline rank
+};
+
+/// The plan of `schedule` with p ranks, v virtual stages and m micro-batches for `shape`
+/// (the layers split as stage_layers splits them). A tied embedding is counted on the first and
+/// the last rank (each holds a copy).
+PipelinePlan pipeline_plan(const ch02::TransformerShape& shape, int64_t ranks,
+                           int64_t virtual_stages, int64_t micro_batches,
+                           const std::string& schedule);
+
+/// Point-to-point traffic of one step.
+struct PipelineTraffic {
+  int64_t sends = 0;          ///< send operations (activations and gradients)
+  int64_t payload_bytes = 0;  ///< bytes they carry
+};
+
+/// What pipeline rank `rank` sends in one step of m micro-batches holding `rows` sequences of s
+/// tokens in all (this data-parallel rank's share of the batch), hidden size h: each virtual
+/// stage it holds sends every micro-batch's activation forward unless it is the last stage, and
+/// every micro-batch's input gradient back unless it is the first: rows·s·h·element_bytes per
+/// stage boundary and direction, whatever m. With v = 1 and 1 < rank < p − 1: 2·m sends,
+/// 2·rows·s·h·4 bytes.
+PipelineTraffic pipeline_traffic(int64_t ranks, int64_t virtual_stages, int64_t micro_batches,
+                                 int64_t rank, int64_t rows, int64_t s, int64_t h,
+                                 int64_t element_bytes = 4);
+
+}  // namespace fivefold::ch11
