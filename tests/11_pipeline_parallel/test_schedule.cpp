@@ -82,7 +82,7 @@ TEST(Schedule, OneForwardOneBackwardByHand) {
   EXPECT_EQ(full.lists.at(1).at(3), (Action{K::SendActivation, 0, 1}));
 }
 
-TEST(Schedule, ZeroBubbleHalvesNothingButTheIdleTime) {
+TEST(Schedule, ZeroBubbleCutsTheIdleTimeToAThird) {
   // p = 4, m = 8, unit costs: 1F1B idles 3(p − 1) = 9 units per rank, ZB-H1 p − 1 = 3.
   const auto one = simulate(make_schedule("1f1b", 4, 1, 8));
   const auto zb = simulate(make_schedule("zb", 4, 1, 8));
