@@ -26,17 +26,18 @@ namespace fivefold::ch09 {
 /// whole batch: the same gradient (the mean over ranks), the same global norm, the same update.
 class DataParallelStep : public ch03::TrainingStep {
  public:
+  /// Runs forward and backward over this rank's micro-batches, each loss weighted by its share
+  /// of the rows (the gradients accumulate), and returns this rank's mean loss.
+  using ForwardBackward = std::function<double(const std::vector<ch03::Batch>&)>;
   /// Wraps `model` (rank 0's parameters are broadcast) with ZeRO `stage` 0..3 over `comm`.
   /// `groups`: where the model's other pieces are (chapter 10 onwards; empty: `comm`'s ranks each
   /// hold the whole model): partial gradients are summed over their groups before the update, and
-  /// the global norm counts every piece once. Throws fivefold::Error, before any communication,
-  /// for a stage outside 0..3 or stage 3 with Mixture-of-Experts layers (their balancing bias
-  /// changes outside the optimizer).
-  /// `forward_backward`: runs forward and backward over this rank's micro-batches, each loss
-  /// weighted by its share of the rows, and returns this rank's mean loss (default: chapter 03's
-  /// loop; chapter 11 runs a pipeline schedule). With one given, DDP reduces every bucket after
-  /// it, and ZeRO-3 is refused (its units gather around the whole model's forward).
-  using ForwardBackward = std::function<double(const std::vector<ch03::Batch>&)>;
+  /// the global norm counts every piece once. `forward_backward`: who runs the micro-batches
+  /// (default: chapter 03's loop; chapter 11 runs a pipeline schedule); with one given, DDP
+  /// reduces every bucket after it. Throws fivefold::Error, before any communication, for a stage
+  /// outside 0..3, stage 3 with Mixture-of-Experts layers (their balancing bias changes outside
+  /// the optimizer), or stage 3 with a `forward_backward` (its units gather around the whole
+  /// model's forward).
   DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
                    const ch03::TrainConfig& config, ModelParallelGroups groups = {},
                    ForwardBackward forward_backward = {});

@@ -137,6 +137,7 @@ class PipelineParallelStep : public ch03::TrainingStep {
   /// single-device model that full_model() fills.
   PipelineParallelStep(ch03::Transformer model, PipelineLayout layout,
                        const ch03::TrainConfig& config, ch03::ModelBuilder whole);
+  /// As ch03::TrainingStep::step: this data-parallel rank's micro-batches through the schedule.
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
   /// This rank's part.
   ch03::Transformer& model() override { return inner_->model(); }
