@@ -30,6 +30,14 @@ io::TensorMap gather_shards(const io::TensorMap& local,
 io::TensorMap slice_shards(const io::TensorMap& whole,
                            const std::map<std::string, ch03::TensorShard>& shards);
 
+/// `model`'s parameters, detached, by name.
+io::TensorMap named_weights(ch03::Transformer& model);
+
+/// Copies `weights` (whole tensors by name) into `model`'s parameters, each sliced as `model`
+/// holds it (its parameter_shards; a part of the model takes only the names it holds). Throws
+/// fivefold::Error naming a parameter `weights` lacks.
+void load_slices(ch03::Transformer& model, const io::TensorMap& weights);
+
 /// The model-parallel groups of a tensor-parallel model (chapter 09's map): under sequence
 /// parallelism the norms' gradients are partial sums over tp; every parameter that is not a
 /// slice is replicated over tp and counted in the norm on tp rank 0 only; the squares are summed

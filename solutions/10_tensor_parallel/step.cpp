@@ -74,6 +74,24 @@ io::TensorMap slice_shards(const io::TensorMap& whole,
   return local;
 }
 
+io::TensorMap named_weights(ch03::Transformer& model) {
+  io::TensorMap weights;
+  for (const auto& item : model->named_parameters()) weights[item.key()] = item.value().detach();
+  return weights;
+}
+
+void load_slices(ch03::Transformer& model, const io::TensorMap& weights) {
+  io::TensorMap wanted;  // only the names this model holds
+  for (const auto& item : model->named_parameters()) {
+    const auto found = weights.find(item.key());
+    FIVEFOLD_CHECK(found != weights.end(), "load_slices: no weights for ", item.key());
+    wanted[item.key()] = found->second;
+  }
+  const auto mine = slice_shards(wanted, model->parameter_shards());
+  torch::NoGradGuard no_grad;
+  for (auto& item : model->named_parameters()) item.value().copy_(mine.at(item.key()));
+}
+
 ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
                                                  const TensorParallel& tp) {
   ch09::ModelParallelGroups groups;
@@ -110,16 +128,9 @@ ch03::StepResult TensorParallelStep::step(const std::vector<ch03::Batch>& micro_
 
 ch03::Transformer& TensorParallelStep::full_model() {
   auto& local = inner_->full_model();  // ZeRO-3 gathers over dp first
-  io::TensorMap slices;
-  for (const auto& item : local->named_parameters()) slices[item.key()] = item.value().detach();
-  const auto whole = gather_shards(slices, shards_, *tp_->comm);
+  const auto whole = gather_shards(named_weights(local), shards_, *tp_->comm);
   if (!full_) full_ = whole_(local->config(), ch03::ModelPart{});
-  torch::NoGradGuard no_grad;
-  for (auto& item : full_->named_parameters()) {
-    const auto found = whole.find(item.key());
-    FIVEFOLD_CHECK(found != whole.end(), "TensorParallelStep: no slice of ", item.key());
-    item.value().copy_(found->second);
-  }
+  load_slices(full_, whole);
   return full_;
 }
 
@@ -141,15 +152,7 @@ ch03::StepFactory tensor_parallel_step(TensorParallelPtr tp, dist::CommunicatorP
   return [tp, dp, stage, whole](ch03::Transformer model, const ch03::TrainConfig& config) {
     // This rank's slice, holding the slices of the model the run built or loaded.
     auto local = make_model(model->config(), tp);
-    io::TensorMap weights;
-    for (const auto& item : model->named_parameters()) weights[item.key()] = item.value().detach();
-    const auto mine = slice_shards(weights, local->parameter_shards());
-    torch::NoGradGuard no_grad;
-    for (auto& item : local->named_parameters()) {
-      const auto found = mine.find(item.key());
-      FIVEFOLD_CHECK(found != mine.end(), "tensor_parallel_step: the model has no ", item.key());
-      item.value().copy_(found->second);
-    }
+    load_slices(local, named_weights(model));
     return std::unique_ptr<ch03::TrainingStep>(
         new TensorParallelStep(local, tp, dp, stage, config, whole));
   };

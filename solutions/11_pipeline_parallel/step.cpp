@@ -90,17 +90,9 @@ io::TensorMap PipelineParallelStep::gather(const io::TensorMap& local) {
 }
 
 ch03::Transformer& PipelineParallelStep::full_model() {
-  io::TensorMap local;
-  for (const auto& item : inner_->full_model()->named_parameters())
-    local[item.key()] = item.value().detach();
-  const auto whole = gather(local);
+  const auto whole = gather(ch10::named_weights(inner_->full_model()));
   if (!full_) full_ = whole_(inner_->model()->config(), ch03::ModelPart{});
-  torch::NoGradGuard no_grad;
-  for (auto& item : full_->named_parameters()) {
-    const auto found = whole.find(item.key());
-    FIVEFOLD_CHECK(found != whole.end(), "PipelineParallelStep: no stage holds ", item.key());
-    item.value().copy_(found->second);
-  }
+  ch10::load_slices(full_, whole);
   return full_;
 }
 
@@ -121,15 +113,7 @@ ch03::StepFactory pipeline_parallel_step(PipelineLayout layout, ch03::ModelBuild
                                  layout.links->pp->rank());
     auto local = layout.tp ? ch10::make_model(c, layout.tp, part) : whole(c, part);
     // This rank's part (and slices) of the weights of the model the run built or loaded.
-    io::TensorMap weights;
-    for (const auto& item : model->named_parameters()) weights[item.key()] = item.value().detach();
-    const auto mine = ch10::slice_shards(weights, local->parameter_shards());
-    torch::NoGradGuard no_grad;
-    for (auto& item : local->named_parameters()) {
-      const auto found = mine.find(item.key());
-      FIVEFOLD_CHECK(found != mine.end(), "pipeline_parallel_step: the model has no ", item.key());
-      item.value().copy_(found->second);
-    }
+    ch10::load_slices(local, ch10::named_weights(model));
     return std::unique_ptr<ch03::TrainingStep>(
         new PipelineParallelStep(local, layout, config, whole));
   };
