@@ -290,7 +290,7 @@ int train(int argc, char** argv) {
   ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
   const std::string schedule = args.str("schedule");
   const int64_t virtual_stages = args.integer("virtual-stages");
-  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches, zero);
+  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches);
   c.build_model = ch07::make_model;  // the most complete model the chapters build
   // The mesh: pipeline stages slowest, tensor-parallel peers neighbouring ranks (tp fastest).
   dist::DeviceMesh mesh(
@@ -342,7 +342,7 @@ int train(int argc, char** argv) {
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
   ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
-  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches, zero);
+  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches);
   check_model_fits(c.model, dp, zero, runtime.launch().local_size);
 
   const RunResult r = run_training(c, args.on("resume"));

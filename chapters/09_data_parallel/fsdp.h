@@ -64,6 +64,12 @@ class FullyShardedDataParallel {
   /// step.
   void gather_full_parameters();
 
+  /// Gathers every unit for a forward and backward run outside this wrapper (chapter 11's pipeline
+  /// runs its layers micro-batch by micro-batch): the part stays gathered for the whole step, as
+  /// FSDP under a pipeline usually runs (no gather per micro-batch), and step() reduce-scatters
+  /// every unit's gradients.
+  void gather_for_step();
+
   /// The bytes this rank holds now, measured from the tensors: parameters (shards and any unit
   /// gathered), gradients (shards and any full gradient), AdamW's moments.
   ZeroMemory memory() const;

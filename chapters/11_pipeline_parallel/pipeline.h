@@ -3,7 +3,7 @@
 /// @brief Chapter 11: pipeline parallelism on the real model. The layers are cut into stages, one
 /// (or v, interleaved) per rank; activations travel forward and gradients backward between
 /// neighbouring ranks; one executor runs any schedule (schedule.h) over the micro-batches; the
-/// training step composes it with chapter 09's data parallelism (ZeRO 0-2) and chapter 10's
+/// training step composes it with chapter 09's data parallelism (ZeRO 0-3) and chapter 10's
 /// tensor parallelism, on a mesh of pp x dp x tp ranks.
 
 #include <nlohmann/json.hpp>
@@ -34,10 +34,10 @@ std::vector<std::pair<int64_t, int64_t>> stage_layers(int64_t n_layers, int64_t 
 ch03::ModelPart stage_part(int64_t n_layers, int64_t ranks, int64_t virtual_stages, int64_t rank);
 
 /// Refuses, before any communicator exists, what the pipeline cannot run (fivefold::Error with
-/// the reason): fewer layers than the p·v virtual stages, a schedule make_schedule refuses for
-/// these p, v and m (m: micro-batches per data-parallel rank), and ZeRO-3 with p > 1.
+/// the reason): fewer layers than the p·v virtual stages, or a schedule make_schedule refuses for
+/// these p, v and m (m: micro-batches per data-parallel rank).
 void check_pipeline(const ch03::ModelConfig& config, int64_t ranks, int64_t virtual_stages,
-                    const std::string& schedule, int64_t micro_batches, int zero);
+                    const std::string& schedule, int64_t micro_batches);
 
 /// The point-to-point channels of one pipeline rank. One communicator per direction and
 /// neighbour, so that no exchange waits behind another: each communicator runs its operations
@@ -119,7 +119,7 @@ struct PipelineLayout {
   dist::CommunicatorPtr dp;              ///< the ranks holding the same part (data parallel)
   dist::CommunicatorPtr model_parallel;  ///< pp x tp: each rank holds a different piece
   ch10::TensorParallelPtr tp;            ///< null without tensor parallelism
-  int zero = 0;                          ///< chapter 09's ZeRO stage over dp (0..2)
+  int zero = 0;                          ///< chapter 09's ZeRO stage over dp (0..3)
   std::string schedule = "1f1b";         ///< schedule_names()
   int64_t virtual_stages = 1;            ///< v (interleaved)
 };

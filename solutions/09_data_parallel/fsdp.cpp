@@ -191,6 +191,14 @@ void FullyShardedDataParallel::gather_full_parameters() {
   for (auto& unit : units_) gather(unit);
 }
 
+void FullyShardedDataParallel::gather_for_step() {
+  torch::NoGradGuard no_grad;
+  for (auto& unit : units_) {
+    gather(unit);
+    unit.pending = true;  // step() reduce-scatters its gradients
+  }
+}
+
 ZeroMemory FullyShardedDataParallel::memory() const {
   ZeroMemory m;
   m.parameters = shards_.numel() * 4;

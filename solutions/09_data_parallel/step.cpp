@@ -19,9 +19,6 @@ DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPt
       groups_(std::move(groups)),
       forward_backward_(std::move(forward_backward)) {
   FIVEFOLD_CHECK(stage_ >= 0 && stage_ <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage_);
-  FIVEFOLD_CHECK(stage_ < 3 || !forward_backward_,
-                 "ZeRO-3 gathers each unit around the whole model's forward and backward: it "
-                 "does not run under a pipeline schedule yet (use --zero 0, 1 or 2)");
   const auto& extensions = model_->config().extensions;
   FIVEFOLD_CHECK(stage_ < 3 || !extensions.contains("n_routed_experts") ||
                      extensions["n_routed_experts"].is_null(),
@@ -52,6 +49,7 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
     // Someone else's order of backwards (a pipeline's): DDP reduces every bucket afterwards.
     std::optional<DistributedDataParallel::NoSync> guard;
     if (ddp_) guard.emplace(*ddp_);
+    if (fsdp_) fsdp_->gather_for_step();  // ZeRO-3: the part stays whole for the step
     local = forward_backward_(micro_batches);
   }
   for (size_t i = 0; i < (forward_backward_ ? 0 : micro_batches.size()); ++i) {
