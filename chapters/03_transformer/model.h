@@ -130,6 +130,54 @@ class PositionEncoding {
                                                          const torch::Tensor& positions) const = 0;
 };
 
+/// The weight gradients that backward put off: for each linear map y = x·Wᵀ it went through, W,
+/// x and ∂L/∂y, so that ∂L/∂W = (∂L/∂y)ᵀ·x can be computed later (chapter 11's zero-bubble
+/// schedule computes the input's gradient first, for the stage before, and the weights' later).
+class WeightGradientStore {
+ public:
+  /// Adds every kept weight gradient to its weight's .grad (created if undefined), and empties.
+  void flush();
+  /// The linear maps whose weight gradient is pending.
+  size_t size() const { return pending_.size(); }
+  /// Keeps one (used by `linear`'s backward).
+  void keep(torch::Tensor weight, torch::Tensor x, torch::Tensor grad_y);
+
+ private:
+  struct Pending {
+    torch::Tensor weight, x, grad_y;
+  };
+  std::vector<Pending> pending_;
+};
+
+/// While alive, backward through `linear` on this thread computes the input's gradient only and
+/// keeps what the weight's gradient needs in `store` (its weight gets no gradient until
+/// store.flush()). Scopes do not nest.
+class DeferWeightGradients {
+ public:
+  /// Puts off the weight gradients into `store` until this guard goes away.
+  explicit DeferWeightGradients(WeightGradientStore& store);
+  ~DeferWeightGradients();
+  DeferWeightGradients(const DeferWeightGradients&) = delete;
+  DeferWeightGradients& operator=(const DeferWeightGradients&) = delete;
+};
+
+/// y = x·Wᵀ for x [..., in] and W [out, in], as torch's linear without bias, with a backward that
+/// can put the weight's gradient off (DeferWeightGradients). Every weight matrix of the model's
+/// blocks goes through it (LinearImpl, chapter 10's split linears).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
+
+/// A linear map without bias, y = x·Wᵀ through `linear`; W [out, in] is its parameter "weight",
+/// drawn as torch::nn::Linear draws it (the model then initialises it, chapter 01).
+class LinearImpl : public torch::nn::Module {
+ public:
+  /// W [out, in].
+  LinearImpl(int64_t in, int64_t out);
+  /// x [..., in] -> [..., out].
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor weight;  ///< [out, in]
+};
+TORCH_MODULE(Linear);
+
 /// RMSNorm: x / sqrt(mean(x²) + eps) · weight, over the last dimension.
 class RMSNormImpl : public torch::nn::Module {
  public:
@@ -173,10 +221,10 @@ class AttentionImpl : public AttentionLayer {
   /// As AttentionLayer::forward; the cache keeps keys and values.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions,
                         LayerCache* cache = nullptr) override;
-  torch::nn::Linear q_proj{nullptr};  ///< d_model -> n_heads·head_dim
-  torch::nn::Linear k_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
-  torch::nn::Linear v_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
-  torch::nn::Linear o_proj{nullptr};  ///< n_heads·head_dim -> d_model
+  Linear q_proj{nullptr};  ///< d_model -> n_heads·head_dim
+  Linear k_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
+  Linear v_proj{nullptr};  ///< d_model -> n_kv_heads·head_dim
+  Linear o_proj{nullptr};  ///< n_heads·head_dim -> d_model
 
  private:
   int64_t n_heads_, n_kv_heads_, head_dim_;
@@ -198,9 +246,9 @@ class MlpImpl : public FeedForwardLayer {
   explicit MlpImpl(const ModelConfig& config);
   /// x [batch, seq, d_model] -> [batch, seq, d_model].
   torch::Tensor forward(const torch::Tensor& x) override;
-  torch::nn::Linear gate_proj{nullptr};  ///< d_model -> d_ff, through SiLU
-  torch::nn::Linear up_proj{nullptr};    ///< d_model -> d_ff
-  torch::nn::Linear down_proj{nullptr};  ///< d_ff -> d_model
+  Linear gate_proj{nullptr};  ///< d_model -> d_ff, through SiLU
+  Linear up_proj{nullptr};    ///< d_model -> d_ff
+  Linear down_proj{nullptr};  ///< d_ff -> d_model
 };
 TORCH_MODULE(Mlp);
 

@@ -79,14 +79,14 @@ class MultiHeadLatentAttentionImpl : public ch03::AttentionLayer {
   /// The MLA dimensions.
   const MlaConfig& mla() const { return mla_; }
 
-  torch::nn::Linear q_proj{nullptr};     ///< d_model -> n_h·(d_h + d_h^R), when q_lora_rank is 0
-  torch::nn::Linear q_a_proj{nullptr};   ///< d_model -> q_lora_rank (W^DQ)
+  ch03::Linear q_proj{nullptr};          ///< d_model -> n_h·(d_h + d_h^R), when q_lora_rank is 0
+  ch03::Linear q_a_proj{nullptr};        ///< d_model -> q_lora_rank (W^DQ)
   ch03::RMSNorm q_a_layernorm{nullptr};  ///< on the query latent (eps 1e-6)
-  torch::nn::Linear q_b_proj{nullptr};   ///< q_lora_rank -> n_h·(d_h + d_h^R) (W^UQ, W^QR)
-  torch::nn::Linear kv_a_proj_with_mqa{nullptr};  ///< d_model -> d_c + d_h^R (W^DKV, W^KR)
-  ch03::RMSNorm kv_a_layernorm{nullptr};          ///< on the latent c_KV (eps 1e-6)
-  torch::nn::Linear kv_b_proj{nullptr};           ///< d_c -> n_h·(d_h + v_head_dim) (W^UK, W^UV)
-  torch::nn::Linear o_proj{nullptr};              ///< n_h·v_head_dim -> d_model
+  ch03::Linear q_b_proj{nullptr};        ///< q_lora_rank -> n_h·(d_h + d_h^R) (W^UQ, W^QR)
+  ch03::Linear kv_a_proj_with_mqa{nullptr};  ///< d_model -> d_c + d_h^R (W^DKV, W^KR)
+  ch03::RMSNorm kv_a_layernorm{nullptr};     ///< on the latent c_KV (eps 1e-6)
+  ch03::Linear kv_b_proj{nullptr};           ///< d_c -> n_h·(d_h + v_head_dim) (W^UK, W^UV)
+  ch03::Linear o_proj{nullptr};              ///< n_h·v_head_dim -> d_model
 
  private:
   /// The attention kernel (chapter 03's slot) with this layer's scale; queries at `positions`,

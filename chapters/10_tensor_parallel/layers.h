@@ -165,14 +165,14 @@ class TensorParallelMlaImpl : public ch03::AttentionLayer, public PartialGradien
                         ch03::LayerCache* cache = nullptr) override;
   /// The whole latent projections and their norms, over tp.
   std::map<std::string, dist::CommunicatorPtr> partial_gradients() const override;
-  ColumnParallelLinear q_proj{nullptr};           ///< when q_lora_rank is 0: d_model -> local heads
-  torch::nn::Linear q_a_proj{nullptr};            ///< whole: d_model -> q_lora_rank
-  ch03::RMSNorm q_a_layernorm{nullptr};           ///< whole
-  ColumnParallelLinear q_b_proj{nullptr};         ///< q_lora_rank -> local heads·(nope + rope)
-  torch::nn::Linear kv_a_proj_with_mqa{nullptr};  ///< whole: d_model -> d_c + rope
-  ch03::RMSNorm kv_a_layernorm{nullptr};          ///< whole
-  ColumnParallelLinear kv_b_proj{nullptr};        ///< d_c -> local heads·(nope + v)
-  RowParallelLinear o_proj{nullptr};              ///< local heads·v -> d_model (partial)
+  ColumnParallelLinear q_proj{nullptr};      ///< when q_lora_rank is 0: d_model -> local heads
+  ch03::Linear q_a_proj{nullptr};            ///< whole: d_model -> q_lora_rank
+  ch03::RMSNorm q_a_layernorm{nullptr};      ///< whole
+  ColumnParallelLinear q_b_proj{nullptr};    ///< q_lora_rank -> local heads·(nope + rope)
+  ch03::Linear kv_a_proj_with_mqa{nullptr};  ///< whole: d_model -> d_c + rope
+  ch03::RMSNorm kv_a_layernorm{nullptr};     ///< whole
+  ColumnParallelLinear kv_b_proj{nullptr};   ///< d_c -> local heads·(nope + v)
+  RowParallelLinear o_proj{nullptr};         ///< local heads·v -> d_model (partial)
 
  private:
   TensorParallelPtr tp_;

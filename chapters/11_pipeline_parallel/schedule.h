@@ -75,9 +75,9 @@ Schedule interleaved(int64_t ranks, int64_t virtual_stages, int64_t micro_batche
 
 /// Zero-bubble ZB-H1 (Qi et al. 2023): 1F1B's order of forwards and input gradients B, with the
 /// weight gradients W put off, rank r keeping up to r of them pending: its B reach the ranks
-/// before it sooner, and the W left over fill the cool-down, where 1F1B idles. Same activation
-/// memory as 1F1B (p micro-batches at most); with F = B = W the idle time per rank falls from
-/// 3(p − 1) to p − 1 units once m >= p.
+/// before it sooner, and the W left over fill the cool-down, where 1F1B idles. At most p
+/// micro-batches in flight, those past B holding only what W needs; with F = B = W the idle time
+/// per rank falls from 3(p − 1) to p − 1 units once m >= p.
 Schedule zero_bubble(int64_t ranks, int64_t micro_batches);
 
 /// `lists` of compute actions (Forward, Backward, BackwardInput, BackwardWeight) with the

@@ -92,10 +92,73 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 }
 
 namespace {
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-}
+
+thread_local WeightGradientStore* deferred = nullptr;
+
+// y = x·Wᵀ; backward: ∂L/∂x = ∂L/∂y·W, and ∂L/∂W = (∂L/∂y)ᵀ·x now or, deferred, later.
+class LinearFunction : public torch::autograd::Function<LinearFunction> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight) {
+    ctx->save_for_backward({x, weight});
+    return torch::matmul(x, weight.t());
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& weight = saved[1];
+    const auto& grad_y = grads[0];
+    auto grad_x = torch::matmul(grad_y, weight);
+    if (deferred != nullptr) {
+      deferred->keep(weight, x, grad_y);
+      return {grad_x, torch::Tensor()};
+    }
+    const auto grad_w = grad_y.reshape({-1, grad_y.size(-1)}).t().mm(x.reshape({-1, x.size(-1)}));
+    return {grad_x, grad_w};
+  }
+};
+
+Linear linear(int64_t in, int64_t out) { return Linear(in, out); }
+
 }  // namespace
+
+void WeightGradientStore::keep(torch::Tensor weight, torch::Tensor x, torch::Tensor grad_y) {
+  pending_.push_back({std::move(weight), std::move(x), std::move(grad_y)});
+}
+
+void WeightGradientStore::flush() {
+  torch::NoGradGuard no_grad;
+  for (auto& p : pending_) {
+    auto grad = p.grad_y.reshape({-1, p.grad_y.size(-1)}).t().mm(p.x.reshape({-1, p.x.size(-1)}));
+    auto& slot = p.weight.mutable_grad();
+    if (slot.defined()) {
+      slot.add_(grad);
+    } else {
+      slot = grad;
+    }
+  }
+  pending_.clear();
+}
+
+DeferWeightGradients::DeferWeightGradients(WeightGradientStore& store) {
+  FIVEFOLD_CHECK(deferred == nullptr, "DeferWeightGradients: scopes do not nest");
+  deferred = &store;
+}
+
+DeferWeightGradients::~DeferWeightGradients() { deferred = nullptr; }
+
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  return LinearFunction::apply(x, weight);
+}
+
+LinearImpl::LinearImpl(int64_t in, int64_t out)
+    : weight(register_parameter("weight", torch::empty({out, in}))) {
+  // torch::nn::Linear's default draw (the same random numbers), for a module used on its own.
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return ch03::linear(x, weight); }
 
 AttentionImpl::AttentionImpl(const ModelConfig& c)
     : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.resolved_head_dim()) {

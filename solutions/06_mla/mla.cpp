@@ -22,9 +22,7 @@ int64_t integer_or(const nlohmann::json& json, const char* key, int64_t fallback
   return json[key].get<int64_t>();
 }
 
-torch::nn::Linear linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-}
+ch03::Linear linear(int64_t in, int64_t out) { return ch03::Linear(in, out); }
 }  // namespace
 
 MlaConfig MlaConfig::from_json(const nlohmann::json& e) {

@@ -75,7 +75,7 @@ ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, int 
 }
 
 torch::Tensor ColumnParallelLinearImpl::forward(const torch::Tensor& x) {
-  return torch::matmul(x, weight.t());
+  return ch03::linear(x, weight);
 }
 
 std::map<std::string, ch03::TensorShard> ColumnParallelLinearImpl::shards() const {
@@ -88,7 +88,7 @@ RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, int rank, 
 }
 
 torch::Tensor RowParallelLinearImpl::forward(const torch::Tensor& x) {
-  return torch::matmul(x, weight.t());  // this rank's share of the sum over the input features
+  return ch03::linear(x, weight);  // this rank's share of the sum over the input features
 }
 
 std::map<std::string, ch03::TensorShard> RowParallelLinearImpl::shards() const {
@@ -174,9 +174,7 @@ TensorParallelMlaImpl::TensorParallelMlaImpl(const ch03::ModelConfig& c, const c
       scale_(ch06::softmax_scale(c, mla)) {
   const int r = tp_->rank(), n = tp_->size();
   const int64_t q_width = c.n_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim);
-  auto whole = [](int64_t in, int64_t out) {
-    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
-  };
+  auto whole = [](int64_t in, int64_t out) { return ch03::Linear(in, out); };
   // Rows of q_b_proj, kv_b_proj and columns of o_proj are laid out head after head: an equal
   // split gives each rank whole heads.
   if (mla.q_lora_rank > 0) {

@@ -75,6 +75,8 @@ struct PipelineExecutor::Slot {
   torch::Tensor output;       // the stage's output, or at the last stage the weighted loss
   torch::Tensor output_grad;  // received gradient of the output (none at the last stage)
   torch::Tensor input_grad;   // the gradient to send back
+  ch03::WeightGradientStore weights;  // zero bubble: B's kept inputs of the weight gradients
+  bool finished = false;              // its backward (B+W, or W) has run
 };
 
 PipelineExecutor::PipelineExecutor(ch03::Transformer model, std::shared_ptr<PipelineLinks> links,
@@ -165,7 +167,13 @@ void PipelineExecutor::compute(const Action& a, const std::vector<ch03::Batch>& 
   }
   FIVEFOLD_CHECK(slot != nullptr, "pipeline: backward of micro-batch ", j, " at stage ", s,
                  " before its forward");
-  if (s < last && !slot->output_grad.defined())
+  if (a.kind == ActionKind::BackwardWeight) {
+    // W: ∂L/∂W = (∂L/∂y)ᵀ·x for every linear map of the stage, from what B kept.
+    slot->weights.flush();
+    --in_flight_;
+    return;
+  }
+  if (!slot->output_grad.defined() && s < last)
     slot->output_grad = received(gradients_in_, local_gradients_, s, j);
   const std::vector<torch::Tensor> grads =
       s < last ? std::vector<torch::Tensor>{slot->output_grad} : std::vector<torch::Tensor>{};
@@ -173,16 +181,17 @@ void PipelineExecutor::compute(const Action& a, const std::vector<ch03::Batch>& 
     torch::autograd::backward({slot->output}, grads);
     if (s > 0) slot->input_grad = slot->input.grad();
   } else if (a.kind == ActionKind::BackwardInput) {
-    // B: the input's gradient only; the graph stays for W. (The first stage has no input to
-    // differentiate: its B is empty and W does all of its backward.)
-    if (s > 0)
-      slot->input_grad = torch::autograd::grad({slot->output}, {slot->input}, grads,
-                                               /*retain_graph=*/true)[0];
-  } else {  // BackwardWeight
-    // W: the weights' gradients only. LibTorch's engine cannot keep half of a node's backward,
-    // so this runs the stage's backward again for the weights (notes/11, "Zero bubble").
-    torch::autograd::backward({slot->output}, grads, /*retain_graph=*/false,
-                              /*create_graph=*/false, weights_.at(s));
+    // B: the whole backward but the weight matrices' gradients, which every linear map keeps
+    // the inputs of (x and ∂L/∂y) for W; the graph and the other activations go now.
+    auto inputs = weights_.at(s);
+    if (s > 0) inputs.push_back(slot->input);
+    {
+      ch03::DeferWeightGradients defer(slot->weights);
+      torch::autograd::backward({slot->output}, grads, /*retain_graph=*/false,
+                                /*create_graph=*/false, inputs);
+    }
+    if (s > 0) slot->input_grad = slot->input.grad();
+    slot->output = slot->output_grad = slot->input = torch::Tensor();
   }
   if (a.kind != ActionKind::BackwardInput) --in_flight_;
 }
@@ -236,7 +245,7 @@ double PipelineExecutor::run(const Schedule& schedule,
                                 grad, PipelineLinks::peer(*links_->previous_gradients)),
                             grad);
         slot->input_grad = torch::Tensor();
-        if (!slot->output.defined()) slots_.erase(key);  // backward done: nothing left
+        if (slot->finished) slots_.erase(key);  // backward done: nothing left
         break;
       }
       default: {
@@ -263,6 +272,7 @@ double PipelineExecutor::run(const Schedule& schedule,
         // Done with the micro-batch: its activations go; the input's gradient stays until sent.
         if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardWeight) {
           slot->output = slot->input = slot->output_grad = torch::Tensor();
+          slot->finished = true;
           if (!slot->input_grad.defined()) slots_.erase(key);
         }
       }

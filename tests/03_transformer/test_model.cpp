@@ -166,3 +166,34 @@ TEST(Transformer, LossIgnoresPaddedTargets) {
   EXPECT_NEAR(model->loss(hidden, padded).item<double>(),
               model->loss(hidden.narrow(1, 0, 4), targets.narrow(1, 0, 4)).item<double>(), 1e-6);
 }
+
+// The linear map every block uses: its backward equals torch's linear; deferred, the weight gets
+// no gradient until the store is flushed, then exactly the same one (chapter 11's zero bubble).
+TEST(Linear, DeferredWeightGradientEqualsTheImmediateOne) {
+  torch::manual_seed(0);
+  Linear layer(6, 4);
+  const auto x = torch::randn({2, 3, 6}, torch::requires_grad());
+  const auto dy = torch::randn({2, 3, 4});
+  // torch's own linear for reference.
+  const auto w = layer->weight.detach().clone().requires_grad_(true);
+  const auto x_ref = x.detach().clone().requires_grad_(true);
+  torch::nn::functional::linear(x_ref, w).backward(dy);
+
+  layer(x).backward(dy);
+  EXPECT_TENSOR_CLOSE(layer->weight.grad(), w.grad(), 1e-6, 1e-5);
+  EXPECT_TENSOR_CLOSE(x.grad(), x_ref.grad(), 1e-6, 1e-5);
+
+  layer->weight.mutable_grad() = torch::Tensor();
+  x.mutable_grad() = torch::Tensor();
+  WeightGradientStore store;
+  {
+    DeferWeightGradients defer(store);
+    layer(x).backward(dy);
+  }
+  EXPECT_FALSE(layer->weight.grad().defined());  // put off
+  EXPECT_TENSOR_CLOSE(x.grad(), x_ref.grad(), 1e-6, 1e-5);
+  EXPECT_EQ(store.size(), 1u);
+  store.flush();
+  EXPECT_EQ(store.size(), 0u);
+  EXPECT_TENSOR_CLOSE(layer->weight.grad(), w.grad(), 1e-6, 1e-5);
+}
