@@ -119,8 +119,6 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   }
 };
 
-Linear linear(int64_t in, int64_t out) { return Linear(in, out); }
-
 }  // namespace
 
 void WeightGradientStore::keep(torch::Tensor weight, torch::Tensor x, torch::Tensor grad_y) {
@@ -162,10 +160,10 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return ch03::linear(
 
 AttentionImpl::AttentionImpl(const ModelConfig& c)
     : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.resolved_head_dim()) {
-  q_proj = register_module("q_proj", linear(c.d_model, n_heads_ * head_dim_));
-  k_proj = register_module("k_proj", linear(c.d_model, n_kv_heads_ * head_dim_));
-  v_proj = register_module("v_proj", linear(c.d_model, n_kv_heads_ * head_dim_));
-  o_proj = register_module("o_proj", linear(n_heads_ * head_dim_, c.d_model));
+  q_proj = register_module("q_proj", Linear(c.d_model, n_heads_ * head_dim_));
+  k_proj = register_module("k_proj", Linear(c.d_model, n_kv_heads_ * head_dim_));
+  v_proj = register_module("v_proj", Linear(c.d_model, n_kv_heads_ * head_dim_));
+  o_proj = register_module("o_proj", Linear(n_heads_ * head_dim_, c.d_model));
 }
 
 torch::Tensor AttentionLayer::key_positions(const torch::Tensor& positions, int64_t cached) {
@@ -198,9 +196,9 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
 }
 
 MlpImpl::MlpImpl(const ModelConfig& c) {
-  gate_proj = register_module("gate_proj", linear(c.d_model, c.d_ff));
-  up_proj = register_module("up_proj", linear(c.d_model, c.d_ff));
-  down_proj = register_module("down_proj", linear(c.d_ff, c.d_model));
+  gate_proj = register_module("gate_proj", Linear(c.d_model, c.d_ff));
+  up_proj = register_module("up_proj", Linear(c.d_model, c.d_ff));
+  down_proj = register_module("down_proj", Linear(c.d_ff, c.d_model));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) {

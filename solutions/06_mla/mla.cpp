@@ -22,7 +22,6 @@ int64_t integer_or(const nlohmann::json& json, const char* key, int64_t fallback
   return json[key].get<int64_t>();
 }
 
-ch03::Linear linear(int64_t in, int64_t out) { return ch03::Linear(in, out); }
 }  // namespace
 
 MlaConfig MlaConfig::from_json(const nlohmann::json& e) {
@@ -83,18 +82,19 @@ MultiHeadLatentAttentionImpl::MultiHeadLatentAttentionImpl(const ch03::ModelConf
     : n_heads_(c.n_heads), mla_(mla), scale_(softmax_scale(c, mla)) {
   const int64_t q_width = n_heads_ * (mla.qk_nope_head_dim + mla.qk_rope_head_dim);
   if (mla.q_lora_rank > 0) {
-    q_a_proj = register_module("q_a_proj", linear(c.d_model, mla.q_lora_rank));
+    q_a_proj = register_module("q_a_proj", ch03::Linear(c.d_model, mla.q_lora_rank));
     q_a_layernorm = register_module("q_a_layernorm", ch03::RMSNorm(mla.q_lora_rank, 1e-6));
-    q_b_proj = register_module("q_b_proj", linear(mla.q_lora_rank, q_width));
+    q_b_proj = register_module("q_b_proj", ch03::Linear(mla.q_lora_rank, q_width));
   } else {
-    q_proj = register_module("q_proj", linear(c.d_model, q_width));
+    q_proj = register_module("q_proj", ch03::Linear(c.d_model, q_width));
   }
-  kv_a_proj_with_mqa = register_module("kv_a_proj_with_mqa",
-                                       linear(c.d_model, mla.kv_lora_rank + mla.qk_rope_head_dim));
+  kv_a_proj_with_mqa = register_module(
+      "kv_a_proj_with_mqa", ch03::Linear(c.d_model, mla.kv_lora_rank + mla.qk_rope_head_dim));
   kv_a_layernorm = register_module("kv_a_layernorm", ch03::RMSNorm(mla.kv_lora_rank, 1e-6));
   kv_b_proj = register_module(
-      "kv_b_proj", linear(mla.kv_lora_rank, n_heads_ * (mla.qk_nope_head_dim + mla.v_head_dim)));
-  o_proj = register_module("o_proj", linear(n_heads_ * mla.v_head_dim, c.d_model));
+      "kv_b_proj",
+      ch03::Linear(mla.kv_lora_rank, n_heads_ * (mla.qk_nope_head_dim + mla.v_head_dim)));
+  o_proj = register_module("o_proj", ch03::Linear(n_heads_ * mla.v_head_dim, c.d_model));
 }
 
 torch::Tensor MultiHeadLatentAttentionImpl::queries(const torch::Tensor& x) {
