@@ -157,10 +157,12 @@ int plan(int argc, char** argv) {
   args.option("tp", "0",
               "tensor-parallel ranks: adds per-rank parameters and memory, and the TP "
               "communication of one micro-batch (chapter 10; Llama-shaped models)");
-  args.option("micro-batch", "1", "sequences per micro-batch, for --tp's and --pp's communication");
+  args.option("micro-batch", "1",
+              "sequences per micro-batch, for --tp's and --pp's communication and activations");
   args.option("pp", "0",
               "pipeline ranks: adds each rank's layers and parameters, the bubble, the "
-              "micro-batches of activations it keeps and what it sends per step (chapter 11)");
+              "micro-batches of activations it keeps, their fp32 bytes, and what it sends per "
+              "step (chapter 11; Llama-shaped models)");
   args.option("schedule", "1f1b", "with --pp: gpipe, 1f1b, interleaved or zb");
   args.option("virtual-stages", "1", "with --pp and --schedule interleaved: stages per rank");
   args.option("micro-batches", "8", "with --pp: micro-batches per step (m)");
@@ -264,7 +266,8 @@ int plan(int argc, char** argv) {
     const int64_t b = args.integer("micro-batch");
     FIVEFOLD_CHECK(pp * v <= shape.n_layers, "--pp ", pp, " x --virtual-stages ", v,
                    " stages, but the model has only ", shape.n_layers, " layers");
-    const auto plan = fivefold::ch11::pipeline_plan(shape, pp, v, m, args.str("schedule"));
+    const auto plan =
+        fivefold::ch11::pipeline_plan(shape, pp, v, m, args.str("schedule"), b, context);
     nlohmann::json ranks = nlohmann::json::array();
     for (int64_t r = 0; r < pp; ++r) {
       const auto& rank = plan.ranks[static_cast<size_t>(r)];
@@ -273,6 +276,8 @@ int plan(int argc, char** argv) {
                        {"parameters", rank.parameters},
                        {"memory_bytes", 16 * rank.parameters},
                        {"peak_micro_batches_in_flight", rank.peak_in_flight},
+                       {"activation_bytes_per_micro_batch", rank.activation_bytes},
+                       {"peak_activation_bytes", rank.peak_activation_bytes},
                        {"sends_per_step", t.sends},
                        {"send_bytes_per_step", t.payload_bytes}});
     }
@@ -347,12 +352,17 @@ int plan(int argc, char** argv) {
         layers += (layers.empty() ? "" : ", ") + std::to_string(range[0].get<int64_t>()) + "-" +
                   std::to_string(range[1].get<int64_t>() - 1);
       }
+      std::string one;
+      for (const auto& bytes : rank["activation_bytes_per_micro_batch"]) {
+        one += (one.empty() ? "" : " / ") + si(bytes.get<double>(), "B");
+      }
       std::printf(
-          "  rank %zu  layers %-10s %s parameters (%s fp32 AdamW); keeps the activations of "
-          "%lld micro-batches (through one of its stages each) at once; %lld sends, %s\n",
+          "  rank %zu  layers %-10s %s parameters (%s fp32 AdamW); activations %lld in "
+          "flight x %s = %s; %lld sends, %s\n",
           r, layers.c_str(), si(rank["parameters"].get<double>()).c_str(),
           si(rank["memory_bytes"].get<double>(), "B").c_str(),
-          static_cast<long long>(rank["peak_micro_batches_in_flight"]),
+          static_cast<long long>(rank["peak_micro_batches_in_flight"]), one.c_str(),
+          si(rank["peak_activation_bytes"].get<double>(), "B").c_str(),
           static_cast<long long>(rank["sends_per_step"]),
           si(rank["send_bytes_per_step"].get<double>(), "B").c_str());
     }

@@ -20,6 +20,12 @@ struct RankPlan {
   std::vector<std::pair<int64_t, int64_t>> layers;  ///< [first, last) of each virtual stage held
   int64_t parameters = 0;      ///< its blocks, and the embedding / final norm and head at the ends
   int64_t peak_in_flight = 0;  ///< most micro-batches (one virtual stage each) held at once
+  /// stage_activation_bytes of one micro-batch through each virtual stage held (same order as
+  /// `layers`)
+  std::vector<int64_t> activation_bytes;
+  /// peak_in_flight x the largest of activation_bytes: the activations the rank keeps at its
+  /// peak (ZB-H1's micro-batches waiting for W keep less, notes §4)
+  int64_t peak_activation_bytes = 0;
 };
 
 /// The plan of a schedule for a model.
@@ -29,12 +35,25 @@ struct PipelinePlan {
   std::vector<RankPlan> ranks;  ///< per pipeline rank
 };
 
-/// The plan of `schedule` with p ranks, v virtual stages and m micro-batches for `shape`
-/// (the layers split as stage_layers splits them). A tied embedding is counted on the first and
-/// the last rank (each holds a copy).
+/// The bytes of fp32 activations one micro-batch of `rows` sequences of `seq` tokens leaves alive
+/// after its forward through a stage of `layers` blocks of this course's Llama-shaped model
+/// (RMSNorm, RoPE, attention written out as in chapter 03, SwiGLU), counting the stage's input
+/// (received, or the embedding's output), and with `head` the final norm, the logits' log-softmax
+/// and the loss. With n = rows·seq tokens, h = d_model, q = n_heads·head_dim, f = d_ff, H heads:
+///   per block  4n(8h + 4q + 4f + 2) + 4·rows·H·seq² + seq² + 4·seq·head_dim
+///              (+ 16·H with grouped-query attention: the index that repeats the key/value heads)
+///   input      4nh;   head   4n(3h + 1 + vocab) + 8.
+/// Term by term in notes/11_pipeline_parallel.md §4; equal to MemoryTracker's count of the real
+/// model's forward (PipelineParallel.PlanMatchesTheRealPipeline). Throws for other shapes.
+int64_t stage_activation_bytes(const ch02::TransformerShape& shape, int64_t layers, bool head,
+                               int64_t rows, int64_t seq);
+
+/// The plan of `schedule` with p ranks, v virtual stages and m micro-batches of `rows` sequences
+/// of `seq` tokens for `shape` (the layers split as stage_layers splits them). A tied embedding is
+/// counted on the first and the last rank (each holds a copy).
 PipelinePlan pipeline_plan(const ch02::TransformerShape& shape, int64_t ranks,
                            int64_t virtual_stages, int64_t micro_batches,
-                           const std::string& schedule);
+                           const std::string& schedule, int64_t rows, int64_t seq);
 
 /// Point-to-point traffic of one step.
 struct PipelineTraffic {

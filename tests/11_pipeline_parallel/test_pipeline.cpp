@@ -246,12 +246,14 @@ TEST(PipelineParallel, RefusesWhatItCannotRun) {
 
 // The plan's figures against the real pipeline, for every schedule at p = the world (dp 1):
 // each rank's parameters (numel of its part), its sends and their bytes in one step (the
-// communicator's counts), and its activation memory: MemoryTracker's peak over a step, less what
-// it held before, is at least k' and below k + 1 times one micro-batch's activations of one of the
-// rank's stages (k: the simulator's peak in flight; k': the most between F and B, the same but
-// for ZB-H1, whose micro-batches waiting for W keep only what W needs; the + 1 is the backward's
-// working memory and the tensors in transit). Shown to fail on purpose: GPipe's peak taken as
-// 1F1B's (p − r) fails at rank 0 with m = 2p + 1.
+// communicator's counts), one micro-batch's activations through each of its stages (A: what
+// MemoryTracker counts alive after the stage's forward, exactly), and its activation memory:
+// MemoryTracker's peak over a step, less what it held before, is at least k' and below k + 1 times
+// A (k: the simulator's peak in flight; k': the most between F and B, the same but for ZB-H1,
+// whose micro-batches waiting for W keep only what W needs; the + 1 is the backward's working
+// memory and the tensors in transit). Shown to fail on purpose: GPipe's peak taken as 1F1B's
+// (p − r) fails at rank 0 with m = 2p + 1; the formula without the norms' x² (3h + 1 -> 2h + 1)
+// fails A on every rank.
 TEST(PipelineParallel, PlanMatchesTheRealPipeline) {
   const int p = world()->size();
   for (const auto& schedule : schedule_names()) {
@@ -260,7 +262,7 @@ TEST(PipelineParallel, PlanMatchesTheRealPipeline) {
       SCOPED_TRACE(schedule + (tied ? " tied" : " untied"));
       const auto config = model_config(tied ? "tied" : "untied", 1);
       const auto shape = ch02::shape_from_hf_config(ch03::config_to_json(config));
-      const auto plan = pipeline_plan(shape, p, v, m, schedule);
+      const auto plan = pipeline_plan(shape, p, v, m, schedule, 2, 13);
       auto built = build({p, 1, 1}, schedule, v);
       auto step = built.make(ch07::make_model(config), no_clipping());
       const int r = built.links->pp->rank();
@@ -275,7 +277,6 @@ TEST(PipelineParallel, PlanMatchesTheRealPipeline) {
           split({rows.inputs.narrow(0, 0, 2 * m), rows.targets.narrow(0, 0, 2 * m)}, m);
       step->step(micro, 0);  // gradients allocated: the next step allocates activations only
       // One micro-batch through each of this rank's stages, kept for backward: A_c.
-      std::vector<double> one;
       for (size_t c = 0; c < mine.layers.size(); ++c) {
         fivefold::MemoryTracker tracker;
         const auto stage = static_cast<int64_t>(c) * p + r;
@@ -284,7 +285,7 @@ TEST(PipelineParallel, PlanMatchesTheRealPipeline) {
         auto out = step->model()->forward_layers(input, ch03::position_range(0, 13),
                                                  mine.layers[c].first, mine.layers[c].second);
         if (stage == p * v - 1) out = step->model()->loss(out, micro[0].targets);
-        one.push_back(static_cast<double>(tracker.current_bytes()));
+        EXPECT_EQ(tracker.current_bytes(), mine.activation_bytes[c]) << "stage " << stage;
       }
       dist::reset_comm_stats();
       fivefold::MemoryTracker tracker;
@@ -298,8 +299,10 @@ TEST(PipelineParallel, PlanMatchesTheRealPipeline) {
         if (a.kind == ActionKind::Forward) most_whole = std::max(most_whole, ++whole);
         if (a.kind == ActionKind::Backward || a.kind == ActionKind::BackwardInput) --whole;
       }
-      const double least = *std::min_element(one.begin(), one.end()),
-                   most = *std::max_element(one.begin(), one.end());
+      const auto& one = mine.activation_bytes;
+      const auto least = static_cast<double>(*std::min_element(one.begin(), one.end())),
+                 most = static_cast<double>(*std::max_element(one.begin(), one.end()));
+      EXPECT_EQ(static_cast<double>(mine.peak_activation_bytes), k * most);
       EXPECT_GE(peak, static_cast<double>(most_whole) * least) << "A = " << least << " .. " << most;
       EXPECT_LT(peak, (k + 1) * most) << "A = " << least << " .. " << most;
 
