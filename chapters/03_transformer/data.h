@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace fivefold::ch03 {
@@ -74,9 +75,23 @@ class TokenDataset {
 
 /// Inputs and next-token targets, both [rows, seq_len] int64.
 struct Batch {
+  Batch() = default;
+  /// A batch of whole windows (positions 0 .. seq − 1, weight 1).
+  Batch(torch::Tensor inputs_, torch::Tensor targets_)
+      : inputs(std::move(inputs_)), targets(std::move(targets_)) {}
   torch::Tensor inputs;   ///< tokens t .. t+seq_len-1 of each window
   torch::Tensor targets;  ///< tokens t+1 .. t+seq_len
+  /// The tokens' positions in their window, int64 [seq] (undefined: 0 .. seq − 1). Chapter 12's
+  /// context parallelism gives each rank some of every window's tokens, not always consecutive.
+  torch::Tensor positions;
+  /// How much this part's mean loss counts when the ranks' means are averaged (chapter 12: a rank
+  /// holding n_r of a window's n tokens over cp ranks counts cp·n_r/n, so that unequal parts
+  /// average to the window's mean; 1 otherwise).
+  double loss_weight = 1.0;
 };
+
+/// batch.positions, or 0 .. seq − 1 when it has none.
+torch::Tensor batch_positions(const Batch& batch);
 
 /// Random windows of `seq_len + 1` tokens. Step k's global batch is a function of (seed, k) only:
 /// `batch(k)` is all of it, and `batch(k, rank, world)` is rows [rank·B/W, (rank+1)·B/W) of the

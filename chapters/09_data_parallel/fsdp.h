@@ -109,7 +109,7 @@ class FullyShardedDataParallel {
   void release(Unit& unit);    // reduce-scatter the gradients into the shard, drop them, free
   void on_backward(size_t u);  // backward reached unit u: release the unit after it, gather u
   // Embedding and every block, each unit gathered for its part; the root is left gathered.
-  torch::Tensor hidden(const torch::Tensor& tokens);
+  torch::Tensor hidden(const torch::Tensor& tokens, const torch::Tensor& positions);
   // Frees the root after the head, and gathers it again when backward reaches `output`.
   torch::Tensor finish(const torch::Tensor& output);
   torch::Tensor param_shard(const Unit& unit) { return shards_.narrow(0, unit.offset, unit.shard); }

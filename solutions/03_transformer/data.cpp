@@ -11,6 +11,12 @@
 
 namespace fivefold::ch03 {
 
+torch::Tensor batch_positions(const Batch& batch) {
+  return batch.positions.defined()
+             ? batch.positions
+             : torch::arange(batch.inputs.size(1), torch::TensorOptions(torch::kLong));
+}
+
 std::vector<int64_t> ByteTokenizer::encode(const std::string& text, bool bos, bool eos) {
   std::vector<int64_t> tokens;
   tokens.reserve(text.size() + 2);

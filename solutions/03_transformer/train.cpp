@@ -53,8 +53,7 @@ torch::Tensor loss_of(Transformer& model, const Batch& batch) {
   // The model's parts: embedding, every block, then the output slot's loss (which a
   // vocabulary-parallel head computes without building the logits).
   auto x = model->embed(batch.inputs);  // [rows, seq, d_model]
-  const auto positions = position_range(0, batch.inputs.size(1));
-  x = model->forward_layers(x, positions, 0, model->config().n_layers);
+  x = model->forward_layers(x, batch_positions(batch), 0, model->config().n_layers);
   return model->loss(x, batch.targets);
 }
 
@@ -66,7 +65,7 @@ double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_
   for (const auto& b : micro_batches) {
     // Weighting each micro-batch's mean by its share of rows makes the sum the whole batch's mean.
     const double share = static_cast<double>(b.inputs.size(0)) / static_cast<double>(rows);
-    auto loss = loss_of(model, b) * share;
+    auto loss = loss_of(model, b) * (share * b.loss_weight);
     loss.backward();
     total += loss.item<double>();
   }

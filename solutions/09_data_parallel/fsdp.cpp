@@ -134,12 +134,12 @@ void FullyShardedDataParallel::on_backward(size_t u) {
   units_[u].pending = true;
 }
 
-torch::Tensor FullyShardedDataParallel::hidden(const torch::Tensor& tokens) {
+torch::Tensor FullyShardedDataParallel::hidden(const torch::Tensor& tokens,
+                                               const torch::Tensor& positions) {
   // The model's parts, each with its unit gathered: the root (embedding now, final norm and head
   // at the end), then one block at a time, freed as soon as it has run.
   gather(units_[0]);
   auto x = model_->embed(tokens);
-  const auto positions = ch03::position_range(0, tokens.size(1));
   for (int64_t i = 0; i < model_->config().n_layers; ++i) {
     Unit& unit = units_[1 + i];
     gather(unit);
@@ -159,11 +159,11 @@ torch::Tensor FullyShardedDataParallel::finish(const torch::Tensor& output) {
 }
 
 torch::Tensor FullyShardedDataParallel::forward(const torch::Tensor& tokens) {
-  return finish(model_->logits(hidden(tokens)));
+  return finish(model_->logits(hidden(tokens, ch03::position_range(0, tokens.size(1)))));
 }
 
 torch::Tensor FullyShardedDataParallel::loss(const ch03::Batch& batch) {
-  return finish(model_->loss(hidden(batch.inputs), batch.targets));
+  return finish(model_->loss(hidden(batch.inputs, ch03::batch_positions(batch)), batch.targets));
 }
 
 double FullyShardedDataParallel::step(int64_t step) {

@@ -153,11 +153,10 @@ void PipelineExecutor::compute(const Action& a, const std::vector<ch03::Batch>& 
       slot->input = received(activations_in_, local_activations_, s, j).requires_grad_(true);
       x = slot->input;
     }
-    const auto positions = ch03::position_range(0, batch.inputs.size(1));
-    x = model_->forward_layers(x, positions, first_layer, last_layer);
+    x = model_->forward_layers(x, ch03::batch_positions(batch), first_layer, last_layer);
     if (s == last) {
       // Weighted by the micro-batch's share of the rows: the sum is the mean over all of them.
-      slot->output = model_->loss(x, batch.targets) * share;
+      slot->output = model_->loss(x, batch.targets) * (share * batch.loss_weight);
       loss_ += slot->output.item<double>();
     } else {
       slot->output = x;
