@@ -172,15 +172,23 @@ struct Work::State {
   std::condition_variable done_changed;
   bool done = false;
   std::exception_ptr error;
-  torch::Tensor result;
+  // Queued operations only: wait() adds the time it blocked to (communicator, op)'s counts.
+  std::string communicator;
+  Op op = Op::Barrier;
 };
 
 torch::Tensor Work::wait() {
   FIVEFOLD_CHECK(state_ != nullptr, "Work::wait() on an empty handle");
+  const auto start = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(state_->mutex);
   state_->done_changed.wait(lock, [&] { return state_->done; });
+  lock.unlock();
+  if (!state_->communicator.empty()) {
+    const std::chrono::duration<double> blocked = std::chrono::steady_clock::now() - start;
+    record_comm_time(state_->communicator, state_->op, blocked.count());
+  }
   if (state_->error) std::rethrow_exception(state_->error);
-  return state_->result;
+  return result_;
 }
 
 bool Work::completed() const {
@@ -228,6 +236,9 @@ void Communicator::worker_loop() {
     } catch (...) {
       error = std::current_exception();
     }
+    // Drop the tensors the operation captured before the caller learns it is done: after
+    // wait() returns, the only references to them are the caller's.
+    task->body = nullptr;
     {
       std::lock_guard<std::mutex> state_lock(task->state->mutex);
       task->state->error = error;
@@ -248,14 +259,15 @@ Work Communicator::enqueue(Op op, int64_t bytes, double wire_bytes, torch::Tenso
   task->body = std::move(body);
   task->label = OpLabel{op, &name_, bytes, dst, src};
   task->state = std::make_shared<Work::State>();
-  task->state->result = std::move(result);
+  task->state->communicator = name_;
+  task->state->op = op;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!worker_.joinable()) worker_ = std::thread([this] { worker_loop(); });
     queue_.push_back(task);
   }
   changed_.notify_all();
-  return Work(task->state);
+  return Work(task->state, std::move(result));
 }
 
 void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
@@ -346,8 +358,7 @@ Work Communicator::issue(Op op, int64_t bytes, double wire_bytes, torch::Tensor 
   run_inline(op, bytes, wire_bytes, body, dst, src);
   auto state = std::make_shared<Work::State>();
   state->done = true;
-  state->result = std::move(result);
-  return Work(state);
+  return Work(state, std::move(result));
 }
 
 Work Communicator::all_reduce_async(torch::Tensor tensor, ReduceOp op) {

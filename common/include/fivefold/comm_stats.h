@@ -29,9 +29,10 @@ struct OpCounts {
   int64_t calls = 0;               ///< operations issued
   int64_t payload_bytes = 0;       ///< measured: bytes handed to the operations (file comment)
   double modelled_wire_bytes = 0;  ///< modelled: bytes this rank sends (file comment)
-  /// Measured: seconds the calling thread spent inside the synchronous operations (waiting for
-  /// queued ones first, then the transfer, including waiting for the peers). Asynchronous
-  /// operations add nothing here: their cost is what Work::wait() blocks, which the caller times.
+  /// Measured: seconds the calling thread was held up by the operations: inside the synchronous
+  /// ones (waiting for queued ones first, then the transfer, including waiting for the peers),
+  /// and inside Work::wait() for the asynchronous ones (zero when the transfer was already over:
+  /// the part that overlap hid is not counted).
   double blocked_seconds = 0;
 };
 

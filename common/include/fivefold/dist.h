@@ -75,8 +75,10 @@ class Work {
  private:
   friend class Communicator;
   struct State;
-  explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  std::shared_ptr<State> state_;
+  Work(std::shared_ptr<State> state, torch::Tensor result)
+      : state_(std::move(state)), result_(std::move(result)) {}
+  std::shared_ptr<State> state_;  // shared with the worker thread: completion and error only
+  torch::Tensor result_;          // the caller's alone, so its memory is the caller's to free
 };
 
 /// A group of ranks that communicate. Created by fivefold::Runtime (the world), by split(), or by
