@@ -48,6 +48,19 @@ std::chrono::milliseconds gloo_timeout() {
   return std::chrono::milliseconds(static_cast<int64_t>(comm_timeout_seconds() * 1000) + 2000);
 }
 
+// Waits for an operation, then for Gloo's worker thread to let go of it. The worker drops its
+// handle (and with it the operation's tensors) a moment after the operation completes, so a
+// buffer the caller frees could outlive the call by that moment; memory must be free when the
+// call returns (the chapters count it with MemoryTracker). Bounded: a second at most.
+template <typename WorkPtr>
+void finish(const WorkPtr& work) {
+  work->wait();
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  while (work.use_count() > 1 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::yield();
+  }
+}
+
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int size,
@@ -70,7 +83,7 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.reduceOp = gloo_op(op);
-    group_->allreduce(tensors, options)->wait();
+    finish(group_->allreduce(tensors, options));
   }
 
   void do_all_gather(const torch::Tensor& in, torch::Tensor& out,
@@ -84,7 +97,7 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> inputs{padded};
     std::vector<std::vector<at::Tensor>> outputs(1);
     for (int i = 0; i < size(); ++i) outputs[0].push_back(torch::empty(shape, in.options()));
-    group_->allgather(outputs, inputs)->wait();
+    finish(group_->allgather(outputs, inputs));
     int64_t offset = 0;
     for (int i = 0; i < size(); ++i) {
       out.narrow(0, offset, dim0_sizes[i]).copy_(outputs[0][i].narrow(0, 0, dim0_sizes[i]));
@@ -107,24 +120,24 @@ class GlooCommunicator final : public Communicator {
                      const std::vector<int64_t>& recv_sizes) override {
     at::Tensor input = in;
     std::vector<int64_t> in_splits = send_sizes, out_splits = recv_sizes;
-    group_->alltoall_base(out, input, out_splits, in_splits)->wait();
+    finish(group_->alltoall_base(out, input, out_splits, in_splits));
   }
 
   void do_broadcast(torch::Tensor& tensor, int root) override {
     std::vector<at::Tensor> tensors{tensor};
     c10d::BroadcastOptions options;
     options.rootRank = root;
-    group_->broadcast(tensors, options)->wait();
+    finish(group_->broadcast(tensors, options));
   }
 
   void do_send(const torch::Tensor& tensor, int dst, int tag) override {
     std::vector<at::Tensor> tensors{tensor};
-    group_->send(tensors, dst, tag)->wait();
+    finish(group_->send(tensors, dst, tag));
   }
 
   void do_recv(torch::Tensor& tensor, int src, int tag) override {
     std::vector<at::Tensor> tensors{tensor};
-    group_->recv(tensors, src, tag)->wait();
+    finish(group_->recv(tensors, src, tag));
   }
 
   void do_send_recv(const torch::Tensor& send_tensor, int dst, torch::Tensor& recv_tensor, int src,
@@ -132,11 +145,11 @@ class GlooCommunicator final : public Communicator {
     std::vector<at::Tensor> outgoing{send_tensor}, incoming{recv_tensor};
     auto sent = group_->send(outgoing, dst, tag);
     auto received = group_->recv(incoming, src, tag);
-    sent->wait();
-    received->wait();
+    finish(sent);
+    finish(received);
   }
 
-  void do_barrier() override { group_->barrier()->wait(); }
+  void do_barrier() override { finish(group_->barrier()); }
 
   std::shared_ptr<Communicator> do_split(const std::vector<int>& members, int color,
                                          const std::string& name) override {
