@@ -19,6 +19,7 @@
 #include "09_data_parallel/ddp.h"
 #include "09_data_parallel/fsdp.h"
 #include "09_data_parallel/zero.h"
+#include "bench_model.h"
 #include "fivefold/cli.h"
 #include "fivefold/memory.h"
 #include "fivefold/runtime.h"
@@ -116,11 +117,7 @@ int run(int argc, char** argv) {
   if (!args.parse(argc, argv)) return 0;
   Runtime runtime;
   auto world = runtime.world();
-  ModelConfig config;
-  config.d_model = args.integer("d-model");
-  config.n_layers = args.integer("n-layers");
-  config.n_heads = config.n_kv_heads = config.d_model / 64;
-  config.d_ff = ((8 * config.d_model / 3 + 63) / 64) * 64;
+  auto config = bench::bench_model(args.integer("d-model"), args.integer("n-layers"));
   const int64_t batch = args.integer("batch"), seq = args.integer("seq");
   const double tokens = static_cast<double>(batch * seq);
   if (world->rank() == 0) {

@@ -17,6 +17,7 @@
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "11_pipeline_parallel/trace.h"
+#include "bench_model.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
 #include "fivefold/runtime.h"
@@ -47,11 +48,7 @@ int run(int argc, char** argv) {
   Runtime runtime;
   auto world = runtime.world();
   const int p = world->size();
-  ModelConfig config;
-  config.d_model = args.integer("d-model");
-  config.n_layers = args.integer("n-layers");
-  config.n_heads = config.n_kv_heads = std::max<int64_t>(1, config.d_model / 64);
-  config.d_ff = ((8 * config.d_model / 3 + 63) / 64) * 64;
+  auto config = bench::bench_model(args.integer("d-model"), args.integer("n-layers"));
   config.rope_theta = 10000;
   const int64_t batch = args.integer("batch"), seq = args.integer("seq"),
                 m = args.integer("micro-batches");

@@ -16,6 +16,7 @@
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "10_tensor_parallel/step.h"
+#include "bench_model.h"
 #include "fivefold/cli.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/error.h"
@@ -79,11 +80,7 @@ int run(int argc, char** argv) {
   FIVEFOLD_CHECK(args.integer("steps") >= 1, "--steps must be at least 1");
   Runtime runtime;
   auto world = runtime.world();
-  ModelConfig config;
-  config.d_model = args.integer("d-model");
-  config.n_layers = args.integer("n-layers");
-  config.n_heads = config.n_kv_heads = config.d_model / 64;
-  config.d_ff = ((8 * config.d_model / 3 + 63) / 64) * 64;
+  auto config = bench::bench_model(args.integer("d-model"), args.integer("n-layers"));
   config.rope_theta = 10000;
   ch10::check_tensor_parallel(config, world->size());
   const int64_t batch = args.integer("batch"), seq = args.integer("seq");
