@@ -19,6 +19,7 @@
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/plan.h"
+#include "12_context_parallel/plan.h"
 #include "commands.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
@@ -166,6 +167,11 @@ int plan(int argc, char** argv) {
   args.option("schedule", "1f1b", "with --pp: gpipe, 1f1b, interleaved or zb");
   args.option("virtual-stages", "1", "with --pp and --schedule interleaved: stages per rank");
   args.option("micro-batches", "8", "with --pp: micro-batches per step (m)");
+  args.option("cp", "0",
+              "context-parallel ranks: adds the keys and values each rank sends per layer and "
+              "micro-batch (chapter 12; Llama-shaped models)");
+  args.option("cp-layout", "zigzag", "with --cp: zigzag or contiguous");
+  args.option("cp-attention", "ring", "with --cp: ring or allgather");
   args.flag("json", "print JSON instead of a table");
   if (!args.parse(argc, argv)) return 0;
   FIVEFOLD_CHECK(args.integer("tp") >= 0, "--tp must be >= 0");
@@ -180,6 +186,8 @@ int plan(int argc, char** argv) {
       FIVEFOLD_CHECK(args.integer("dp") >= 0, "--dp must be >= 0");
       FIVEFOLD_CHECK(args.integer("pp") == 0,
                      "--pp: chapter 11's formulas are for Llama-shaped models");
+      FIVEFOLD_CHECK(args.integer("cp") == 0,
+                     "--cp: chapter 12's formulas are for Llama-shaped models");
       FIVEFOLD_CHECK(args.integer("tp") == 0,
                      "--tp: chapter 10's formulas are for Llama-shaped models (MLA and experts "
                      "split differently)");
@@ -286,6 +294,39 @@ int plan(int argc, char** argv) {
         {"micro_batches", m}, {"micro_batch_sequences", b},       {"bubble", plan.bubble},
         {"ranks", ranks}};
   }
+  const int64_t cp = args.integer("cp");
+  FIVEFOLD_CHECK(cp >= 0, "--cp must be >= 0");
+  if (cp > 0) {
+    using namespace fivefold::ch12;
+    const auto layout = parse_cp_layout(args.str("cp-layout"));
+    const auto attention = parse_cp_attention(args.str("cp-attention"));
+    check_context_parallel(context, cp, layout);
+    const int64_t b = args.integer("micro-batch");
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int64_t r = 0; r < cp; ++r) {
+      const auto t = context_parallel_traffic(cp, r, b, context, shape.n_kv_heads, shape.head_dim,
+                                              shape.head_dim, layout, attention);
+      nlohmann::json ops;
+      const std::pair<const char*, CpOps> kinds[] = {
+          {"all_gather", t.all_gather}, {"send_recv", t.send_recv}, {"all_to_all", t.all_to_all}};
+      int64_t bytes = 0;
+      for (const auto& [name, k] : kinds) {
+        ops[name] = {{"calls", k.calls}, {"payload_bytes", k.payload_bytes}};
+        bytes += k.payload_bytes;
+      }
+      ranks.push_back(
+          {{"tokens", shard_positions(context, cp, r, layout).size(0)},
+           {"activation_bytes", cp_activation_bytes(shape, cp, r, b, context, layout, attention)},
+           {"per_layer", ops},
+           {"bytes_per_layer", bytes},
+           {"bytes_per_micro_batch", bytes * shape.n_layers}});
+    }
+    result["context_parallel"] = {{"cp", cp},
+                                  {"layout", args.str("cp-layout")},
+                                  {"attention", args.str("cp-attention")},
+                                  {"micro_batch_sequences", b},
+                                  {"ranks", ranks}};
+  }
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
     return 0;
@@ -365,6 +406,25 @@ int plan(int argc, char** argv) {
           si(rank["peak_activation_bytes"].get<double>(), "B").c_str(),
           static_cast<long long>(rank["sends_per_step"]),
           si(rank["send_bytes_per_step"].get<double>(), "B").c_str());
+    }
+  }
+  if (cp > 0) {
+    const auto& c = result["context_parallel"];
+    std::printf(
+        "context parallel cp %lld, %s, %s attention; per micro-batch of %lld x %lld tokens "
+        "(fp32; activations kept for backward, bytes sent forward and backward):\n",
+        static_cast<long long>(cp), c["layout"].get<std::string>().c_str(),
+        c["attention"].get<std::string>().c_str(),
+        static_cast<long long>(args.integer("micro-batch")), static_cast<long long>(context));
+    for (size_t r = 0; r < c["ranks"].size(); ++r) {
+      const auto& rank = c["ranks"][r];
+      std::printf(
+          "  rank %zu  %lld tokens; activations %s; sends %s per layer, %s per "
+          "micro-batch\n",
+          r, static_cast<long long>(rank["tokens"]),
+          si(rank["activation_bytes"].get<double>(), "B").c_str(),
+          si(rank["bytes_per_layer"].get<double>(), "B").c_str(),
+          si(rank["bytes_per_micro_batch"].get<double>(), "B").c_str());
     }
   }
   if (dp > 0) print_zero_memory(result["zero"], dp);

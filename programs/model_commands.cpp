@@ -25,6 +25,7 @@
 #include "09_data_parallel/step.h"
 #include "10_tensor_parallel/step.h"
 #include "11_pipeline_parallel/pipeline.h"
+#include "12_context_parallel/context_parallel.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -200,7 +201,15 @@ int train(int argc, char** argv) {
               "pp) or zb (zero-bubble ZB-H1)");
   args.option("virtual-stages", "1",
               "with --schedule interleaved: stages per pipeline rank (pp x this <= layers)");
-  args.option("cp", "1", "context-parallel ranks (chapter 12; only 1 for now)");
+  args.option("cp", "1",
+              "context-parallel ranks (chapter 12): each holds part of every sequence's tokens; "
+              "keys and values travel between them");
+  args.option("cp-layout", "zigzag",
+              "with --cp > 1: zigzag (chunks r and 2cp-1-r of 2cp: equal causal work; seq a "
+              "multiple of 2cp) or contiguous (consecutive slices, uneven allowed)");
+  args.option("cp-attention", "ring",
+              "with --cp > 1: ring (keys and values passed around, overlapped with compute) or "
+              "allgather (gathered whole before attention)");
   args.option("ep", "1", "expert-parallel ranks (chapter 13; only 1 for now)");
   args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
   args.option("warmup", "20", "linear warm-up steps");
@@ -232,7 +241,7 @@ int train(int argc, char** argv) {
   if (!args.parse(argc, argv)) return 0;
   // The layout, checked before anything starts: every rank sees the same flags and the same
   // world size, so every rank refuses the same way, before any communication.
-  const char* later[][2] = {{"cp", "12 (context parallelism)"}, {"ep", "13 (expert parallelism)"}};
+  const char* later[][2] = {{"ep", "13 (expert parallelism)"}};
   for (const auto& [flag, chapter] : later) {
     FIVEFOLD_CHECK(args.integer(flag) == 1, "--", flag, " ", args.integer(flag),
                    ": only 1 is supported until chapter ", chapter, " is written");
@@ -249,13 +258,20 @@ int train(int argc, char** argv) {
   FIVEFOLD_CHECK(pp > 1 || (!args.given("schedule") && !args.given("virtual-stages")),
                  "--schedule and --virtual-stages choose how a pipeline runs: they need --pp 2 "
                  "or more");
+  const int64_t cp = args.integer("cp");
+  FIVEFOLD_CHECK(cp >= 1, "--cp must be at least 1, got ", cp);
+  FIVEFOLD_CHECK(cp > 1 || (!args.given("cp-layout") && !args.given("cp-attention")),
+                 "--cp-layout and --cp-attention choose how context parallelism splits and "
+                 "attends: they need --cp 2 or more");
+  const auto cp_layout = ch12::parse_cp_layout(args.str("cp-layout"));
+  const auto cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
   Runtime runtime;
   auto world = runtime.world();
-  FIVEFOLD_CHECK(world->size() % (tp * pp) == 0, "--tp ", tp, " x --pp ", pp,
+  FIVEFOLD_CHECK(world->size() % (tp * pp * cp) == 0, "--tp ", tp, " x --pp ", pp, " x --cp ", cp,
                  " does not divide the ", world->size(), " processes");
-  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size() / (tp * pp);
-  FIVEFOLD_CHECK(dp >= 1 && dp * tp * pp == world->size(), "--dp ", dp, " x tp ", tp, " x pp ", pp,
-                 " x cp 1 must equal the number of processes, ", world->size());
+  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size() / (tp * pp * cp);
+  FIVEFOLD_CHECK(dp >= 1 && dp * tp * pp * cp == world->size(), "--dp ", dp, " x tp ", tp, " x pp ",
+                 pp, " x cp ", cp, " must equal the number of processes, ", world->size());
 
   RunConfig c;
   c.out_dir = args.str("out");
@@ -291,15 +307,20 @@ int train(int argc, char** argv) {
   const std::string schedule = args.str("schedule");
   const int64_t virtual_stages = args.integer("virtual-stages");
   ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches);
+  ch12::check_context_parallel(c.model, c.seq_len, cp, cp_layout);
   c.build_model = ch07::make_model;  // the most complete model the chapters build
   // The mesh: pipeline stages slowest, tensor-parallel peers neighbouring ranks (tp fastest).
-  dist::DeviceMesh mesh(
-      world,
-      {{"pp", static_cast<int>(pp)}, {"dp", static_cast<int>(dp)}, {"tp", static_cast<int>(tp)}});
-  auto data = mesh.comm("dp");
+  dist::DeviceMesh mesh(world, {{"pp", static_cast<int>(pp)},
+                                {"dp", static_cast<int>(dp)},
+                                {"cp", static_cast<int>(cp)},
+                                {"tp", static_cast<int>(tp)}});
+  // The gradients are averaged over dp x cp: the context-parallel ranks saw other tokens of the
+  // same rows, as data-parallel ranks see other rows.
+  auto data = mesh.comm("dp+cp");
   // Expert load and the balancing update, with the load summed over the ranks that routed
-  // different tokens: the data-parallel ones, and under sequence parallelism the tp ones too.
-  auto routed = args.on("sequence-parallel") ? mesh.comm("dp+tp") : data;
+  // different tokens: the data- and context-parallel ones, and under sequence parallelism the tp
+  // ones too.
+  auto routed = args.on("sequence-parallel") ? mesh.comm("dp+cp+tp") : data;
   c.after_step = [routed](Transformer& m) { return ch07::after_step(m, routed.get()); };
   if (pp > 1) {  // each stage balances its own layers; the metrics line shows them all
     c.after_step = [routed, stages = mesh.comm("pp")](Transformer& m) {
@@ -330,6 +351,11 @@ int train(int argc, char** argv) {
   } else if (world->size() > 1 || zero > 0) {
     c.make_step = ch09::data_parallel_step(data, zero);
   }
+  if (cp > 1) {
+    if (!c.make_step) c.make_step = ch09::data_parallel_step(data, zero);
+    c.make_step =
+        ch12::context_parallel_step(c.make_step, {mesh.comm("cp"), cp_layout, cp_attention});
+  }
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -343,7 +369,8 @@ int train(int argc, char** argv) {
   c.model.validate();
   ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
   ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches);
-  check_model_fits(c.model, dp, zero, runtime.launch().local_size);
+  ch12::check_context_parallel(c.model, c.seq_len, cp, cp_layout);
+  check_model_fits(c.model, dp * cp, zero, runtime.launch().local_size);
 
   const RunResult r = run_training(c, args.on("resume"));
   log0() << "done: " << r.losses.size() << " steps, final training loss "

@@ -45,7 +45,7 @@ foreach(target "2;1" "1;0")
 endforeach()
 
 # Refusals, on every rank, before anything is written.
-foreach(bad "--cp;2;context parallelism" "--tp;3;does not divide" "--dp;3;must equal the number of processes"
+foreach(bad "--ep;2;expert parallelism" "--tp;3;does not divide" "--dp;3;must equal the number of processes"
             "--zero;4;must be 0, 1, 2 or 3" "--accum;3;must split into 2 data-parallel ranks")
   list(GET bad 0 flag)
   list(GET bad 1 value)

@@ -1,0 +1,45 @@
+// Chapter 12: the training step with context parallelism.
+
+#include "03_transformer/data.h"
+#include "12_context_parallel/context_parallel.h"
+#include "fivefold/error.h"
+
+namespace fivefold::ch12 {
+
+ContextParallelStep::ContextParallelStep(std::unique_ptr<ch03::TrainingStep> inner,
+                                         ContextParallel group)
+    : inner_(std::move(inner)),
+      group_(std::move(group)),
+      kernel_(std::make_shared<ContextParallelKernel>(group_)) {
+  FIVEFOLD_CHECK(inner_ != nullptr && group_.cp != nullptr,
+                 "ContextParallelStep: needs a step and a communicator");
+}
+
+ch03::StepResult ContextParallelStep::step(const std::vector<ch03::Batch>& micro_batches,
+                                           int64_t step) {
+  // Attention over the group's tokens (full_model() may have put chapter 03's kernel back).
+  model()->set_attention_kernel(kernel_);
+  std::vector<ch03::Batch> mine;
+  for (const auto& b : micro_batches) {
+    mine.push_back(shard_batch(b, group_.cp->size(), group_.cp->rank(), group_.layout));
+  }
+  return inner_->step(mine, step);
+}
+
+ch03::Transformer& ContextParallelStep::full_model() {
+  auto& whole = inner_->full_model();
+  // The whole model evaluates whole sequences on each rank: chapter 03's attention.
+  whole->set_attention_kernel(std::make_shared<ch03::CausalAttentionKernel>());
+  return whole;
+}
+
+ch03::StepFactory context_parallel_step(ch03::StepFactory inner, ContextParallel group) {
+  return
+      [inner = std::move(inner), group](ch03::Transformer model, const ch03::TrainConfig& config) {
+        model->set_attention_kernel(std::make_shared<ContextParallelKernel>(group));
+        return std::unique_ptr<ch03::TrainingStep>(
+            new ContextParallelStep(inner(std::move(model), config), group));
+      };
+}
+
+}  // namespace fivefold::ch12
