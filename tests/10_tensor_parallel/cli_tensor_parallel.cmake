@@ -56,14 +56,8 @@ set(saved ${WORK}/np4-tp2-zero3-spon)
 foreach(target "1;1" "4;4")
   list(GET target 0 np)
   list(GET target 1 tp)
-  set(out ${WORK}/resumed-np${np}-tp${tp})
-  file(MAKE_DIRECTORY ${out})
-  file(COPY ${saved}/step-00000002 DESTINATION ${out})
-  file(COPY ${saved}/metrics.jsonl DESTINATION ${out})
-  file(WRITE ${out}/latest "step-00000002\n")
-  train(${np} ${out} --resume --steps 4 --tp ${tp} --peak-gflops 100 --no-progress)
-  curve(${out} got)
-  expect_same_curve("${got}" "${want}" "saved at tp 2 x dp 2, resumed on ${np} ranks at tp ${tp}")
+  expect_resumed(${np} ${saved} ${WORK}/resumed-np${np}-tp${tp} want
+                 "saved at tp 2 x dp 2, resumed on ${np} ranks at tp ${tp}" --tp ${tp})
 endforeach()
 
 # Refusals, on every rank, before anything is written: 4 heads do not split over 3 ranks; 3

@@ -12,6 +12,7 @@
 #include "10_tensor_parallel/step.h"
 #include "fivefold/mesh.h"
 #include "fixtures.h"
+#include "parity.h"
 #include "testing.h"
 
 using namespace fivefold;
@@ -73,7 +74,8 @@ TEST(TensorParallelStep, FollowsTheSingleProcessCurve) {
     auto& full = step->full_model();
     for (const auto& item : single.model()->named_parameters()) {
       SCOPED_TRACE(item.key());
-      EXPECT_TENSOR_CLOSE(full->named_parameters()[item.key()], item.value(), 1e-5, 1e-4);
+      EXPECT_TENSOR_CLOSE(full->named_parameters()[item.key()], item.value(),
+                            fivefold::testing::kParameterAtol, 1e-4);
     }
     const auto state = step->optimizer_state();
     const auto want_state = single.optimizer_state();

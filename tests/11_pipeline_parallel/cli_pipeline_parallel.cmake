@@ -70,14 +70,8 @@ set(saved ${WORK}/2-2-1-0-1f1b-1-3)
 foreach(target "1;1" "4;4")
   list(GET target 0 np)
   list(GET target 1 pp)
-  set(out ${WORK}/resumed-np${np}-pp${pp})
-  file(MAKE_DIRECTORY ${out})
-  file(COPY ${saved}/step-00000002 DESTINATION ${out})
-  file(COPY ${saved}/metrics.jsonl DESTINATION ${out})
-  file(WRITE ${out}/latest "step-00000002\n")
-  train(${np} ${out} --resume --steps 4 --pp ${pp} --peak-gflops 100 --no-progress)
-  curve(${out} got)
-  expect_same_curve("${got}" "${want}" "saved at pp 2, resumed on ${np} ranks at pp ${pp}")
+  expect_resumed(${np} ${saved} ${WORK}/resumed-np${np}-pp${pp} want
+                 "saved at pp 2, resumed on ${np} ranks at pp ${pp}" --pp ${pp})
 endforeach()
 
 # Refusals, on every rank, before anything is written.

@@ -21,10 +21,14 @@
 #include "fivefold/comm_stats.h"
 #include "fivefold/memory.h"
 #include "fivefold/mesh.h"
+#include "parity.h"
 #include "testing.h"
 
 using namespace fivefold;
 using namespace fivefold::ch11;
+using fivefold::testing::clipping;
+using fivefold::testing::no_clipping;
+using fivefold::testing::split;
 using fivefold::testing::world;
 
 namespace {
@@ -44,14 +48,6 @@ const ch03::BatchSampler& batches() {
       ch03::ByteTokenizer::encode(ch03::synthetic_corpus(0, ch03::Split::Train, 400)));
   static const ch03::BatchSampler sampler(data, 13, 20, 1);
   return sampler;
-}
-
-std::vector<ch03::Batch> split(const ch03::Batch& b, int64_t m) {
-  std::vector<ch03::Batch> out;
-  const auto inputs = b.inputs.tensor_split(m), targets = b.targets.tensor_split(m);
-  for (int64_t i = 0; i < m; ++i)
-    out.push_back({inputs[static_cast<size_t>(i)], targets[static_cast<size_t>(i)]});
-  return out;
 }
 
 struct Layout {
@@ -85,20 +81,6 @@ Built build(const Layout& l, const std::string& schedule, int64_t v) {
   layout.virtual_stages = v;
   return {pipeline_parallel_step(layout, ch07::make_model), layout.dp, layout.links,
           l.sp ? mesh.comm("dp+tp") : layout.dp};
-}
-
-ch03::TrainConfig no_clipping() {
-  ch03::TrainConfig t;
-  t.warmup_steps = 1;
-  t.total_steps = 10;
-  t.grad_clip = 0;  // gradients() then returns them as backward left them
-  return t;
-}
-
-ch03::TrainConfig clipping() {
-  auto t = no_clipping();
-  t.grad_clip = 0.5;  // acts on every step: the norm must be right
-  return t;
 }
 
 std::vector<Layout> layouts() {
@@ -199,7 +181,8 @@ TEST(PipelineParallel, FollowsTheSingleProcessCurve) {
       auto& full = step->full_model();
       for (const auto& item : single.model()->named_parameters()) {
         SCOPED_TRACE(item.key());
-        EXPECT_TENSOR_CLOSE(full->named_parameters()[item.key()], item.value(), 1e-5, 1e-4);
+        EXPECT_TENSOR_CLOSE(full->named_parameters()[item.key()], item.value(),
+                            fivefold::testing::kParameterAtol, 1e-4);
       }
       for (const auto& item : single.model()->named_buffers()) {
         SCOPED_TRACE(item.key());

@@ -77,14 +77,8 @@ foreach(target "1;1;1" "4;2;2")
   list(GET target 0 np)
   list(GET target 1 cp)
   list(GET target 2 pp)
-  set(out ${WORK}/resumed-np${np}-cp${cp}-pp${pp})
-  file(MAKE_DIRECTORY ${out})
-  file(COPY ${saved}/step-00000002 DESTINATION ${out})
-  file(COPY ${saved}/metrics.jsonl DESTINATION ${out})
-  file(WRITE ${out}/latest "step-00000002\n")
-  train(${np} ${out} --resume --steps 4 --cp ${cp} --pp ${pp} --peak-gflops 100 --no-progress)
-  curve(${out} got)
-  expect_same_curve("${got}" "${want}" "saved at cp 2, resumed on ${np} ranks at cp ${cp}, pp ${pp}")
+  expect_resumed(${np} ${saved} ${WORK}/resumed-np${np}-cp${cp}-pp${pp} want
+                 "saved at cp 2, resumed on ${np} ranks at cp ${cp}, pp ${pp}" --cp ${cp} --pp ${pp})
 endforeach()
 
 # Refusals, on every rank, before anything is written.

@@ -20,10 +20,14 @@
 #include <numeric>
 #include "fivefold/mesh.h"
 #include "fivefold/seed.h"
+#include "parity.h"
 #include "testing.h"
 
 using namespace fivefold;
 using namespace fivefold::ch12;
+using fivefold::testing::clipping;
+using fivefold::testing::no_clipping;
+using fivefold::testing::split;
 using fivefold::testing::world;
 
 namespace {
@@ -89,28 +93,6 @@ io::TensorMap gradients(ch03::TrainingStep& step) {
   if (auto* p = dynamic_cast<ch11::PipelineParallelStep*>(&inner)) return p->gradients();
   if (auto* t = dynamic_cast<ch10::TensorParallelStep*>(&inner)) return t->gradients();
   return dynamic_cast<ch09::DataParallelStep&>(inner).gradients();
-}
-
-ch03::TrainConfig no_clipping() {
-  ch03::TrainConfig t;
-  t.warmup_steps = 1;
-  t.total_steps = 10;
-  t.grad_clip = 0;  // AdamW without clipping: a missing constant factor changes the curve
-  return t;
-}
-
-ch03::TrainConfig clipping() {
-  auto t = no_clipping();
-  t.grad_clip = 0.5;
-  return t;
-}
-
-std::vector<ch03::Batch> split(const ch03::Batch& b, int64_t m) {
-  std::vector<ch03::Batch> out;
-  const auto inputs = b.inputs.tensor_split(m), targets = b.targets.tensor_split(m);
-  for (int64_t i = 0; i < m; ++i)
-    out.push_back({inputs[static_cast<size_t>(i)], targets[static_cast<size_t>(i)]});
-  return out;
 }
 
 std::vector<Layout> layouts() {
@@ -238,7 +220,8 @@ TEST(ContextParallel, FollowsTheSingleProcessCurve) {
       auto& full = step->full_model();
       for (const auto& item : single.model()->named_parameters()) {
         SCOPED_TRACE(item.key());
-        EXPECT_TENSOR_CLOSE(full->named_parameters()[item.key()], item.value(), 1e-5, 1e-4);
+        EXPECT_TENSOR_CLOSE(full->named_parameters()[item.key()], item.value(),
+                            fivefold::testing::kParameterAtol, 1e-4);
       }
       const auto batch = batches(seq).batch(5);
       EXPECT_NEAR(ch03::loss_of(full, batch).item<double>(),

@@ -75,3 +75,17 @@ function(refused_on_every_rank np out expect)
     message(FATAL_ERROR "a refused run wrote ${out}")
   endif()
 endfunction()
+
+# Resumes the run in `saved` from its step-2 checkpoint in a fresh folder `out` (the checkpoint
+# and the metrics so far copied there) on `np` ranks with the layout flags that follow, trains to
+# step 4, and expects every step's loss and norm to be those of the curve in the variable named
+# `expected` (a name, not a value: the caller's list).
+function(expect_resumed np saved out expected label)
+  file(MAKE_DIRECTORY ${out})
+  file(COPY ${saved}/step-00000002 DESTINATION ${out})
+  file(COPY ${saved}/metrics.jsonl DESTINATION ${out})
+  file(WRITE ${out}/latest "step-00000002\n")
+  train(${np} ${out} --resume --steps 4 --peak-gflops 100 --no-progress ${ARGN})
+  curve(${out} got)
+  expect_same_curve("${got}" "${${expected}}" "${label}")
+endfunction()
