@@ -45,6 +45,26 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const Tr
 /// Mean next-token cross-entropy of `batch`.
 torch::Tensor loss_of(Transformer& model, const Batch& batch);
 
+/// The weight the loss of the forward now running carries in the step's total: its micro-batch's
+/// share of the rows times its loss_weight (1 outside a step). A layer that adds a loss of its own
+/// by handing it a gradient in backward, rather than through the model's output (chapter 07's
+/// auxiliary loss), weights that gradient alike, so that with gradient accumulation, data,
+/// pipeline or expert parallelism it counts as the mean over the micro-batches, as the loss does.
+/// The step opens one scope around each micro-batch's forward (thread-local; scopes nest).
+class LossWeightScope {
+ public:
+  /// Sets the weight until this scope closes.
+  explicit LossWeightScope(double weight);
+  ~LossWeightScope();
+  LossWeightScope(const LossWeightScope&) = delete;
+  LossWeightScope& operator=(const LossWeightScope&) = delete;
+  /// The weight of the innermost open scope; 1 when none is open.
+  static double current();
+
+ private:
+  double previous_;
+};
+
 /// Adds to the parameters' gradients those of the mean loss over `micro_batches` (each micro-batch
 /// weighted by its share of the rows), and returns that mean loss. With equal micro-batches this
 /// equals the gradient of one batch made of all of them.

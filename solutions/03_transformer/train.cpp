@@ -57,6 +57,18 @@ torch::Tensor loss_of(Transformer& model, const Batch& batch) {
   return model->loss(x, batch.targets);
 }
 
+namespace {
+thread_local double current_loss_weight = 1.0;
+}  // namespace
+
+LossWeightScope::LossWeightScope(double weight) : previous_(current_loss_weight) {
+  current_loss_weight = weight;
+}
+
+LossWeightScope::~LossWeightScope() { current_loss_weight = previous_; }
+
+double LossWeightScope::current() { return current_loss_weight; }
+
 double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_batches) {
   FIVEFOLD_CHECK(!micro_batches.empty(), "accumulate_gradients: no micro-batches");
   int64_t rows = 0;
@@ -65,6 +77,7 @@ double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_
   for (const auto& b : micro_batches) {
     // Weighting each micro-batch's mean by its share of rows makes the sum the whole batch's mean.
     const double share = static_cast<double>(b.inputs.size(0)) / static_cast<double>(rows);
+    LossWeightScope weight(share * b.loss_weight);  // the auxiliary losses count alike
     auto loss = loss_of(model, b) * (share * b.loss_weight);
     loss.backward();
     total += loss.item<double>();

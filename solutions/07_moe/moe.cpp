@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "03_transformer/checkpoint.h"
+#include "03_transformer/train.h"
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
 #include "fivefold/error.h"
@@ -26,16 +27,18 @@ double number_or(const nlohmann::json& json, const char* key, double fallback) {
 }
 
 // Autograd's way to add a loss that is not part of the model's output: forward passes `output`
-// through; backward also hands `aux` a gradient of 1, as if aux had been added to the final loss.
+// through; backward also hands `aux` a gradient of w, as if w·aux had been added to the final
+// loss, w the weight of this forward's micro-batch in the step (ch03::LossWeightScope; 1 alone).
 class AddAuxiliaryLoss : public torch::autograd::Function<AddAuxiliaryLoss> {
  public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, torch::Tensor output,
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, torch::Tensor output,
                                torch::Tensor aux) {
+    ctx->saved_data["weight"] = ch03::LossWeightScope::current();
     return output.clone();
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {grads[0], torch::ones({})};
+    return {grads[0], torch::full({}, ctx->saved_data["weight"].toDouble())};
   }
 };
 

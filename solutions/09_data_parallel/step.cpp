@@ -56,6 +56,7 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
     const auto& b = micro_batches[i];
     // Each micro-batch's mean weighted by its share of the rows: the sum is this rank's mean.
     const double share = static_cast<double>(b.inputs.size(0)) / static_cast<double>(rows);
+    ch03::LossWeightScope weight(share * b.loss_weight);  // the auxiliary losses count alike
     auto loss = (fsdp_ ? fsdp_->loss(b) : ch03::loss_of(model_, b)) * (share * b.loss_weight);
     if (ddp_ && i + 1 < micro_batches.size()) {
       auto guard = ddp_->no_sync();  // DDP: accumulate locally, synchronise on the last one

@@ -144,6 +144,8 @@ void PipelineExecutor::compute(const Action& a, const std::vector<ch03::Batch>& 
   const auto [first_layer, last_layer] = layers_[static_cast<size_t>(s)];
   auto& slot = slots_[{s, j}];
   if (a.kind == ActionKind::Forward) {
+    // Every stage's auxiliary losses (chapter 07) count with the micro-batch's weight.
+    ch03::LossWeightScope weight(share * batch.loss_weight);
     slot = std::make_shared<Slot>();
     torch::Tensor x;
     if (s == 0) {

@@ -179,6 +179,36 @@ TEST(Moe, AuxiliaryLossAddsItsGradientToTheRouter) {
                       1e-5);
 }
 
+TEST(Moe, AuxiliaryLossCountsAsItsMicroBatchDoes) {
+  // Inside a step the auxiliary loss is weighted as the forward's micro-batch is
+  // (ch03::LossWeightScope: its share of the rows times its loss weight), so that with m
+  // micro-batches it counts as their mean, as the language-model loss does. The weight is the
+  // one of the scope open at forward; backward may run after it closes. Shown to fail: a
+  // gradient of 1 whatever the scope (chapter 07's first version, which counted it m times).
+  auto c = layer_config(6, 2);
+  c.aux_loss_alpha = 0.1;
+  Moe with = make_layer(c);
+  c.aux_loss_alpha = 0;
+  Moe without = make_layer(c);
+  const auto x = inputs(7);
+  torch::Tensor loss;
+  {
+    ch03::LossWeightScope scope(0.25);
+    loss = with->forward(x).pow(2).sum() * 0.25;
+  }
+  loss.backward();
+  (without->forward(x).pow(2).sum() * 0.25).backward();
+  auto w = without->gate->weight.detach().clone().requires_grad_(true);
+  const auto scores = torch::sigmoid(torch::nn::functional::linear(x.view({-1, 16}), w));
+  const auto f =
+      torch::bincount(without->last_routing().experts.reshape(-1), {}, 6).to(torch::kFloat) /
+      (7.0 * 2);
+  (0.1 * 6 * (f * (scores / scores.sum(-1, true)).mean(0)).sum()).backward();
+  EXPECT_TENSOR_CLOSE(with->gate->weight.grad(), without->gate->weight.grad() + 0.25 * w.grad(),
+                      1e-5, 1e-5);
+  EXPECT_EQ(ch03::LossWeightScope::current(), 1.0);  // closed: 1 again
+}
+
 TEST(Moe, BiasUpdateBalancesASkewedLoad) {
   // A router tilted towards experts 0 and 1 (their rows aligned with the inputs' mean), and no
   // learning: only DeepSeek-V3's bias update acts, once per batch of 64 tokens. Returns the max /
