@@ -52,4 +52,20 @@ std::vector<std::string> all_gather_strings(const std::string& mine, dist::Commu
   return out;
 }
 
+io::TensorMap select_parameters(const io::TensorMap& map, const std::set<std::string>& names) {
+  io::TensorMap out;
+  for (const auto& [key, t] : map) {
+    for (const std::string suffix : {"", ".exp_avg", ".exp_avg_sq", ".step"}) {
+      if (key.size() < suffix.size() ||
+          key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0)
+        continue;
+      if (names.count(key.substr(0, key.size() - suffix.size())) > 0) {
+        out[key] = t;
+        break;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace fivefold

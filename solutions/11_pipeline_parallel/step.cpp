@@ -14,23 +14,6 @@ namespace {
 
 const char* const kEmbedding = "model.embed_tokens.weight";
 
-// The tensors of `map` whose names (or whose parameter's, for optimizer state) are in `names`.
-io::TensorMap keep(const io::TensorMap& map, const std::set<std::string>& names) {
-  io::TensorMap out;
-  for (const auto& [key, t] : map) {
-    for (const std::string suffix : {"", ".exp_avg", ".exp_avg_sq", ".step"}) {
-      if (key.size() < suffix.size() ||
-          key.compare(key.size() - suffix.size(), suffix.size(), suffix) != 0)
-        continue;
-      if (names.count(key.substr(0, key.size() - suffix.size())) > 0) {
-        out[key] = t;
-        break;
-      }
-    }
-  }
-  return out;
-}
-
 }  // namespace
 
 ch09::ModelParallelGroups pipeline_groups(ch03::Transformer& model, const PipelineLayout& layout) {
@@ -100,7 +83,7 @@ io::TensorMap PipelineParallelStep::optimizer_state() { return gather(inner_->op
 
 void PipelineParallelStep::load_optimizer_state(const io::TensorMap& state,
                                                 const std::string& source) {
-  const auto mine = keep(state, names_);
+  const auto mine = select_parameters(state, names_);
   inner_->load_optimizer_state(layout_.tp ? ch10::slice_shards(mine, shards_) : mine, source);
 }
 
