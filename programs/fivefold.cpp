@@ -20,6 +20,7 @@
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/plan.h"
 #include "12_context_parallel/plan.h"
+#include "13_expert_parallel/plan.h"
 #include "commands.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
@@ -91,7 +92,7 @@ void print_zero_memory(const nlohmann::json& zero, int64_t dp) {
 // shape does not describe: parameters total and active (count_parameters), the 6N rule on the
 // active ones (the FLOPs a token costs), memory from the total (every expert is stored).
 int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double mfu,
-                  int64_t devices, int64_t dp, bool as_json) {
+                  int64_t devices, int64_t dp, int64_t ep, int64_t micro_tokens, bool as_json) {
   const auto config = fivefold::ch03::config_from_json(json);
   const auto p = fivefold::ch07::count_parameters(config);
   nlohmann::json out = {
@@ -105,6 +106,22 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
                        {"days", flops / (peak * mfu * static_cast<double>(devices)) / 86400}};
   }
   if (dp > 0) out["zero"] = zero_memory(p.total, dp);
+  if (ep > 0) {
+    const auto e = fivefold::ch13::expert_parallel_plan(config, ep, micro_tokens);
+    out["expert_parallel"] = {
+        {"ep", ep},
+        {"moe_layers", e.moe_layers},
+        {"experts_per_rank", e.experts_per_rank},
+        {"expert_parameters_per_rank", e.expert_parameters},
+        {"replicated_parameters", e.replicated_parameters},
+        {"parameters_per_rank", e.parameters_per_rank},
+        {"memory_per_rank_bytes", e.memory_bytes},
+        {"micro_batch_tokens", micro_tokens},
+        {"all_to_all_per_micro_batch",
+         {{"calls", e.per_micro_batch.calls},
+          {"payload_bytes", e.per_micro_batch.payload_bytes},
+          {"wire_bytes", e.per_micro_batch.wire_bytes}}}};
+  }
   if (as_json) {
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
@@ -119,6 +136,24 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
       "parameter, all experts; activations not included)\n",
       si(16.0 * static_cast<double>(p.total), "B").c_str());
   if (dp > 0) print_zero_memory(out["zero"], dp);
+  if (ep > 0) {
+    const auto& e = out["expert_parallel"];
+    std::printf(
+        "expert parallel ep %lld: %lld of each MoE layer's experts per rank (%lld MoE layers); "
+        "per rank %s parameters (%s in experts, %s replicated), %s fp32 training state\n",
+        static_cast<long long>(ep), e["experts_per_rank"].get<long long>(),
+        e["moe_layers"].get<long long>(), si(e["parameters_per_rank"].get<double>()).c_str(),
+        si(e["expert_parameters_per_rank"].get<double>()).c_str(),
+        si(e["replicated_parameters"].get<double>()).c_str(),
+        si(e["memory_per_rank_bytes"].get<double>(), "B").c_str());
+    const auto& a = e["all_to_all_per_micro_batch"];
+    std::printf(
+        "                all-to-all per micro-batch of %lld tokens (even routing, fp32, forward "
+        "and backward): %lld calls, %s handed over, %s to other ranks\n",
+        static_cast<long long>(micro_tokens), a["calls"].get<long long>(),
+        si(a["payload_bytes"].get<double>(), "B").c_str(),
+        si(a["wire_bytes"].get<double>(), "B").c_str());
+  }
   if (out.contains("training")) {
     std::printf(
         "training        %s tokens: %s FLOPs; %.1f days on %lld devices at %s FLOP/s, "
@@ -172,6 +207,10 @@ int plan(int argc, char** argv) {
               "micro-batch (chapter 12; Llama-shaped models)");
   args.option("cp-layout", "zigzag", "with --cp: zigzag or contiguous");
   args.option("cp-attention", "ring", "with --cp: ring or allgather");
+  args.option("ep", "0",
+              "expert-parallel ranks: adds the experts and parameters each rank holds and the "
+              "all-to-all bytes of one micro-batch of --micro-batch x --seq tokens (default seq "
+              "4096) per rank (chapter 13; DeepSeek-V3-shaped models)");
   args.flag("json", "print JSON instead of a table");
   if (!args.parse(argc, argv)) return 0;
   FIVEFOLD_CHECK(args.integer("tp") >= 0, "--tp must be >= 0");
@@ -192,8 +231,11 @@ int plan(int argc, char** argv) {
                      "--tp: chapter 10's formulas are for Llama-shaped models (MLA and experts "
                      "split differently)");
       try {
+        FIVEFOLD_CHECK(args.integer("ep") >= 0, "--ep must be >= 0");
+        const int64_t seq = args.given("seq") ? args.integer("seq") : 4096;
         return plan_deepseek(config, args.real("tokens"), args.real("peak"), args.real("mfu"),
-                             args.integer("devices"), args.integer("dp"), args.on("json"));
+                             args.integer("devices"), args.integer("dp"), args.integer("ep"),
+                             args.integer("micro-batch") * seq, args.on("json"));
       } catch (const fivefold::Error& e) {
         throw fivefold::Error(args.str("config") + ": " + e.what());
       }
@@ -229,6 +271,9 @@ int plan(int argc, char** argv) {
     shape.tied_embeddings = args.on("tied");
     shape.validate();
   }
+  FIVEFOLD_CHECK(args.integer("ep") == 0,
+                 "--ep: the model has no routed experts to distribute (give a DeepSeek-V3 "
+                 "config.json, model_type deepseek_v3)");
   if (args.given("seq")) context = args.integer("seq");
   const auto out =
       fivefold::ch02::plan(shape, context, args.real("tokens"), args.real("budget"),

@@ -4,6 +4,8 @@
 //   mpirun -np 4 fivefold train --zero 1 ...     data parallel over 4 ranks (chapter 09)
 //   mpirun -np 4 fivefold train --tp 2 [--sequence-parallel] ...   tp 2 x dp 2 (chapter 10)
 //   mpirun -np 4 fivefold train --pp 2 --schedule 1f1b --accum 4 ...  pp 2 x dp 2 (chapter 11)
+//   mpirun -np 4 fivefold train --cp 2 ...       cp 2 x dp 2 (chapter 12)
+//   mpirun -np 4 fivefold train --ep 2 --model-config moe.json ...  experts over 2 of dp 4 (13)
 //   fivefold generate --checkpoint runs/ch03 --prompt "12+35=" --max-new-tokens 8 --greedy
 //   fivefold generate --checkpoint DIR --prompt-ids 3,1,4 --max-new-tokens N --greedy
 //   fivefold eval --checkpoint runs/ch03 [--data FILE] [--exact-match 200]
@@ -26,6 +28,7 @@
 #include "10_tensor_parallel/step.h"
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/context_parallel.h"
+#include "13_expert_parallel/expert_parallel.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -210,7 +213,10 @@ int train(int argc, char** argv) {
   args.option("cp-attention", "ring",
               "with --cp > 1: ring (keys and values passed around, overlapped with compute) or "
               "allgather (gathered whole before attention)");
-  args.option("ep", "1", "expert-parallel ranks (chapter 13; only 1 for now)");
+  args.option("ep", "1",
+              "expert-parallel ranks (chapter 13): each MoE layer's routed experts split over "
+              "them, tokens sent to their experts by all-to-all; ep divides dp x cp and the "
+              "experts");
   args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
   args.option("warmup", "20", "linear warm-up steps");
   args.option("decay-steps", "", "steps of the cosine decay (default: --steps)");
@@ -241,11 +247,6 @@ int train(int argc, char** argv) {
   if (!args.parse(argc, argv)) return 0;
   // The layout, checked before anything starts: every rank sees the same flags and the same
   // world size, so every rank refuses the same way, before any communication.
-  const char* later[][2] = {{"ep", "13 (expert parallelism)"}};
-  for (const auto& [flag, chapter] : later) {
-    FIVEFOLD_CHECK(args.integer(flag) == 1, "--", flag, " ", args.integer(flag),
-                   ": only 1 is supported until chapter ", chapter, " is written");
-  }
   const int zero = static_cast<int>(args.integer("zero"));
   FIVEFOLD_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
   const int64_t tp = args.integer("tp");
@@ -265,6 +266,14 @@ int train(int argc, char** argv) {
                  "attends: they need --cp 2 or more");
   const auto cp_layout = ch12::parse_cp_layout(args.str("cp-layout"));
   const auto cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
+  const int64_t ep = args.integer("ep");
+  FIVEFOLD_CHECK(ep >= 1, "--ep must be at least 1, got ", ep);
+  FIVEFOLD_CHECK(ep == 1 || (tp == 1 && pp == 1), "--ep ", ep, " with --tp ", tp, " --pp ", pp,
+                 ": expert parallelism composes with --dp, --zero and --cp here; with tensor and "
+                 "pipeline parallelism it comes with chapter 14's combined trainer");
+  FIVEFOLD_CHECK(ep == 1 || zero <= 2, "--ep ", ep, " --zero 3: ZeRO-3 does not shard "
+                 "Mixture-of-Experts layers yet (their balancing bias changes outside the "
+                 "optimizer); use --zero 0, 1 or 2");
   Runtime runtime;
   auto world = runtime.world();
   FIVEFOLD_CHECK(world->size() % (tp * pp * cp) == 0, "--tp ", tp, " x --pp ", pp, " x --cp ", cp,
@@ -301,13 +310,20 @@ int train(int argc, char** argv) {
   if (!args.str("model-config").empty())
     c.model = ch03::config_from_json(io::read_json(args.str("model-config")));
   c.model.seed = static_cast<uint64_t>(args.integer("seed"));
-  // Refused before the mesh's communicators exist (and again below for a resumed run's model).
+  // Refused before the mesh's communicators exist: the model and sequence the run will have (a
+  // resumed run's own, read from its checkpoint's files), and again below after the resume.
   c.model.validate();
-  ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
+  RunConfig planned = c;
+  if (args.on("resume")) {
+    planned = load_run_state(resolve_checkpoint(c.out_dir)).run;
+    if (args.given("accum")) planned.micro_batches = c.micro_batches;
+  }
+  ch10::check_tensor_parallel(planned.model, static_cast<int>(tp), args.on("sequence-parallel"));
   const std::string schedule = args.str("schedule");
   const int64_t virtual_stages = args.integer("virtual-stages");
-  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches);
-  ch12::check_context_parallel(c.model, c.seq_len, cp, cp_layout);
+  ch11::check_pipeline(planned.model, pp, virtual_stages, schedule, planned.micro_batches);
+  ch12::check_context_parallel(planned.model, planned.seq_len, cp, cp_layout);
+  ch13::check_expert_parallel(planned.model, ep, dp * cp);
   c.build_model = ch07::make_model;  // the most complete model the chapters build
   // The mesh: pipeline stages slowest, tensor-parallel peers neighbouring ranks (tp fastest).
   dist::DeviceMesh mesh(world, {{"pp", static_cast<int>(pp)},
@@ -348,6 +364,10 @@ int train(int argc, char** argv) {
     c.make_step = ch11::pipeline_parallel_step(layout, ch07::make_model);
   } else if (tp > 1) {
     c.make_step = ch10::tensor_parallel_step(group, data, zero, ch07::make_model);
+  } else if (ep > 1) {
+    // The experts split over groups of ep data-parallel ranks; their gradients averaged over the
+    // ranks holding the same experts, every other gradient over all of dp x cp.
+    c.make_step = ch13::expert_parallel_step(ch13::make_expert_parallel(data, ep), zero);
   } else if (world->size() > 1 || zero > 0) {
     c.make_step = ch09::data_parallel_step(data, zero);
   }
@@ -370,6 +390,7 @@ int train(int argc, char** argv) {
   ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
   ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches);
   ch12::check_context_parallel(c.model, c.seq_len, cp, cp_layout);
+  ch13::check_expert_parallel(c.model, ep, dp * cp);
   check_model_fits(c.model, dp * cp, zero, runtime.launch().local_size);
 
   const RunResult r = run_training(c, args.on("resume"));

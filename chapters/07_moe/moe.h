@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <any>
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -93,6 +94,9 @@ struct DispatchedTokens {
   torch::Tensor tokens;                  ///< [rows, d_model]: expert 0's tokens, then expert 1's...
   std::vector<int64_t> rows_per_expert;  ///< rows of `tokens` for each expert, in expert order
   torch::Tensor slots;  ///< [rows] int64: the assignment (token·k + choice) each row serves
+  /// What a dispatcher needs in combine that the rows do not say (chapter 13: the sizes and order
+  /// of its exchange); empty for LocalDispatcher.
+  std::any route_back;
 };
 
 /// Moves tokens to their experts and the experts' outputs back: the two stages around the experts
@@ -142,8 +146,9 @@ class MoeImpl : public ch03::FeedForwardLayer {
   /// x [batch, seq, d_model] -> same shape: Σ_k gate·expert(x) + shared(x), in four stages:
   /// route (the router and `route`), dispatch (the dispatcher), the experts (run_experts), combine
   /// (the dispatcher). In training (gradients on) it counts the load, and with α > 0 adds the
-  /// auxiliary loss's gradient to the router's in backward (the loss value itself is reported in
-  /// load(), not added to the model's).
+  /// auxiliary loss's gradient to the router's in backward, weighted as this forward's loss is
+  /// in the step (ch03::LossWeightScope: with m micro-batches each counts 1/m, as on one batch;
+  /// the loss value itself is reported in load(), not added to the model's).
   torch::Tensor forward(const torch::Tensor& x) override;
   /// The experts held on their tokens: the i-th expert held on the rows_per_expert[i] rows that
   /// follow the (i − 1)-th's -> outputs [rows, d_model] in the same order.

@@ -34,18 +34,12 @@ set(saved ${WORK}/np4-zero3-accum2)
 foreach(target "2;1" "1;0")
   list(GET target 0 np)
   list(GET target 1 zero)
-  set(out ${WORK}/resumed-np${np})
-  file(MAKE_DIRECTORY ${out})
-  file(COPY ${saved}/step-00000002 DESTINATION ${out})
-  file(COPY ${saved}/metrics.jsonl DESTINATION ${out})
-  file(WRITE ${out}/latest "step-00000002\n")
-  train(${np} ${out} --resume --steps 4 --zero ${zero} --peak-gflops 100 --no-progress)
-  curve(${out} got)
-  expect_same_curve("${got}" "${want}" "saved on 4 ranks (ZeRO-3), resumed on ${np}")
+  expect_resumed(${np} ${saved} ${WORK}/resumed-np${np} want
+                 "saved on 4 ranks (ZeRO-3), resumed on ${np}" --zero ${zero})
 endforeach()
 
 # Refusals, on every rank, before anything is written.
-foreach(bad "--ep;2;expert parallelism" "--tp;3;does not divide" "--dp;3;must equal the number of processes"
+foreach(bad "--ep;2;no routed experts to distribute" "--tp;3;does not divide" "--dp;3;must equal the number of processes"
             "--zero;4;must be 0, 1, 2 or 3" "--accum;3;must split into 2 data-parallel ranks")
   list(GET bad 0 flag)
   list(GET bad 1 value)

@@ -1,0 +1,159 @@
+#pragma once
+/// @file expert_parallel.h
+/// @brief Chapter 13: expert parallelism. The E routed experts of each MoE layer are split over
+/// the ep ranks of an expert-parallel group (rank r holds experts [r·E/ep, (r+1)·E/ep)); every
+/// rank routes its own tokens with the replicated router, sends each token to the rank holding
+/// its expert with an all-to-all of variable split sizes, runs its own experts on what it
+/// received, and sends the outputs back with the reverse all-to-all, where they are gate-weighted
+/// and summed (Lepikhin et al. 2020, GShard; Megatron-core's MoEAlltoAllTokenDispatcher).
+///
+/// Expert parallelism folds into the data-parallel ranks: the ep ranks of a group are dp·cp ranks
+/// that saw other tokens. ep divides dp·cp; the dp·cp ranks form dp·cp/ep expert-parallel groups
+/// of consecutive ranks, and the ranks holding the same experts (the same place in their groups)
+/// form the expert-data-parallel group `edp`, over which those experts' gradients are averaged.
+
+#include <torch/torch.h>
+
+#include <any>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "03_transformer/model.h"
+#include "03_transformer/train.h"
+#include "07_moe/moe.h"
+#include "09_data_parallel/step.h"
+#include "fivefold/dist.h"
+
+namespace fivefold::ch13 {
+
+/// The routed experts rank `rank` of `ep` holds: E/ep consecutive ones (ep divides E).
+ch07::ExpertRange expert_range(int64_t n_experts, int64_t ep, int64_t rank);
+
+/// Refuses, with the reason (fivefold::Error), what expert parallelism cannot do: ep < 1, a model
+/// without routed experts (ep > 1), ep not dividing the experts, ep not dividing the `data_ranks`
+/// (dp·cp) it folds into. Call before any communicator exists: every rank refuses alike.
+void check_expert_parallel(const ch03::ModelConfig& config, int64_t ep, int64_t data_ranks);
+
+/// The all-to-all inside autograd: rows [offset_j, offset_j + send_sizes[j]) of x [rows, ...] go
+/// to rank j of `ep`; returns what arrives, in rank order (rank i sends recv_sizes[i] rows). Its
+/// backward is the reverse all-to-all (each gradient row goes back where its row came from).
+torch::Tensor all_to_all(const torch::Tensor& x, const std::vector<int64_t>& send_sizes,
+                         const std::vector<int64_t>& recv_sizes, const dist::CommunicatorPtr& ep);
+
+/// What dispatch remembers for combine (kept in ch07::DispatchedTokens::route_back).
+struct ExchangePlan {
+  ch07::DispatchedTokens local;     ///< this rank's kept assignments, sorted by global expert
+  std::vector<int64_t> send_sizes;  ///< rows sent to each rank of ep
+  std::vector<int64_t> recv_sizes;  ///< rows received from each rank of ep
+  /// Row i of the dispatched tokens (grouped by local expert) is row `order[i]` of what the
+  /// all-to-all delivered (grouped by source rank, then local expert).
+  torch::Tensor order;
+};
+
+/// Dispatch and combine over the ranks of an expert-parallel group (ch07::TokenDispatcher).
+///
+/// dispatch: (1) permute this rank's kept assignments by expert (chapter 07's LocalDispatcher),
+/// (2) exchange the counts per expert (an all-to-all of E numbers: each rank learns how many
+/// rows each source sends to each of its experts), (3) all-to-all the tokens with those split
+/// sizes, (4) regroup the received rows by local expert (source order within an expert).
+/// combine: the same in reverse: undo (4), the reverse all-to-all, then chapter 07's gate-weighted
+/// sum of each token's outputs. Both all-to-alls are differentiable (all_to_all).
+/// **Exercise** (README, "The exercise").
+class ExpertParallelDispatcher : public ch07::TokenDispatcher {
+ public:
+  /// Over `ep`; each rank holds expert_range(E, ep.size(), ep.rank()).
+  explicit ExpertParallelDispatcher(dist::CommunicatorPtr ep) : ep_(std::move(ep)) {}
+  /// x [tokens, d]; experts [tokens·k] global indices; kept [tokens·k] -> the rows this rank's
+  /// experts must process, grouped by local expert (rows_per_expert has E/ep entries), and in
+  /// route_back the ExchangePlan. `slots` is left undefined: the rows are other ranks' tokens.
+  ch07::DispatchedTokens dispatch(const torch::Tensor& x, const torch::Tensor& experts,
+                                  const torch::Tensor& kept, int64_t n_experts) override;
+  /// outputs [rows, d] for dispatch's rows -> [tokens, d], each token's gated outputs summed.
+  torch::Tensor combine(const torch::Tensor& outputs, const ch07::DispatchedTokens& dispatched,
+                        const torch::Tensor& gates, int64_t tokens, int64_t k) override;
+
+ private:
+  dist::CommunicatorPtr ep_;
+};
+
+/// The two groups of expert parallelism, made from the dp·cp ranks.
+struct ExpertParallel {
+  dist::CommunicatorPtr ep;   ///< the ranks that exchange tokens (consecutive dp·cp ranks)
+  dist::CommunicatorPtr edp;  ///< the ranks holding the same experts (one per group)
+};
+
+/// Splits `data` (the dp·cp ranks) into groups of `ep` consecutive ranks and their edp peers.
+/// Collective over `data`; ep must divide its size.
+ExpertParallel make_expert_parallel(const dist::CommunicatorPtr& data, int64_t ep);
+
+/// Chapter 07's recipe with each MoE layer holding this rank's experts (expert_range over
+/// group.ep) and dispatching with ExpertParallelDispatcher; names and initial weights are the
+/// whole model's.
+ch03::ModelRecipe recipe(const ch03::ModelConfig& config, const ExpertParallel& group);
+
+/// This rank's part of the model under expert parallelism.
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ExpertParallel& group);
+
+/// True for the parameters of routed experts (".experts." in the name).
+bool is_expert_parameter(const std::string& name);
+
+/// The map of groups for chapter 09's step run over group.edp: every parameter that is not a
+/// routed expert's is the same on the ep ranks and its gradient there is a partial sum (summed
+/// over group.ep, counted in the norm on ep rank 0 only); the experts' gradients already hold
+/// every ep rank's tokens (the all-to-all's backward brought them). The norm sums over group.ep.
+ch09::ModelParallelGroups expert_parallel_groups(ch03::Transformer& model,
+                                                 const ExpertParallel& group);
+
+/// A training step with expert parallelism over dp·cp ranks, with ZeRO stage 0, 1 or 2 (chapter
+/// 09's DataParallelStep over group.edp). Each rank's loss counts 1/ep in the micro-batches'
+/// weights: then the experts' gradients (sums over an ep group's tokens) averaged over edp, and
+/// the other gradients summed over ep and averaged over edp, are all the mean over the dp·cp
+/// ranks, as one device computes it. Checkpoints and optimizer state are gathered by name over ep
+/// (the whole model's, as one process saves them).
+class ExpertParallelStep : public ch03::TrainingStep {
+ public:
+  /// `whole`: the model the run built or loaded (this rank keeps its experts' weights);
+  /// stage: ZeRO 0, 1 or 2 over group.edp.
+  ExpertParallelStep(ch03::Transformer whole, ExpertParallel group, int stage,
+                     const ch03::TrainConfig& config);
+  /// Runs the inner step with each micro-batch's loss weight divided by ep, then sums the loss
+  /// over ep (one all-reduce of a number): the mean over every token.
+  ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
+  ch03::Transformer& model() override { return inner_->model(); }
+  /// The whole model (chapter 07's, every expert, local dispatch), weights gathered over ep.
+  ch03::Transformer& full_model() override;
+  io::TensorMap optimizer_state() override;
+  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
+  /// The last step's gradients by name, whole (gathered over ep).
+  io::TensorMap gradients();
+
+ private:
+  ExpertParallel group_;
+  std::unique_ptr<ch09::DataParallelStep> inner_;
+  std::set<std::string> names_;  // the parameters this rank holds
+  ch03::Transformer full_{nullptr};
+};
+
+/// A ch03::StepFactory making ExpertParallelStep with ZeRO `stage`.
+ch03::StepFactory expert_parallel_step(ExpertParallel group, int stage);
+
+/// Bytes of the all-to-alls of one MoE layer's forward and backward on one rank, from the counts
+/// it routed: `sent_rows[j]` rows to rank j, `received_rows[j]` from rank j, of d numbers of
+/// `element_size` bytes. Forward: the counts exchange (E int64 numbers), the dispatch (sent
+/// rows) and the combine (received rows); backward the two token exchanges again, reversed.
+struct ExpertParallelTraffic {
+  int64_t calls = 0;          ///< all-to-alls
+  int64_t payload_bytes = 0;  ///< bytes handed to them (each one's input)
+  int64_t wire_bytes = 0;     ///< of those, the bytes addressed to other ranks
+};
+
+/// The formula, for rank `rank`: see ExpertParallelTraffic.
+ExpertParallelTraffic expert_parallel_traffic(const std::vector<int64_t>& sent_rows,
+                                              const std::vector<int64_t>& received_rows,
+                                              int64_t rank, int64_t n_experts, int64_t d,
+                                              int64_t element_size = 4);
+
+}  // namespace fivefold::ch13
