@@ -216,7 +216,7 @@ int train(int argc, char** argv) {
   args.option("ep", "1",
               "expert-parallel ranks (chapter 13): each MoE layer's routed experts split over "
               "them, tokens sent to their experts by all-to-all; ep divides dp x cp and the "
-              "experts");
+              "experts; with --dp, --cp, --tp, --pp and --zero 0-2");
   args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
   args.option("warmup", "20", "linear warm-up steps");
   args.option("decay-steps", "", "steps of the cosine decay (default: --steps)");
@@ -268,9 +268,6 @@ int train(int argc, char** argv) {
   const auto cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
   const int64_t ep = args.integer("ep");
   FIVEFOLD_CHECK(ep >= 1, "--ep must be at least 1, got ", ep);
-  FIVEFOLD_CHECK(ep == 1 || (tp == 1 && pp == 1), "--ep ", ep, " with --tp ", tp, " --pp ", pp,
-                 ": expert parallelism composes with --dp, --zero and --cp here; with tensor and "
-                 "pipeline parallelism it comes with chapter 14's combined trainer");
   FIVEFOLD_CHECK(ep == 1 || zero <= 2, "--ep ", ep, " --zero 3: ZeRO-3 does not shard "
                  "Mixture-of-Experts layers yet (their balancing bias changes outside the "
                  "optimizer); use --zero 0, 1 or 2");
@@ -352,25 +349,41 @@ int train(int argc, char** argv) {
     group = std::make_shared<ch10::TensorParallel>(
         ch10::TensorParallel{mesh.comm("tp"), args.on("sequence-parallel")});
   }
+  // Expert parallelism: the experts split over groups of ep data-parallel ranks, their gradients
+  // averaged over the ranks holding the same experts (edp), every other gradient over all of
+  // dp x cp. Inside a tensor- or pipeline-parallel step, that step runs over edp with the
+  // expert-parallel layers and groups put in (hooks), and this rank's experts as its whole part.
+  ch13::ExpertParallel experts;
+  ch03::ModelBuilder whole = ch07::make_model;
+  ch09::StepHooks hooks;
+  auto replicas = data;  // the ranks over which chapter 09's step averages
+  if (ep > 1) {
+    experts = ch13::make_expert_parallel(data, ep);
+    whole = [experts](const ModelConfig& config, const ModelPart& part) {
+      return ch13::make_model(config, experts, part);
+    };
+    hooks = ch13::expert_parallel_hooks(experts);
+    replicas = experts.edp;
+  }
   if (pp > 1) {
     ch11::PipelineLayout layout;
     layout.links = std::make_shared<ch11::PipelineLinks>(mesh.comm("pp"));
-    layout.dp = data;
+    layout.dp = replicas;
     layout.model_parallel = mesh.comm("pp+tp");
     layout.tp = group;
     layout.zero = zero;
     layout.schedule = schedule;
     layout.virtual_stages = virtual_stages;
-    c.make_step = ch11::pipeline_parallel_step(layout, ch07::make_model);
+    layout.hooks = hooks;
+    c.make_step = ch11::pipeline_parallel_step(layout, whole);
   } else if (tp > 1) {
-    c.make_step = ch10::tensor_parallel_step(group, data, zero, ch07::make_model);
+    c.make_step = ch10::tensor_parallel_step(group, replicas, zero, whole, hooks);
   } else if (ep > 1) {
-    // The experts split over groups of ep data-parallel ranks; their gradients averaged over the
-    // ranks holding the same experts, every other gradient over all of dp x cp.
-    c.make_step = ch13::expert_parallel_step(ch13::make_expert_parallel(data, ep), zero);
+    c.make_step = ch13::expert_parallel_step(experts, zero);
   } else if (world->size() > 1 || zero > 0) {
     c.make_step = ch09::data_parallel_step(data, zero);
   }
+  if (ep > 1 && (tp > 1 || pp > 1)) c.make_step = ch13::expert_parallel_step(experts, c.make_step);
   if (cp > 1) {
     if (!c.make_step) c.make_step = ch09::data_parallel_step(data, zero);
     c.make_step =

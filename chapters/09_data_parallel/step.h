@@ -64,6 +64,16 @@ class DataParallelStep : public ch03::TrainingStep {
   std::unique_ptr<FullyShardedDataParallel> fsdp_;  // stage 3
 };
 
+/// How a later chapter adapts a model-parallel step it runs inside (chapter 13: experts split
+/// over expert-parallel ranks, inside chapter 10's or 11's step): a change to the model part the
+/// step builds, before its weights are loaded, and additions to that part's map of groups.
+struct StepHooks {
+  /// Called on each model part the step builds; may be empty.
+  std::function<void(ch03::Transformer&)> adapt_model;
+  /// Called on the part's map of groups before chapter 09's step is made; may be empty.
+  std::function<void(ch03::Transformer&, ModelParallelGroups&)> adapt_groups;
+};
+
 /// A ch03::StepFactory making DataParallelStep over `comm` with ZeRO `stage`.
 ch03::StepFactory data_parallel_step(dist::CommunicatorPtr comm, int stage);
 

@@ -79,20 +79,22 @@ io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
 struct ModelParallelGroups {
   /// Parameters whose gradient on this rank is a partial sum, by name, and the group to sum it
   /// over: tp for the norms under sequence parallelism (chapter 10), the first and last pipeline
-  /// stage for a tied embedding (chapter 11).
-  std::map<std::string, dist::CommunicatorPtr> partial;
+  /// stage for a tied embedding (chapter 11), the expert-parallel ranks for every weight they
+  /// replicate (chapter 13). A name may have several groups (a norm under sequence parallelism
+  /// with experts over ep): it is summed over each in turn, in the order they were added.
+  std::multimap<std::string, dist::CommunicatorPtr> partial;
   /// Parameters of which an identical copy is counted in the global norm on another rank of
   /// `norm` (a parameter replicated over tp is counted on tp rank 0 only).
   std::set<std::string> counted_elsewhere;
-  /// The ranks holding different pieces of the model (tp; tp x pp ...): each adds its share of
-  /// the squared gradient norm. Null: none.
-  dist::CommunicatorPtr norm;
+  /// The groups whose ranks hold different pieces of the model (tp; tp x pp; ep ...): the
+  /// squared gradient norm is summed over each in turn. Empty: none.
+  std::vector<dist::CommunicatorPtr> norm;
 };
 
 /// Adds up the partial gradients of `params` (name, parameter) over their groups, in place: one
 /// all-reduce per group, of all that group's gradients packed together, the groups in the order
-/// their first parameter's name sorts (the same order on every rank). Parameters without a
-/// gradient count as zeros.
+/// their first parameter's name sorts (the same order on every rank; a name's groups in the order
+/// they were added). Parameters without a gradient count as zeros.
 void reduce_partial_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& params,
                               const ModelParallelGroups& groups);
 
@@ -104,8 +106,8 @@ torch::Tensor norm_mask(const ShardLayout& layout,
                         const ModelParallelGroups& groups);
 
 /// Sums `squares` (this rank's share of the squared norm, double [1]) over `comm` (when the
-/// pieces are sharded over it) and over `groups.norm`, and returns the square root: the global
-/// gradient norm.
+/// pieces are sharded over it) and over each of `groups.norm`, and returns the square root: the
+/// global gradient norm.
 double global_norm(torch::Tensor squares, dist::Communicator* comm,
                    const ModelParallelGroups& groups);
 

@@ -50,9 +50,10 @@ class TensorParallelStep : public ch03::TrainingStep {
  public:
   /// `model`: this rank's slice (make_model over `tp`); `dp`: the ranks holding the same slice;
   /// `stage`: chapter 09's ZeRO stage over dp; `whole`: builds the single-device model that
-  /// full_model() fills (ch07::make_model).
+  /// full_model() fills (ch07::make_model); `hooks.adapt_groups` adds to the map of groups.
   TensorParallelStep(ch03::Transformer model, TensorParallelPtr tp, dist::CommunicatorPtr dp,
-                     int stage, const ch03::TrainConfig& config, ch03::ModelBuilder whole);
+                     int stage, const ch03::TrainConfig& config, ch03::ModelBuilder whole,
+                     const ch09::StepHooks& hooks = {});
   /// Chapter 09's step on this rank's slice: every tp rank runs the same micro-batches.
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
   /// This rank's slice.
@@ -76,8 +77,8 @@ class TensorParallelStep : public ch03::TrainingStep {
 };
 
 /// A ch03::StepFactory making TensorParallelStep: the model the run builds is replaced by this
-/// rank's slice (make_model over `tp`), started from the same weights.
+/// rank's slice (make_model over `tp`, then hooks.adapt_model), started from the same weights.
 ch03::StepFactory tensor_parallel_step(TensorParallelPtr tp, dist::CommunicatorPtr dp, int stage,
-                                       ch03::ModelBuilder whole);
+                                       ch03::ModelBuilder whole, ch09::StepHooks hooks = {});
 
 }  // namespace fivefold::ch10

@@ -122,6 +122,7 @@ struct PipelineLayout {
   int zero = 0;                          ///< chapter 09's ZeRO stage over dp (0..3)
   std::string schedule = "1f1b";         ///< schedule_names()
   int64_t virtual_stages = 1;            ///< v (interleaved)
+  ch09::StepHooks hooks;                 ///< a later chapter's changes to each part (chapter 13)
 };
 
 /// The map of groups of a pipeline stage (chapter 09): chapter 10's for its tp slices, the

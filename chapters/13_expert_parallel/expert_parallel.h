@@ -94,31 +94,44 @@ ExpertParallel make_expert_parallel(const dist::CommunicatorPtr& data, int64_t e
 /// whole model's.
 ch03::ModelRecipe recipe(const ch03::ModelConfig& config, const ExpertParallel& group);
 
-/// This rank's part of the model under expert parallelism.
-ch03::Transformer make_model(const ch03::ModelConfig& config, const ExpertParallel& group);
+/// This rank's part of the model under expert parallelism (`part`: a pipeline stage's layers).
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ExpertParallel& group,
+                             const ch03::ModelPart& part = {});
+
+/// Replaces each MoE layer of `model` that holds every expert (chapter 10 builds them so, with
+/// tensor-parallel shared experts) by one holding this rank's experts with the same router
+/// settings and shared experts, dispatching over group.ep. Layers already expert-parallel are
+/// left as they are. Call before the weights are loaded.
+void adapt_moe_layers(ch03::Transformer& model, const ExpertParallel& group);
 
 /// True for the parameters of routed experts (".experts." in the name).
 bool is_expert_parameter(const std::string& name);
 
-/// The map of groups for chapter 09's step run over group.edp: every parameter that is not a
-/// routed expert's is the same on the ep ranks and its gradient there is a partial sum (summed
-/// over group.ep, counted in the norm on ep rank 0 only); the experts' gradients already hold
-/// every ep rank's tokens (the all-to-all's backward brought them). The norm sums over group.ep.
-ch09::ModelParallelGroups expert_parallel_groups(ch03::Transformer& model,
-                                                 const ExpertParallel& group);
+/// Adds expert parallelism to a map of groups for chapter 09's step run over group.edp: every
+/// trainable parameter that is not a routed expert's is the same on the ep ranks and its gradient
+/// there is a partial sum (summed over group.ep, counted in the norm on ep rank 0 only); the
+/// experts' gradients already hold every ep rank's tokens (the all-to-all's backward brought
+/// them). The norm's squares are summed over group.ep too.
+void add_expert_parallel_groups(ch03::Transformer& model, const ExpertParallel& group,
+                                ch09::ModelParallelGroups& groups);
 
-/// A training step with expert parallelism over dp·cp ranks, with ZeRO stage 0, 1 or 2 (chapter
-/// 09's DataParallelStep over group.edp). Each rank's loss counts 1/ep in the micro-batches'
-/// weights: then the experts' gradients (sums over an ep group's tokens) averaged over edp, and
-/// the other gradients summed over ep and averaged over edp, are all the mean over the dp·cp
-/// ranks, as one device computes it. Checkpoints and optimizer state are gathered by name over ep
-/// (the whole model's, as one process saves them).
+/// The hooks that put expert parallelism into chapter 10's or 11's step (adapt_moe_layers,
+/// add_expert_parallel_groups); that step is then made over group.edp, with make_model over the
+/// group as its `whole` builder, and wrapped in ExpertParallelStep.
+ch09::StepHooks expert_parallel_hooks(const ExpertParallel& group);
+
+/// A training step with expert parallelism: the step it wraps (chapter 09's over group.edp, or
+/// chapter 10's or 11's made over group.edp with expert_parallel_hooks) holds this rank's
+/// experts. Each rank's loss counts 1/ep in the micro-batches' weights: then the experts'
+/// gradients (sums over an ep group's tokens) averaged over edp, and the other gradients summed
+/// over ep and averaged over edp, are all the mean over the dp·cp ranks, as one device computes
+/// it. Checkpoints and optimizer state are gathered by name over ep (the whole model's, as one
+/// process saves them).
 class ExpertParallelStep : public ch03::TrainingStep {
  public:
-  /// `whole`: the model the run built or loaded (this rank keeps its experts' weights);
-  /// stage: ZeRO 0, 1 or 2 over group.edp.
-  ExpertParallelStep(ch03::Transformer whole, ExpertParallel group, int stage,
-                     const ch03::TrainConfig& config);
+  /// Wraps `inner`, whose model holds this rank's experts and whose full_model() is this rank's
+  /// whole part over tp and pp (make_model over `group`).
+  ExpertParallelStep(std::unique_ptr<ch03::TrainingStep> inner, ExpertParallel group);
   /// Runs the inner step with each micro-batch's loss weight divided by ep, then sums the loss
   /// over ep (one all-reduce of a number): the mean over every token.
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
@@ -129,16 +142,25 @@ class ExpertParallelStep : public ch03::TrainingStep {
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The last step's gradients by name, whole (gathered over ep).
   io::TensorMap gradients();
+  /// The step it wraps.
+  ch03::TrainingStep& inner() { return *inner_; }
 
  private:
   ExpertParallel group_;
-  std::unique_ptr<ch09::DataParallelStep> inner_;
+  std::unique_ptr<ch03::TrainingStep> inner_;
   std::set<std::string> names_;  // the parameters this rank holds
   ch03::Transformer full_{nullptr};
 };
 
-/// A ch03::StepFactory making ExpertParallelStep with ZeRO `stage`.
+/// A ch03::StepFactory making ExpertParallelStep around chapter 09's step over group.edp with
+/// ZeRO `stage` (0, 1 or 2; fivefold::Error otherwise): the run's model is replaced by this
+/// rank's part (make_model over `group`), started from the same weights.
 ch03::StepFactory expert_parallel_step(ExpertParallel group, int stage);
+
+/// A ch03::StepFactory making ExpertParallelStep around the step `inner` makes (chapter 10's or
+/// 11's, made over group.edp with expert_parallel_hooks(group) and make_model over `group` as
+/// its whole builder).
+ch03::StepFactory expert_parallel_step(ExpertParallel group, ch03::StepFactory inner);
 
 /// Bytes of the all-to-alls of one MoE layer's forward and backward on one rank, from the counts
 /// it routed: `sent_rows[j]` rows to rank j, `received_rows[j]` from rank j, of d numbers of

@@ -69,13 +69,14 @@ void reduce_partial_gradients(const std::vector<std::pair<std::string, torch::Te
             [](const auto& a, const auto& b) { return a.first < b.first; });
   std::vector<std::pair<dist::Communicator*, std::vector<torch::Tensor>>> by_group;
   for (const auto& [name, p] : sorted) {
-    const auto found = groups.partial.find(name);
-    if (found == groups.partial.end()) continue;
-    auto* comm = found->second.get();
-    auto it = std::find_if(by_group.begin(), by_group.end(),
-                           [&](const auto& g) { return g.first == comm; });
-    if (it == by_group.end()) it = by_group.insert(by_group.end(), {comm, {}});
-    it->second.push_back(p);
+    const auto [first, last] = groups.partial.equal_range(name);
+    for (auto found = first; found != last; ++found) {
+      auto* comm = found->second.get();
+      auto it = std::find_if(by_group.begin(), by_group.end(),
+                             [&](const auto& g) { return g.first == comm; });
+      if (it == by_group.end()) it = by_group.insert(by_group.end(), {comm, {}});
+      it->second.push_back(p);
+    }
   }
   for (auto& [comm, members] : by_group) {
     std::vector<torch::Tensor> flat;
@@ -108,7 +109,8 @@ torch::Tensor norm_mask(const ShardLayout& layout,
 double global_norm(torch::Tensor squares, dist::Communicator* comm,
                    const ModelParallelGroups& groups) {
   if (comm != nullptr) comm->all_reduce(squares);     // the shards of the data-parallel group
-  if (groups.norm) groups.norm->all_reduce(squares);  // the model's other pieces
+  for (const auto& group : groups.norm)
+    if (group) group->all_reduce(squares);  // the model's other pieces
   return std::sqrt(squares.item<double>());
 }
 

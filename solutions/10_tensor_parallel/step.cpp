@@ -96,8 +96,9 @@ ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
                                                  const TensorParallel& tp) {
   ch09::ModelParallelGroups groups;
   if (tp.size() == 1) return groups;
-  groups.norm = tp.comm;  // each tp rank adds the squares of its slices
-  groups.partial = partial_gradient_parameters(model, tp);
+  groups.norm = {tp.comm};  // each tp rank adds the squares of its slices
+  for (const auto& [name, group] : partial_gradient_parameters(model, tp))
+    groups.partial.emplace(name, group);
   const auto shards = model->parameter_shards();
   for (const auto& item : model->named_parameters()) {
     // A whole (replicated) tensor is the same on every tp rank: counted once, on tp rank 0. A
@@ -112,9 +113,11 @@ ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
 
 TensorParallelStep::TensorParallelStep(ch03::Transformer model, TensorParallelPtr tp,
                                        dist::CommunicatorPtr dp, int stage,
-                                       const ch03::TrainConfig& config, ch03::ModelBuilder whole)
+                                       const ch03::TrainConfig& config, ch03::ModelBuilder whole,
+                                       const ch09::StepHooks& hooks)
     : tp_(std::move(tp)), shards_(model->parameter_shards()), whole_(std::move(whole)) {
   auto groups = tensor_parallel_groups(model, *tp_);
+  if (hooks.adapt_groups) hooks.adapt_groups(model, groups);
   inner_ = std::make_unique<ch09::DataParallelStep>(std::move(model), std::move(dp), stage, config,
                                                     std::move(groups));
 }
@@ -148,13 +151,14 @@ io::TensorMap TensorParallelStep::gradients() {
 }
 
 ch03::StepFactory tensor_parallel_step(TensorParallelPtr tp, dist::CommunicatorPtr dp, int stage,
-                                       ch03::ModelBuilder whole) {
-  return [tp, dp, stage, whole](ch03::Transformer model, const ch03::TrainConfig& config) {
+                                       ch03::ModelBuilder whole, ch09::StepHooks hooks) {
+  return [tp, dp, stage, whole, hooks](ch03::Transformer model, const ch03::TrainConfig& config) {
     // This rank's slice, holding the slices of the model the run built or loaded.
     auto local = make_model(model->config(), tp);
+    if (hooks.adapt_model) hooks.adapt_model(local);
     load_slices(local, named_weights(model));
     return std::unique_ptr<ch03::TrainingStep>(
-        new TensorParallelStep(local, tp, dp, stage, config, whole));
+        new TensorParallelStep(local, tp, dp, stage, config, whole, hooks));
   };
 }
 

@@ -19,14 +19,14 @@ const char* const kEmbedding = "model.embed_tokens.weight";
 ch09::ModelParallelGroups pipeline_groups(ch03::Transformer& model, const PipelineLayout& layout) {
   ch09::ModelParallelGroups groups;
   if (layout.tp) groups = ch10::tensor_parallel_groups(model, *layout.tp);
-  groups.norm = layout.model_parallel;  // each stage (and tp slice) adds its own squares
+  groups.norm = {layout.model_parallel};  // each stage (and tp slice) adds its own squares
   const auto& pp = *layout.links->pp;
   if (model->config().tied_embeddings && pp.size() > 1 && layout.links->ends) {
     // The first stage embeds with the table, the last one's head reads it: each holds a copy
     // whose gradient is a part of the whole; summed over the two, counted once (on the first).
     FIVEFOLD_CHECK(groups.partial.count(kEmbedding) == 0,
                    "pipeline: the tied embedding is already a partial gradient");
-    groups.partial[kEmbedding] = layout.links->ends;
+    groups.partial.emplace(kEmbedding, layout.links->ends);
     if (pp.rank() == pp.size() - 1) groups.counted_elsewhere.insert(kEmbedding);
   }
   return groups;
@@ -48,6 +48,7 @@ PipelineParallelStep::PipelineParallelStep(ch03::Transformer model, PipelineLayo
   executor_ = std::make_unique<PipelineExecutor>(model, layout_.links, layout_.virtual_stages,
                                                  std::move(shape));
   auto groups = pipeline_groups(model, layout_);
+  if (layout_.hooks.adapt_groups) layout_.hooks.adapt_groups(model, groups);
   inner_ = std::make_unique<ch09::DataParallelStep>(
       std::move(model), layout_.dp, layout_.zero, config, std::move(groups),
       [this](const std::vector<ch03::Batch>& micro_batches) {
@@ -95,6 +96,7 @@ ch03::StepFactory pipeline_parallel_step(PipelineLayout layout, ch03::ModelBuild
     const auto part = stage_part(c.n_layers, layout.links->pp->size(), layout.virtual_stages,
                                  layout.links->pp->rank());
     auto local = layout.tp ? ch10::make_model(c, layout.tp, part) : whole(c, part);
+    if (layout.hooks.adapt_model) layout.hooks.adapt_model(local);
     // This rank's part (and slices) of the weights of the model the run built or loaded.
     ch10::load_slices(local, ch10::named_weights(model));
     return std::unique_ptr<ch03::TrainingStep>(

@@ -91,27 +91,52 @@ ch03::ModelRecipe recipe(const ch03::ModelConfig& config, const ExpertParallel& 
   return r;
 }
 
-ch03::Transformer make_model(const ch03::ModelConfig& config, const ExpertParallel& group) {
-  return ch03::Transformer(config, recipe(config, group));
+ch03::Transformer make_model(const ch03::ModelConfig& config, const ExpertParallel& group,
+                             const ch03::ModelPart& part) {
+  return ch03::Transformer(config, recipe(config, group), part);
+}
+
+void adapt_moe_layers(ch03::Transformer& model, const ExpertParallel& group) {
+  const auto& config = model->config();
+  if (!has_experts(config)) return;
+  const auto moe = ch07::MoeConfig::from_json(config.extensions);
+  const auto held = expert_range(moe.n_routed_experts, group.ep->size(), group.ep->rank());
+  for (int64_t i : model->layer_indices()) {
+    auto whole = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(i).mlp);
+    if (!whole || whole->held_experts().count != moe.n_routed_experts) continue;
+    // Only the held experts are built; the router and the shared experts (chapter 10's
+    // tensor-parallel MLP) are the layer's own.
+    auto mine = std::make_shared<ch07::MoeImpl>(config, whole->config(), whole->shared_experts,
+                                                held);
+    mine->dispatcher = std::make_shared<ExpertParallelDispatcher>(group.ep);
+    model->block(i).set_mlp(mine);
+  }
 }
 
 bool is_expert_parameter(const std::string& name) {
   return name.find(".experts.") != std::string::npos;
 }
 
-ch09::ModelParallelGroups expert_parallel_groups(ch03::Transformer& model,
-                                                 const ExpertParallel& group) {
-  ch09::ModelParallelGroups groups;
-  if (group.ep->size() == 1) return groups;
+void add_expert_parallel_groups(ch03::Transformer& model, const ExpertParallel& group,
+                                ch09::ModelParallelGroups& groups) {
+  if (group.ep->size() == 1) return;
   for (const auto& item : model->named_parameters()) {
     if (!item.value().requires_grad() || is_expert_parameter(item.key())) continue;
     // The same tensor on every ep rank, each rank's gradient from its own tokens: summed over ep,
     // then identical there, so counted once.
-    groups.partial[item.key()] = group.ep;
+    groups.partial.emplace(item.key(), group.ep);
     if (group.ep->rank() != 0) groups.counted_elsewhere.insert(item.key());
   }
-  groups.norm = group.ep;  // each ep rank adds its own experts' squares
-  return groups;
+  groups.norm.push_back(group.ep);  // each ep rank adds its own experts' squares
+}
+
+ch09::StepHooks expert_parallel_hooks(const ExpertParallel& group) {
+  ch09::StepHooks hooks;
+  hooks.adapt_model = [group](ch03::Transformer& model) { adapt_moe_layers(model, group); };
+  hooks.adapt_groups = [group](ch03::Transformer& model, ch09::ModelParallelGroups& groups) {
+    add_expert_parallel_groups(model, group, groups);
+  };
+  return hooks;
 }
 
 ExpertParallelTraffic expert_parallel_traffic(const std::vector<int64_t>& sent_rows,

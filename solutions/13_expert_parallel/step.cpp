@@ -1,28 +1,22 @@
-// Chapter 13: the training step with expert parallelism, chapter 09's step over the
-// expert-data-parallel ranks.
+// Chapter 13: the training step with expert parallelism, around chapter 09's, 10's or 11's step
+// made over the expert-data-parallel ranks.
 
 #include <utility>
 
 #include "10_tensor_parallel/step.h"
+#include "11_pipeline_parallel/pipeline.h"
 #include "13_expert_parallel/expert_parallel.h"
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch13 {
 
-ExpertParallelStep::ExpertParallelStep(ch03::Transformer whole, ExpertParallel group, int stage,
-                                       const ch03::TrainConfig& config)
-    : group_(std::move(group)) {
-  FIVEFOLD_CHECK(stage >= 0 && stage <= 2, "--ep with --zero ", stage,
-                 ": expert parallelism runs with ZeRO 0, 1 or 2 (ZeRO-3 does not shard "
-                 "Mixture-of-Experts layers yet)");
-  auto local = make_model(whole->config(), group_);
-  // This rank's experts and every shared weight, by name, from the model the run built or loaded.
-  ch10::load_slices(local, ch10::named_weights(whole));
-  for (const auto& item : local->named_parameters()) names_.insert(item.key());
-  auto groups = expert_parallel_groups(local, group_);
-  inner_ = std::make_unique<ch09::DataParallelStep>(std::move(local), group_.edp, stage, config,
-                                                    std::move(groups));
+ExpertParallelStep::ExpertParallelStep(std::unique_ptr<ch03::TrainingStep> inner,
+                                       ExpertParallel group)
+    : group_(std::move(group)), inner_(std::move(inner)) {
+  FIVEFOLD_CHECK(inner_ != nullptr && group_.ep != nullptr && group_.edp != nullptr,
+                 "ExpertParallelStep: needs a step and its groups");
+  for (const auto& item : inner_->model()->named_parameters()) names_.insert(item.key());
 }
 
 ch03::StepResult ExpertParallelStep::step(const std::vector<ch03::Batch>& micro_batches,
@@ -38,6 +32,8 @@ ch03::StepResult ExpertParallelStep::step(const std::vector<ch03::Batch>& micro_
 }
 
 ch03::Transformer& ExpertParallelStep::full_model() {
+  // The inner step's whole part over tp and pp holds this rank's experts: gathered over ep by
+  // name, every expert of every layer.
   const auto whole = gather_named_tensors(ch10::named_weights(inner_->full_model()), *group_.ep);
   if (!full_) full_ = ch07::make_model(inner_->model()->config());
   ch10::load_slices(full_, whole);
@@ -54,13 +50,38 @@ void ExpertParallelStep::load_optimizer_state(const io::TensorMap& state,
 }
 
 io::TensorMap ExpertParallelStep::gradients() {
-  return gather_named_tensors(inner_->gradients(), *group_.ep);
+  io::TensorMap local;
+  if (auto* p = dynamic_cast<ch11::PipelineParallelStep*>(inner_.get())) {
+    local = p->gradients();
+  } else if (auto* t = dynamic_cast<ch10::TensorParallelStep*>(inner_.get())) {
+    local = t->gradients();
+  } else {
+    local = dynamic_cast<ch09::DataParallelStep&>(*inner_).gradients();
+  }
+  return gather_named_tensors(local, *group_.ep);
 }
 
 ch03::StepFactory expert_parallel_step(ExpertParallel group, int stage) {
-  return [group, stage](ch03::Transformer model, const ch03::TrainConfig& config) {
+  FIVEFOLD_CHECK(stage >= 0 && stage <= 2, "--ep with --zero ", stage,
+                 ": expert parallelism runs with ZeRO 0, 1 or 2 (ZeRO-3 does not shard "
+                 "Mixture-of-Experts layers yet)");
+  return [group, stage](ch03::Transformer whole, const ch03::TrainConfig& config) {
+    auto local = make_model(whole->config(), group);
+    // This rank's experts and every shared weight, by name, from the model the run built or
+    // loaded.
+    ch10::load_slices(local, ch10::named_weights(whole));
+    ch09::ModelParallelGroups groups;
+    add_expert_parallel_groups(local, group, groups);
+    auto inner = std::make_unique<ch09::DataParallelStep>(std::move(local), group.edp, stage,
+                                                          config, std::move(groups));
+    return std::unique_ptr<ch03::TrainingStep>(new ExpertParallelStep(std::move(inner), group));
+  };
+}
+
+ch03::StepFactory expert_parallel_step(ExpertParallel group, ch03::StepFactory inner) {
+  return [group, inner](ch03::Transformer whole, const ch03::TrainConfig& config) {
     return std::unique_ptr<ch03::TrainingStep>(
-        new ExpertParallelStep(std::move(model), group, stage, config));
+        new ExpertParallelStep(inner(std::move(whole), config), group));
   };
 }
 
