@@ -216,7 +216,7 @@ int train(int argc, char** argv) {
   args.option("ep", "1",
               "expert-parallel ranks (chapter 13): each MoE layer's routed experts split over "
               "them, tokens sent to their experts by all-to-all; ep divides dp x cp and the "
-              "experts; with --dp, --cp, --tp, --pp and --zero 0-2");
+              "experts; with --dp, --cp, --tp, --pp and --zero");
   args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
   args.option("warmup", "20", "linear warm-up steps");
   args.option("decay-steps", "", "steps of the cosine decay (default: --steps)");
@@ -268,9 +268,6 @@ int train(int argc, char** argv) {
   const auto cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
   const int64_t ep = args.integer("ep");
   FIVEFOLD_CHECK(ep >= 1, "--ep must be at least 1, got ", ep);
-  FIVEFOLD_CHECK(ep == 1 || zero <= 2, "--ep ", ep, " --zero 3: ZeRO-3 does not shard "
-                 "Mixture-of-Experts layers yet (their balancing bias changes outside the "
-                 "optimizer); use --zero 0, 1 or 2");
   Runtime runtime;
   auto world = runtime.world();
   FIVEFOLD_CHECK(world->size() % (tp * pp * cp) == 0, "--tp ", tp, " x --pp ", pp, " x --cp ", cp,

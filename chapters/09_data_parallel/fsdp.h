@@ -123,6 +123,7 @@ class FullyShardedDataParallel {
   std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
   torch::Tensor shards_, grads_;  // this rank's shards of every unit, one after another
   torch::Tensor has_gradient_;    // [params]: 1 where this rank had a gradient this step
+  torch::Tensor had_gradient_;    // [params]: 1 once some rank has had one (ZeroOptimizer's)
   std::unique_ptr<ShardedAdamW> adam_;
   ModelParallelGroups groups_;
   torch::Tensor norm_mask_;  // undefined: every element counts

@@ -35,8 +35,7 @@ class DataParallelStep : public ch03::TrainingStep {
   /// the global norm counts every piece once. `forward_backward`: who runs the micro-batches
   /// (default: chapter 03's loop; chapter 11 runs a pipeline schedule); with one given, DDP
   /// reduces every bucket after it, and ZeRO-3 gathers the whole part for the step. Throws
-  /// fivefold::Error, before any communication, for a stage outside 0..3 or stage 3 with
-  /// Mixture-of-Experts layers (their balancing bias changes outside the optimizer).
+  /// fivefold::Error, before any communication, for a stage outside 0..3.
   DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
                    const ch03::TrainConfig& config, ModelParallelGroups groups = {},
                    ForwardBackward forward_backward = {});

@@ -153,7 +153,7 @@ class ExpertParallelStep : public ch03::TrainingStep {
 };
 
 /// A ch03::StepFactory making ExpertParallelStep around chapter 09's step over group.edp with
-/// ZeRO `stage` (0, 1 or 2; fivefold::Error otherwise): the run's model is replaced by this
+/// ZeRO `stage` (0 to 3): the run's model is replaced by this
 /// rank's part (make_model over `group`), started from the same weights.
 ch03::StepFactory expert_parallel_step(ExpertParallel group, int stage);
 

@@ -40,6 +40,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
                        p.storage().nbytes() == static_cast<size_t>(p.numel() * p.element_size()),
                    "FSDP: parameter ", item.key(), " must own its storage exactly");
     comm_->broadcast(item.value(), 0);  // every rank starts from rank 0's weights
+    // A parameter no gradient reaches (chapter 07's balancing bias, changed after each step by
+    // the balancing update) stays whole on every rank, as the optimizer never sees it.
+    if (!p.requires_grad()) continue;
     named[unit_of(item.key())].emplace_back(item.key(), p);
   }
   // Each unit's parameters, one padded flat vector per unit, cut into N shards: this rank keeps
@@ -176,6 +179,11 @@ double FullyShardedDataParallel::step(int64_t step) {
   }
   auto has_gradient = has_gradient_.clone();
   comm_->all_reduce(has_gradient);  // > 0: some rank had this parameter's gradient
+  // Once a parameter has had a gradient, one device keeps it (zeroed between steps, not freed),
+  // so AdamW keeps stepping it even in a step that gives it none (an expert no token chose).
+  if (!had_gradient_.defined()) had_gradient_ = torch::zeros_like(has_gradient);
+  had_gradient_ = torch::maximum(had_gradient_, has_gradient.gt(0).to(torch::kFloat));
+  has_gradient = had_gradient_.clone();
   const double norm = clip_sharded_gradient(grads_, *comm_, config_.grad_clip, norm_mask_, groups_);
   adam_->step(shards_, grads_, has_gradient, step);
   return norm;

@@ -19,12 +19,6 @@ DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPt
       groups_(std::move(groups)),
       forward_backward_(std::move(forward_backward)) {
   FIVEFOLD_CHECK(stage_ >= 0 && stage_ <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage_);
-  const auto& extensions = model_->config().extensions;
-  FIVEFOLD_CHECK(stage_ < 3 || !extensions.contains("n_routed_experts") ||
-                     extensions["n_routed_experts"].is_null(),
-                 "ZeRO-3 does not support Mixture-of-Experts layers yet: their balancing bias "
-                 "changes outside the optimizer, which sharded parameters do not allow (use "
-                 "--zero 0, 1 or 2)");
   config_.validate();
   if (stage_ == 0) {
     adam_ = ch03::make_optimizer(model_, config_);

@@ -62,9 +62,6 @@ io::TensorMap ExpertParallelStep::gradients() {
 }
 
 ch03::StepFactory expert_parallel_step(ExpertParallel group, int stage) {
-  FIVEFOLD_CHECK(stage >= 0 && stage <= 2, "--ep with --zero ", stage,
-                 ": expert parallelism runs with ZeRO 0, 1 or 2 (ZeRO-3 does not shard "
-                 "Mixture-of-Experts layers yet)");
   return [group, stage](ch03::Transformer whole, const ch03::TrainConfig& config) {
     auto local = make_model(whole->config(), group);
     // This rank's experts and every shared weight, by name, from the model the run built or

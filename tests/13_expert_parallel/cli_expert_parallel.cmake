@@ -3,8 +3,8 @@
 #         -DMOE_CONFIG=<a deepseek_v3 config.json> -P cli_expert_parallel.cmake
 # DeepSeek-V3 in miniature (MLA with YaRN, 8 routed experts, 2 per token, one shared, the
 # balancing bias), a global batch of 8 rows of 16 tokens: ep 2 and 4, with the experts'
-# replicas averaged over edp (ep 2 of dp 4), ZeRO 0, 1 and 2, gradient accumulation, folded
-# into context parallelism (ep over dp x cp), and inside tensor (with and without sequence
+# replicas averaged over edp (ep 2 of dp 4, ep 4 of dp 8), ZeRO 0 to 3, gradient accumulation,
+# folded into context parallelism (ep over dp x cp), and inside tensor (with and without sequence
 # parallelism) and pipeline parallelism; every step's loss and gradient norm in metrics.jsonl
 # equal the single process's. A run saved at ep 2 resumes on 1 process, at ep 4 and at
 # pp 2 x ep 2. Bad layouts are refused on every rank before anything is written. Shown to fail
@@ -48,7 +48,7 @@ train(1 ${WORK}/single ${moe})
 curve(${WORK}/single want)
 expect_layouts("2,2,2,1,0,1,1,1" "2,2,2,1,2,2,1,1" "4,4,4,1,1,1,1,1" "4,2,4,1,0,2,1,1"
                "4,2,2,2,1,1,1,1" "4,4,2,2,0,1,1,1" "4,2,2,1,1,1,2,1" "4,2,2,1,0,1,2,1,sp"
-               "4,2,2,1,2,2,1,2")
+               "4,2,2,1,2,2,1,2" "4,2,4,1,3,1,1,1" "8,4,8,1,1,1,1,1")
 
 # The run saved at ep 2 at step 2 continues on 1 process, and on 4 at ep 4.
 set(saved ${WORK}/2-2-2-1-0-1-1-1)
@@ -68,4 +68,3 @@ refused_on_every_rank(2 ${WORK}/bad "does not divide the 2 data-parallel ranks" 
 refused_on_every_rank(2 ${WORK}/bad "no routed experts" --steps 1 --ep 2)
 refused_on_every_rank(4 ${WORK}/bad "does not divide the 2 data-parallel ranks" ${moe} --ep 4
                       --tp 2)
-refused_on_every_rank(2 ${WORK}/bad "ZeRO-3 does not shard" ${moe} --ep 2 --zero 3)

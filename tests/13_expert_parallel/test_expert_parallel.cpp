@@ -104,9 +104,9 @@ std::string describe(const Layout& l) {
 
 std::vector<Layout> layouts() {
   const int n = world()->size();
-  std::vector<Layout> out{{n, 0}, {n, 1}, {n, 2}};
+  std::vector<Layout> out{{n, 0}, {n, 1}, {n, 2}, {n, 3}};
   if (n == 4) {
-    out.insert(out.end(), {{2, 0}, {2, 1}, {2, 2}});
+    out.insert(out.end(), {{2, 0}, {2, 1}, {2, 2}, {2, 3}});
     // Inside chapter 10's and 11's steps: tp 2 (with and without SP) and pp 2, each x ep 2.
     out.insert(out.end(), {{2, 0, 2, 1}, {2, 1, 2, 1, true}, {2, 2, 1, 2}});
   }
