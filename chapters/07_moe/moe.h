@@ -48,6 +48,10 @@ struct MoeConfig {
   int64_t capacity(int64_t tokens) const;
 };
 
+/// True when `config` describes routed experts (an `n_routed_experts` key that is not null in its
+/// extensions): the one test of "is this a Mixture-of-Experts model" every chapter uses.
+bool has_routed_experts(const ch03::ModelConfig& config);
+
 /// Which experts each token goes to, and with what weight.
 struct Routing {
   torch::Tensor experts;  ///< [tokens, k] int64, the chosen experts

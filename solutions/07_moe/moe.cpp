@@ -88,6 +88,11 @@ MoeConfig MoeConfig::from_json(const nlohmann::json& e) {
   return c;
 }
 
+bool has_routed_experts(const ch03::ModelConfig& config) {
+  const auto& e = config.extensions;
+  return e.is_object() && e.contains("n_routed_experts") && !e["n_routed_experts"].is_null();
+}
+
 bool MoeConfig::is_moe_layer(int64_t layer) const {
   return layer >= first_k_dense_replace && layer % moe_layer_freq == 0;
 }
@@ -266,8 +271,7 @@ MoeParameters count_parameters(const ch03::ModelConfig& c) {
     const int64_t hd = c.resolved_head_dim();
     attention = d * h * hd + 2 * d * c.n_kv_heads * hd + h * hd * d;
   }
-  const bool moe = !c.extensions.is_null() && c.extensions.contains("n_routed_experts") &&
-                   !c.extensions["n_routed_experts"].is_null();
+  const bool moe = has_routed_experts(c);
   const MoeConfig e = moe ? MoeConfig::from_json(c.extensions) : MoeConfig{};
   const int64_t expert = 3 * d * e.moe_intermediate_size;
   MoeParameters p;
@@ -335,10 +339,9 @@ ch03::ModelConfig deepseek_v3_config() {
 }
 
 ch03::ModelRecipe recipe(const ch03::ModelConfig& config) {
-  const auto& e = config.extensions;
   ch03::ModelRecipe r = ch06::recipe(config);
-  if (e.is_null() || !e.contains("n_routed_experts") || e["n_routed_experts"].is_null()) return r;
-  const MoeConfig moe = MoeConfig::from_json(e);
+  if (!has_routed_experts(config)) return r;
+  const MoeConfig moe = MoeConfig::from_json(config.extensions);
   r.mlp = [moe](const ch03::ModelConfig& c,
                 int64_t layer) -> std::shared_ptr<ch03::FeedForwardLayer> {
     if (!moe.is_moe_layer(layer)) return nullptr;  // a dense layer: chapter 03's MLP

@@ -323,9 +323,7 @@ void check_tensor_parallel(const ch03::ModelConfig& config, int tp_size, bool se
                  " key/value heads do not split over ", tp_size,
                  " ranks (each rank reads whole key/value heads: tp must divide n_kv_heads, or "
                  "be a multiple of it so that ranks share them)");
-  if (!mla || !sequence_parallel || !config.extensions.contains("n_routed_experts") ||
-      config.extensions["n_routed_experts"].is_null())
-    return;
+  if (!mla || !sequence_parallel || !ch07::has_routed_experts(config)) return;
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   FIVEFOLD_CHECK(moe.aux_loss_alpha == 0 && moe.capacity_factor == 0,
                  "--sequence-parallel routes each rank's part of the sequence on its own, but the "
@@ -351,8 +349,7 @@ ch03::ModelRecipe recipe(const ch03::ModelConfig& config, TensorParallelPtr tp) 
     };
   }
   const auto& e = config.extensions;
-  const bool moe =
-      !e.is_null() && e.contains("n_routed_experts") && !e["n_routed_experts"].is_null();
+  const bool moe = ch07::has_routed_experts(config);
   r.mlp = [tp, moe, e](const ch03::ModelConfig& c,
                        int64_t layer) -> std::shared_ptr<ch03::FeedForwardLayer> {
     if (moe) {

@@ -38,9 +38,7 @@ void check_context_parallel(int64_t seq, int64_t cp, CpLayout layout) {
 void check_context_parallel(const ch03::ModelConfig& config, int64_t seq, int64_t cp,
                             CpLayout layout) {
   check_context_parallel(seq, cp, layout);
-  if (cp == 1 || !config.extensions.is_object() ||
-      config.extensions.value("n_routed_experts", nlohmann::json()).is_null())
-    return;
+  if (cp == 1 || !ch07::has_routed_experts(config)) return;
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   FIVEFOLD_CHECK(moe.aux_loss_alpha == 0 && moe.capacity_factor == 0, "--cp ", cp,
                  ": each rank routes its part of the sequence on its own, but the Switch "

@@ -32,11 +32,6 @@ class AllToAll : public torch::autograd::Function<AllToAll> {
   }
 };
 
-bool has_experts(const ch03::ModelConfig& config) {
-  return config.extensions.is_object() && config.extensions.contains("n_routed_experts") &&
-         !config.extensions["n_routed_experts"].is_null();
-}
-
 }  // namespace
 
 ch07::ExpertRange expert_range(int64_t n_experts, int64_t ep, int64_t rank) {
@@ -49,7 +44,7 @@ ch07::ExpertRange expert_range(int64_t n_experts, int64_t ep, int64_t rank) {
 void check_expert_parallel(const ch03::ModelConfig& config, int64_t ep, int64_t data_ranks) {
   FIVEFOLD_CHECK(ep >= 1, "--ep must be at least 1, got ", ep);
   if (ep == 1) return;
-  FIVEFOLD_CHECK(has_experts(config), "--ep ", ep,
+  FIVEFOLD_CHECK(ch07::has_routed_experts(config), "--ep ", ep,
                  ": the model has no routed experts to distribute (give a Mixture-of-Experts "
                  "--model-config, e.g. deepseek_v3 keys with n_routed_experts)");
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
@@ -78,7 +73,7 @@ ExpertParallel make_expert_parallel(const dist::CommunicatorPtr& data, int64_t e
 
 ch03::ModelRecipe recipe(const ch03::ModelConfig& config, const ExpertParallel& group) {
   ch03::ModelRecipe r = ch07::recipe(config);
-  if (!has_experts(config)) return r;
+  if (!ch07::has_routed_experts(config)) return r;
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   const auto held = expert_range(moe.n_routed_experts, group.ep->size(), group.ep->rank());
   r.mlp = [moe, held, ep = group.ep](const ch03::ModelConfig& c,
@@ -98,7 +93,7 @@ ch03::Transformer make_model(const ch03::ModelConfig& config, const ExpertParall
 
 void adapt_moe_layers(ch03::Transformer& model, const ExpertParallel& group) {
   const auto& config = model->config();
-  if (!has_experts(config)) return;
+  if (!ch07::has_routed_experts(config)) return;
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   const auto held = expert_range(moe.n_routed_experts, group.ep->size(), group.ep->rank());
   for (int64_t i : model->layer_indices()) {

@@ -9,7 +9,7 @@ namespace fivefold::ch13 {
 ExpertParallelPlan expert_parallel_plan(const ch03::ModelConfig& config, int64_t ep,
                                         int64_t tokens, int64_t element_size) {
   check_expert_parallel(config, ep, ep);
-  FIVEFOLD_CHECK(config.extensions.is_object() && config.extensions.contains("n_routed_experts"),
+  FIVEFOLD_CHECK(ch07::has_routed_experts(config),
                  "expert_parallel_plan: the model has no routed experts");
   FIVEFOLD_CHECK(tokens >= 0, "expert_parallel_plan: tokens must be >= 0, got ", tokens);
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
