@@ -10,6 +10,8 @@ packages=(
   openmpi-bin libopenmpi-dev                    # MPI backend and the mpirun launcher
   libgtest-dev libgmock-dev                     # GoogleTest
   nlohmann-json3-dev                            # config.json and safetensors headers
+  libcli11-dev                                  # flags and TOML config files (CLI11)
+  libsentencepiece-dev                          # fivefold tokenize: SentencePiece models
   doxygen                                       # `docs` target
 )
 

@@ -1,11 +1,15 @@
 #pragma once
 /// @file cli.h
 /// @brief Command-line parsing for the programs: `--name value`, `--name=value` and `--flag`,
-/// with defaults, typed getters, `--help`, and clear errors for unknown or malformed options.
+/// with defaults, typed getters, `--help`, and clear errors for unknown or malformed options;
+/// optionally `--config FILE`, a TOML file whose keys are the options' names (command-line values
+/// win over the file's). The parsing itself is CLI11's (Debian's libcli11-dev); this class keeps
+/// the programs' small interface and error style on top of it.
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,12 +20,24 @@ class ArgParser {
  public:
   /// @param program name shown in usage; @param description one paragraph for --help.
   ArgParser(std::string program, std::string description);
+  ~ArgParser();
+  ArgParser(const ArgParser&) = delete;
+  ArgParser& operator=(const ArgParser&) = delete;
+  /// Movable (what parse() made of the command line moves with it).
+  ArgParser(ArgParser&&) noexcept;
+  /// Movable.
+  ArgParser& operator=(ArgParser&&) noexcept;
 
   /// Declares `--name VALUE` with a default (shown in --help).
   ArgParser& option(const std::string& name, const std::string& default_value,
                     const std::string& help);
   /// Declares a boolean `--name` (false unless given).
   ArgParser& flag(const std::string& name, const std::string& help);
+
+  /// Adds `--config FILE`: a TOML file of settings, one `name = value` per option (flags take
+  /// `true`/`false`), read before the command line's values, which win. An unknown key is an
+  /// error, as an unknown option is. An option set by the file counts as given().
+  ArgParser& config_file(const std::string& help);
 
   /// Parses the arguments after argv[0]. Throws fivefold::Error for an unknown option, a missing
   /// value or a stray positional argument. Returns false if `--help` was given (help is printed).
@@ -41,6 +57,9 @@ class ArgParser {
   bool given(const std::string& name) const;
   /// The usage text printed by --help.
   std::string help() const;
+  /// Every option's value (given, from the config file, or its default) as a TOML file that
+  /// `--config` reads back: the settings of this run in one place.
+  std::string settings_toml() const;
 
  private:
   struct Spec {
@@ -48,12 +67,14 @@ class ArgParser {
     std::string help;
     bool is_flag;
   };
+  struct Parsed;  // CLI11's application and the values it fills (cli.cpp)
   const Spec& spec(const std::string& name) const;
   std::string program_;
   std::string description_;
+  std::string config_help_;  // non-empty: --config is accepted
   std::vector<std::string> order_;
   std::map<std::string, Spec> specs_;
-  std::map<std::string, std::string> values_;
+  std::unique_ptr<Parsed> parsed_;
 };
 
 /// Runs a program's body: an exception ends the program with "<program>: error: <what>" on stderr
