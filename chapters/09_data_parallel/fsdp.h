@@ -87,9 +87,11 @@ class FullyShardedDataParallel {
 
   /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state).
   io::TensorMap optimizer_state() const { return adam_->state(named_, *comm_); }
-  /// Keeps this rank's part of a state in that layout.
+  /// Keeps this rank's part of a state in that layout. A parameter with moments there had a
+  /// gradient before it was saved: it is stepped from now on, as in the run never interrupted.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) {
     adam_->load_state(state, named_, source);
+    had_gradient_ = had_gradients(state, named_);
   }
   /// The last step's gradient shards (the mean over the ranks, after clipping), whole, by
   /// parameter name; complete on every rank (collective).

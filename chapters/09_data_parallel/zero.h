@@ -118,6 +118,13 @@ double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm
                              const torch::Tensor& mask = {},
                              const ModelParallelGroups& groups = {});
 
+/// 1 for each of `params` that `state` (optimizer_state's layout) holds moments for, else 0: the
+/// parameters that had a gradient before the state was saved. One device's AdamW keeps stepping
+/// those (LibTorch's zero_grad zeroes a gradient, it does not drop it), so a resumed ZeRO step
+/// must too.
+torch::Tensor had_gradients(const io::TensorMap& state,
+                            const std::vector<std::pair<std::string, torch::Tensor>>& params);
+
 /// AdamW on this rank's shard: the operations of torch::optim::AdamW, in the same order, on each
 /// parameter's piece of the shard, with make_optimizer's decay and one step count per parameter. A
 /// parameter that got a gradient on no rank is skipped, as AdamW skips a parameter without a
@@ -185,9 +192,11 @@ class ZeroOptimizer {
 
   /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state).
   io::TensorMap optimizer_state() const { return adam_->state(named_, *comm_); }
-  /// Keeps this rank's part of a state in that layout.
+  /// Keeps this rank's part of a state in that layout. A parameter with moments there had a
+  /// gradient before it was saved: it is stepped from now on, as in the run never interrupted.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) {
     adam_->load_state(state, named_, source);
+    had_gradient_ = had_gradients(state, named_);
   }
   /// The last step's gradient shards (the mean over the ranks, after clipping), whole, by
   /// parameter name; complete on every rank (collective).

@@ -220,6 +220,12 @@ void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
     state->exp_avg(tensors.at(name + ".exp_avg").to(torch::kFloat).clone());
     state->exp_avg_sq(tensors.at(name + ".exp_avg_sq").to(torch::kFloat).clone());
     optimizer.state()[state_key(params[k].second)] = std::move(state);
+    // It had a gradient before the checkpoint. LibTorch's zero_grad zeroes a gradient rather than
+    // dropping it, so in the run never interrupted AdamW keeps stepping this parameter (momentum
+    // and weight decay) even in a step whose tokens do not reach it (an expert no token chose):
+    // give it the zero gradient it would have, or the resumed run would skip it there.
+    auto& p = params[k].second;
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
   }
 }
 

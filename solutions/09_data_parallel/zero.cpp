@@ -185,6 +185,14 @@ io::TensorMap ShardedAdamW::state(const std::vector<std::pair<std::string, torch
   return tensors;
 }
 
+torch::Tensor had_gradients(const io::TensorMap& state,
+                            const std::vector<std::pair<std::string, torch::Tensor>>& params) {
+  auto had = torch::zeros({static_cast<int64_t>(params.size())});
+  for (size_t k = 0; k < params.size(); ++k)
+    if (state.count(params[k].first + ".exp_avg")) had[static_cast<int64_t>(k)] = 1;
+  return had;
+}
+
 void ShardedAdamW::load_state(const io::TensorMap& state,
                               const std::vector<std::pair<std::string, torch::Tensor>>& params,
                               const std::string& source) {
