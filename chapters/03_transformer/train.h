@@ -109,6 +109,10 @@ class TrainingStep {
   /// Restores a state in that layout (read from `source`, named in errors); each rank keeps its
   /// part.
   virtual void load_optimizer_state(const io::TensorMap& state, const std::string& source) = 0;
+  /// The gradients the last step applied, whole, by parameter name, on every rank (parameters no
+  /// gradient reached are absent). Collective for a sharded step. With clipping off they are
+  /// the gradients before clipping, which is what the parity tests compare across layouts.
+  virtual io::TensorMap gradients() = 0;
 };
 
 /// Chapter 03's step: AdamW from make_optimizer and train_step, on one process.
@@ -121,6 +125,7 @@ class SingleProcessStep : public TrainingStep {
   Transformer& full_model() override { return model_; }
   io::TensorMap optimizer_state() override;
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
+  io::TensorMap gradients() override;
 
  private:
   Transformer model_;

@@ -48,7 +48,7 @@ class DataParallelStep : public ch03::TrainingStep {
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The gradients the last step applied (the mean over the ranks, after clipping), whole, by
   /// parameter name, on every rank (collective for stages 1-3, which hold them in shards).
-  io::TensorMap gradients();
+  io::TensorMap gradients() override;
 
  private:
   ch03::Transformer model_;

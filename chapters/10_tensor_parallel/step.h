@@ -66,7 +66,7 @@ class TensorParallelStep : public ch03::TrainingStep {
   /// Keeps this rank's slices of a state in that layout.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The gradients the last step applied (after clipping), whole, by name (collective).
-  io::TensorMap gradients();
+  io::TensorMap gradients() override;
 
  private:
   TensorParallelPtr tp_;

@@ -150,7 +150,7 @@ class PipelineParallelStep : public ch03::TrainingStep {
   /// Keeps this rank's part of a state in that layout.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The gradients the last step applied (after clipping), whole, by name (collective).
-  io::TensorMap gradients();
+  io::TensorMap gradients() override;
   /// The executor (its timeline and peak after a step).
   const PipelineExecutor& executor() const { return *executor_; }
 

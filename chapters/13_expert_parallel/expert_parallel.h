@@ -141,7 +141,7 @@ class ExpertParallelStep : public ch03::TrainingStep {
   io::TensorMap optimizer_state() override;
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The last step's gradients by name, whole (gathered over ep).
-  io::TensorMap gradients();
+  io::TensorMap gradients() override;
   /// The step it wraps.
   ch03::TrainingStep& inner() { return *inner_; }
 

@@ -125,6 +125,14 @@ StepResult SingleProcessStep::step(const std::vector<Batch>& micro_batches, int6
   return train_step(model_, *optimizer_, config_, micro_batches, step);
 }
 
+io::TensorMap SingleProcessStep::gradients() {
+  io::TensorMap out;
+  for (const auto& item : model_->named_parameters()) {
+    if (item.value().grad().defined()) out[item.key()] = item.value().grad().detach().clone();
+  }
+  return out;
+}
+
 io::TensorMap SingleProcessStep::optimizer_state() {
   return ch03::optimizer_state(model_, *optimizer_);
 }

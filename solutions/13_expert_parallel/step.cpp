@@ -50,15 +50,7 @@ void ExpertParallelStep::load_optimizer_state(const io::TensorMap& state,
 }
 
 io::TensorMap ExpertParallelStep::gradients() {
-  io::TensorMap local;
-  if (auto* p = dynamic_cast<ch11::PipelineParallelStep*>(inner_.get())) {
-    local = p->gradients();
-  } else if (auto* t = dynamic_cast<ch10::TensorParallelStep*>(inner_.get())) {
-    local = t->gradients();
-  } else {
-    local = dynamic_cast<ch09::DataParallelStep&>(*inner_).gradients();
-  }
-  return gather_named_tensors(local, *group_.ep);
+  return gather_named_tensors(inner_->gradients(), *group_.ep);
 }
 
 ch03::StepFactory expert_parallel_step(ExpertParallel group, int stage) {
