@@ -1,0 +1,89 @@
+#pragma once
+/// @file trainer_5d.h
+/// @brief Chapter 14: the five parallelisms together. A Layout names how many ranks each
+/// dimension has and how each runs; resolve_layout checks it against the world, the model and the
+/// batch before anything talks to anyone; apply_layout builds the mesh (pp slowest, then dp, cp,
+/// tp fastest, with ep folded into dp·cp) and hands chapter 03's training loop the model, the
+/// step and the placement of this rank. compose_step, the exercise, stacks the chapters' steps:
+///
+///     context parallelism (12)                      outermost: splits each row's tokens
+///       expert parallelism (13)                     sums replicated gradients over ep
+///         pipeline (11) or tensor (10) parallelism  over edp, with chapter 13's hooks
+///           or data parallelism / ZeRO (09)         over edp (dp·cp without experts)
+///
+/// Every choice a chapter made stays that chapter's; this one only decides which communicator
+/// each step gets.
+
+#include <cstdint>
+#include <string>
+
+#include "03_transformer/trainer.h"
+#include "10_tensor_parallel/step.h"
+#include "11_pipeline_parallel/pipeline.h"
+#include "12_context_parallel/context_parallel.h"
+#include "13_expert_parallel/expert_parallel.h"
+#include "fivefold/dist.h"
+#include "fivefold/mesh.h"
+
+namespace fivefold::ch14 {
+
+/// How the ranks of the world are laid out and how each dimension runs.
+struct Layout {
+  int64_t dp = 0;  ///< data-parallel ranks; 0: the world size / (tp·pp·cp)
+  int64_t tp = 1;  ///< tensor-parallel ranks (chapter 10)
+  int64_t pp = 1;  ///< pipeline stages (chapter 11)
+  int64_t cp = 1;  ///< context-parallel ranks (chapter 12)
+  int64_t ep = 1;  ///< expert-parallel ranks, folded into dp·cp (chapter 13)
+  int zero = 0;    ///< ZeRO stage 0-3 over the data-parallel replicas (chapter 09)
+  bool sequence_parallel = false;  ///< with tp > 1 (chapter 10)
+  std::string schedule = "1f1b";   ///< with pp > 1: gpipe, 1f1b, interleaved or zb
+  int64_t virtual_stages = 1;      ///< with schedule interleaved: stages per pipeline rank
+  ch12::CpLayout cp_layout = ch12::CpLayout::Zigzag;        ///< with cp > 1
+  ch12::CpAttention cp_attention = ch12::CpAttention::Ring;  ///< with cp > 1
+
+  /// dp·tp·pp·cp: the processes the layout needs.
+  int64_t ranks() const { return dp * tp * pp * cp; }
+  /// One line, e.g. "dp 2 x tp 2 x pp 2 (1f1b) x cp 2 (zigzag, ring), ep 2, ZeRO-1".
+  std::string describe() const;
+};
+
+/// `layout` with dp filled in (when 0) for a world of `world_size` processes, checked against
+/// the world, `run`'s model, sequence, batch and micro-batches. Throws fivefold::Error with the
+/// reason for the first thing the layout cannot do: a product that is not the world size, ZeRO
+/// outside 0-3, sequence parallelism without tp, tp not dividing the heads or key/value heads,
+/// more stages than layers, an interleaved schedule whose micro-batches are not a multiple of
+/// pp, a sequence zig-zag CP cannot split, experts ep does not divide, ep not dividing dp·cp, a
+/// batch that does not split into dp x micro-batches. It communicates with nobody: every rank
+/// refuses alike, before any communicator exists.
+Layout resolve_layout(Layout layout, int64_t world_size, const ch03::RunConfig& run);
+
+/// The communicators a layout's steps run over, cut from one DeviceMesh.
+struct Groups {
+  dist::CommunicatorPtr data;            ///< dp x cp: where every dense gradient is averaged
+  dist::CommunicatorPtr cp;              ///< the ranks that share each row's tokens
+  dist::CommunicatorPtr pp;              ///< the pipeline's stages
+  dist::CommunicatorPtr pp_tp;           ///< pp x tp: the model-parallel ranks (norm, checkpoint)
+  ch10::TensorParallelPtr tp;            ///< null without tensor parallelism
+  ch13::ExpertParallel experts;          ///< ep and edp; null members without experts split
+};
+
+/// Cuts `mesh` (dimensions pp, dp, cp, tp) into the groups `layout` uses. Collective over the
+/// mesh's world: every rank must call it.
+Groups make_groups(const Layout& layout, const dist::DeviceMesh& mesh);
+
+/// The exercise. The training step of `layout` over `groups`: chapter 09's data-parallel step
+/// (ZeRO `layout.zero`) when there is no model parallelism; chapter 10's (tp > 1) or 11's (pp >
+/// 1) step otherwise; each made over the replicas of this rank's parameters (edp when experts
+/// are split, else dp·cp) and, with experts split, given chapter 13's model and hooks and
+/// wrapped in its ExpertParallelStep; the whole wrapped in chapter 12's context-parallel step
+/// when cp > 1. Returns an empty factory for one process without ZeRO (chapter 03's
+/// SingleProcessStep).
+ch03::StepFactory compose_step(const Layout& layout, const Groups& groups, int64_t world_size);
+
+/// Makes `run` train in `layout` on `world`: the mesh and its groups, the model builder,
+/// compose_step's step, the balancing update after each step over the ranks that routed
+/// different tokens, and this rank's placement (its data rank, the writer). `layout` must come
+/// from resolve_layout. Collective over `world`.
+void apply_layout(const Layout& layout, const dist::CommunicatorPtr& world, ch03::RunConfig& run);
+
+}  // namespace fivefold::ch14

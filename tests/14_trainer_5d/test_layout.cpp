@@ -1,0 +1,130 @@
+// Chapter 14 on one process: a layout resolved and refused with its reason, and the reports
+// (curves compared and plotted, measurements tabulated).
+
+#include <filesystem>
+#include <fstream>
+
+#include "../10_tensor_parallel/fixtures.h"
+#include "14_trainer_5d/report.h"
+#include "fixtures.h"
+#include "14_trainer_5d/trainer_5d.h"
+#include "testing.h"
+
+using namespace fivefold;
+using namespace fivefold::ch14;
+using fivefold::ch14::testing::sizes;
+using fivefold::testing::throws_error_containing;
+
+namespace {
+
+// The default run of the trainer with `model`: 64 tokens, a batch of 16, `micro` micro-batches.
+ch03::RunConfig run_with(const ch03::ModelConfig& model, int64_t micro = 1) {
+  ch03::RunConfig run;
+  run.model = model;
+  run.seq_len = 64;
+  run.batch = 16;
+  run.micro_batches = micro;
+  return run;
+}
+
+}  // namespace
+
+TEST(Layout, FillsDataParallelismAndDescribesItself) {
+  const auto moe = ch10::testing::deepseek_config();  // 8 heads, 2 layers, 8 experts
+  Layout l = sizes(0, 2, 2, 2, 2);
+  l.sequence_parallel = true;
+  const Layout resolved = resolve_layout(l, 16, run_with(moe, 2));
+  EXPECT_EQ(resolved.dp, 2);
+  EXPECT_EQ(resolved.ranks(), 16);
+  EXPECT_EQ(resolved.describe(),
+            "dp 2 x tp 2 (sequence parallel) x pp 2 (1f1b) x cp 2 (zigzag, ring), ep 2, ZeRO-0");
+  // One process: every dimension 1.
+  EXPECT_EQ(resolve_layout(Layout{}, 1, run_with(moe)).describe(),
+            "dp 1 x tp 1 x pp 1 x cp 1, ZeRO-0");
+}
+
+TEST(Layout, RefusesWhatTheMethodsCannotDoWithTheReason) {
+  const auto llama = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, 2 layers
+  const auto moe = ch10::testing::deepseek_config();
+  auto refuses = [](Layout l, int64_t world, const ch03::RunConfig& run, const char* reason) {
+    return throws_error_containing([&] { resolve_layout(l, world, run); }, reason);
+  };
+  EXPECT_TRUE(refuses(sizes(0, 2, 1, 1), 3, run_with(llama), "does not divide the 3 processes"));
+  EXPECT_TRUE(refuses(sizes(3, 2, 1, 1), 4, run_with(llama), "= 6 must equal the number of processes, 4"));
+  EXPECT_TRUE(refuses(sizes(0, 3, 1, 1), 3, run_with(llama), "heads do not split over 3"));
+  EXPECT_TRUE(refuses(sizes(0, 1, 4, 1), 4, run_with(llama), "layers"));
+  Layout interleaved = sizes(0, 1, 2, 1);
+  interleaved.schedule = "interleaved";
+  interleaved.virtual_stages = 1;
+  EXPECT_TRUE(refuses(interleaved, 2, run_with(llama, 3), "interleaved"));
+  auto short_rows = run_with(llama);
+  short_rows.seq_len = 6;
+  EXPECT_TRUE(refuses(sizes(0, 1, 1, 2), 2, short_rows, "2"));  // 6 % (2 x cp 2) != 0
+  EXPECT_TRUE(refuses(sizes(0, 1, 1, 1, 3), 3, run_with(moe), "experts"));
+  EXPECT_TRUE(refuses(sizes(2, 1, 1, 1, 4), 2, run_with(moe), "ep"));  // ep 4 of dp 2
+  EXPECT_TRUE(refuses(sizes(0, 1, 1, 1, 2), 2, run_with(llama), "experts"));  // a dense model
+  EXPECT_TRUE(refuses(sizes(0, 1, 1, 1), 3, run_with(llama), "must split into 3 data-parallel ranks"));
+  EXPECT_TRUE(refuses(sizes(0, 1, 1, 1), 2, run_with(llama, 3), "x 3 micro-batches"));
+  Layout zero = sizes(0, 1, 1, 1);
+  zero.zero = 4;
+  EXPECT_TRUE(refuses(zero, 1, run_with(llama), "--zero must be 0, 1, 2 or 3"));
+  Layout sp = sizes(0, 1, 1, 1);
+  sp.sequence_parallel = true;
+  EXPECT_TRUE(refuses(sp, 1, run_with(llama), "needs --tp 2 or more"));
+}
+
+namespace {
+
+// Writes a metrics.jsonl of training rows (step, loss, grad_norm) plus an eval row.
+std::string write_metrics(const std::string& name, const std::vector<double>& losses) {
+  const auto dir = std::filesystem::temp_directory_path() / ("fivefold-ch14-" + name);
+  std::filesystem::create_directories(dir);
+  std::ofstream out(dir / "metrics.jsonl");
+  for (size_t i = 0; i < losses.size(); ++i) {
+    out << nlohmann::json{{"kind", "train"}, {"step", i + 1}, {"loss", losses[i]},
+                          {"grad_norm", 2.0 * losses[i]}}
+               .dump()
+        << "\n";
+  }
+  out << R"({"kind":"eval","step":3,"eval_loss":1.0})" << "\n";
+  return dir.string();
+}
+
+}  // namespace
+
+TEST(Report, CurvesAreComparedTabulatedAndPlotted) {
+  const auto a = read_curve(write_metrics("a", {4.0, 3.0, 2.02, 1.5}), "5D");
+  const auto b = read_curve(write_metrics("b", {4.0, 3.0, 2.0}), "single");
+  EXPECT_EQ(a.steps, (std::vector<int64_t>{1, 2, 3, 4}));
+  const auto d = compare_curves(a, b);
+  EXPECT_EQ(d.steps, 3);  // the steps both have
+  EXPECT_NEAR(d.max_loss_relative, 0.01, 1e-12);
+  EXPECT_NEAR(d.max_norm_relative, 0.01, 1e-12);
+  EXPECT_EQ(d.worst_step, 3);
+  const std::string table = curve_table(a, b, 10);
+  EXPECT_NE(table.find("| 3 | 2.02000 | 2.00000 | 1.0e-02 |"), std::string::npos) << table;
+  const std::string svg = svg_plot({a, b}, "loss");
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  EXPECT_NE(svg.find(">single</text>"), std::string::npos);
+  EXPECT_NE(svg.find("<polyline"), svg.rfind("<polyline"));  // two curves
+  EXPECT_TRUE(throws_error_containing([] { read_curve("/nonexistent/metrics.jsonl", "x"); },
+                                      "cannot read"));
+}
+
+TEST(Report, MeasurementsBecomeBytesPerStep) {
+  RankMeasurement r0, r1;
+  r0.payload_bytes = {{"tp", 400}, {"dp+cp", 1000}};
+  r1.payload_bytes = {{"tp", 600}};
+  r0.peak_resident_bytes = 100'000'000;
+  r1.peak_resident_bytes = 300'000'000;
+  const auto j = measurement_json({r0, r1}, 2);
+  EXPECT_DOUBLE_EQ(j["per_step_bytes"]["tp"]["mean"].get<double>(), 250);  // (400 + 600) / 2 / 2
+  EXPECT_DOUBLE_EQ(j["per_step_bytes"]["tp"]["max"].get<double>(), 300);
+  EXPECT_EQ(j["per_step_bytes"]["dp+cp"]["ranks"].get<int64_t>(), 1);
+  const std::string table = measurement_table({r0, r1}, 2);
+  EXPECT_NE(table.find("| tp | 2 | 250 | 300 |"), std::string::npos) << table;
+  EXPECT_NE(table.find("smallest 100.0 MB, mean 200.0 MB, largest 300.0 MB"), std::string::npos);
+  // This process's own peak is real and positive.
+  EXPECT_GT(measure_rank().peak_resident_bytes, 1'000'000);
+}
