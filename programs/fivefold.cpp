@@ -6,7 +6,9 @@
 //                                 parameters, FLOPs, training time and memory (chapter 02;
 //                                 deepseek_v3 configs: total and active parameters, chapter 07)
 //   fivefold train / generate / eval
-//                                 chapter 03's model (programs/model_commands.cpp)
+//                                 the chapters' model, in any layout (programs/model_commands.cpp)
+//   fivefold tokenize / compare   a corpus into token ids; runs' curves side by side
+//                                 (programs/data_commands.cpp)
 
 #include <cmath>
 #include <cstdio>
@@ -499,10 +501,13 @@ void usage() {
       "commands:\n"
       "  info      what this process sees: launcher, rank, backend, threads, BLAS\n"
       "  plan      parameters, FLOPs, training time and memory of a transformer\n"
-      "  train     train chapter 03's transformer (one process), with checkpoints and resume\n"
+      "  train     train the chapters' transformer, on one process or under mpirun in any\n"
+      "            layout (dp, tp, pp, cp, ep; chapter 14), with checkpoints and resume\n"
       "  generate  continue a prompt from a checkpoint (greedy, temperature, top-k; KV cache)\n"
       "  eval      loss, perplexity and exact match of a checkpoint, or the logits of a "
-      "sequence\n\n"
+      "sequence\n"
+      "  tokenize  a text file into a .bin of token ids (SentencePiece)\n"
+      "  compare   training curves of runs side by side (table, SVG)\n\n"
       "Run `fivefold <command> --help` for a command's options. Several processes:\n"
       "  mpirun -np 4 -x OMP_WAIT_POLICY=passive fivefold info         (MPI backend)\n"
       "  FIVEFOLD_BACKEND=gloo torchrun --no-python --nproc-per-node 4 fivefold info\n");
@@ -522,6 +527,8 @@ int main(int argc, char** argv) {
     if (command == "train") return fivefold::commands::train(argc - 1, argv + 1);
     if (command == "generate") return fivefold::commands::generate(argc - 1, argv + 1);
     if (command == "eval") return fivefold::commands::eval(argc - 1, argv + 1);
+    if (command == "tokenize") return fivefold::commands::tokenize(argc - 1, argv + 1);
+    if (command == "compare") return fivefold::commands::compare(argc - 1, argv + 1);
     std::fprintf(stderr, "fivefold: unknown command '%s'\n\n", command.c_str());
     usage();
     return 2;

@@ -29,6 +29,9 @@
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/context_parallel.h"
 #include "13_expert_parallel/expert_parallel.h"
+#include "14_trainer_5d/report.h"
+#include "14_trainer_5d/trainer_5d.h"
+#include "fivefold/comm_stats.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -244,37 +247,38 @@ int train(int argc, char** argv) {
               "default 100, 0 with --data)");
   args.option("peak-gflops", "0", "matmul peak for MFU (0: measured at start)");
   args.flag("no-progress", "no progress bar");
+  args.config_file(
+      "a TOML file of settings, `name = value` for any option above (flags: true/false); "
+      "options on the command line win (presets: chapters/14_trainer_5d/presets/)");
   if (!args.parse(argc, argv)) return 0;
-  // The layout, checked before anything starts: every rank sees the same flags and the same
-  // world size, so every rank refuses the same way, before any communication.
-  const int zero = static_cast<int>(args.integer("zero"));
-  FIVEFOLD_CHECK(zero >= 0 && zero <= 3, "--zero must be 0, 1, 2 or 3, got ", zero);
-  const int64_t tp = args.integer("tp");
-  FIVEFOLD_CHECK(tp >= 1, "--tp must be at least 1, got ", tp);
-  FIVEFOLD_CHECK(!args.on("sequence-parallel") || tp > 1,
-                 "--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
-                 "needs --tp 2 or more");
-  const int64_t pp = args.integer("pp");
-  FIVEFOLD_CHECK(pp >= 1, "--pp must be at least 1, got ", pp);
-  FIVEFOLD_CHECK(pp > 1 || (!args.given("schedule") && !args.given("virtual-stages")),
+  // The layout, read from the flags and checked (chapter 14's resolve_layout) before anything
+  // starts: every rank sees the same flags and the same world size, so every rank refuses the
+  // same way, before any communication.
+  ch14::Layout layout;
+  layout.dp = args.given("dp") ? args.integer("dp") : 0;
+  layout.tp = args.integer("tp");
+  layout.pp = args.integer("pp");
+  layout.cp = args.integer("cp");
+  layout.ep = args.integer("ep");
+  layout.zero = static_cast<int>(args.integer("zero"));
+  layout.sequence_parallel = args.on("sequence-parallel");
+  layout.schedule = args.str("schedule");
+  layout.virtual_stages = args.integer("virtual-stages");
+  layout.cp_layout = ch12::parse_cp_layout(args.str("cp-layout"));
+  layout.cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
+  // A choice of how a dimension runs, other than its default, without the dimension is a
+  // mistake (the defaults themselves may stand, as in a settings.toml read back on one process).
+  const ch14::Layout defaults;
+  FIVEFOLD_CHECK(layout.pp > 1 || (layout.schedule == defaults.schedule &&
+                                   layout.virtual_stages == defaults.virtual_stages),
                  "--schedule and --virtual-stages choose how a pipeline runs: they need --pp 2 "
                  "or more");
-  const int64_t cp = args.integer("cp");
-  FIVEFOLD_CHECK(cp >= 1, "--cp must be at least 1, got ", cp);
-  FIVEFOLD_CHECK(cp > 1 || (!args.given("cp-layout") && !args.given("cp-attention")),
+  FIVEFOLD_CHECK(layout.cp > 1 || (layout.cp_layout == defaults.cp_layout &&
+                                   layout.cp_attention == defaults.cp_attention),
                  "--cp-layout and --cp-attention choose how context parallelism splits and "
                  "attends: they need --cp 2 or more");
-  const auto cp_layout = ch12::parse_cp_layout(args.str("cp-layout"));
-  const auto cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
-  const int64_t ep = args.integer("ep");
-  FIVEFOLD_CHECK(ep >= 1, "--ep must be at least 1, got ", ep);
   Runtime runtime;
   auto world = runtime.world();
-  FIVEFOLD_CHECK(world->size() % (tp * pp * cp) == 0, "--tp ", tp, " x --pp ", pp, " x --cp ", cp,
-                 " does not divide the ", world->size(), " processes");
-  const int64_t dp = args.given("dp") ? args.integer("dp") : world->size() / (tp * pp * cp);
-  FIVEFOLD_CHECK(dp >= 1 && dp * tp * pp * cp == world->size(), "--dp ", dp, " x tp ", tp, " x pp ",
-                 pp, " x cp ", cp, " must equal the number of processes, ", world->size());
 
   RunConfig c;
   c.out_dir = args.str("out");
@@ -312,80 +316,7 @@ int train(int argc, char** argv) {
     planned = load_run_state(resolve_checkpoint(c.out_dir)).run;
     if (args.given("accum")) planned.micro_batches = c.micro_batches;
   }
-  ch10::check_tensor_parallel(planned.model, static_cast<int>(tp), args.on("sequence-parallel"));
-  const std::string schedule = args.str("schedule");
-  const int64_t virtual_stages = args.integer("virtual-stages");
-  ch11::check_pipeline(planned.model, pp, virtual_stages, schedule, planned.micro_batches);
-  ch12::check_context_parallel(planned.model, planned.seq_len, cp, cp_layout);
-  ch13::check_expert_parallel(planned.model, ep, dp * cp);
-  c.build_model = ch07::make_model;  // the most complete model the chapters build
-  // The mesh: pipeline stages slowest, tensor-parallel peers neighbouring ranks (tp fastest).
-  dist::DeviceMesh mesh(world, {{"pp", static_cast<int>(pp)},
-                                {"dp", static_cast<int>(dp)},
-                                {"cp", static_cast<int>(cp)},
-                                {"tp", static_cast<int>(tp)}});
-  // The gradients are averaged over dp x cp: the context-parallel ranks saw other tokens of the
-  // same rows, as data-parallel ranks see other rows.
-  auto data = mesh.comm("dp+cp");
-  // Expert load and the balancing update, with the load summed over the ranks that routed
-  // different tokens: the data- and context-parallel ones, and under sequence parallelism the tp
-  // ones too.
-  auto routed = args.on("sequence-parallel") ? mesh.comm("dp+cp+tp") : data;
-  c.after_step = [routed](Transformer& m) { return ch07::after_step(m, routed.get()); };
-  if (pp > 1) {  // each stage balances its own layers; the metrics line shows them all
-    c.after_step = [routed, stages = mesh.comm("pp")](Transformer& m) {
-      return ch11::merge_stage_metrics(ch07::after_step(m, routed.get()), *stages);
-    };
-  }
-  c.placement.data_rank = mesh.coord("dp");
-  c.placement.data_ranks = dp;
-  c.placement.processes = world->size();
-  c.placement.writer = world->rank() == 0;
-  ch10::TensorParallelPtr group;
-  if (tp > 1) {
-    group = std::make_shared<ch10::TensorParallel>(
-        ch10::TensorParallel{mesh.comm("tp"), args.on("sequence-parallel")});
-  }
-  // Expert parallelism: the experts split over groups of ep data-parallel ranks, their gradients
-  // averaged over the ranks holding the same experts (edp), every other gradient over all of
-  // dp x cp. Inside a tensor- or pipeline-parallel step, that step runs over edp with the
-  // expert-parallel layers and groups put in (hooks), and this rank's experts as its whole part.
-  ch13::ExpertParallel experts;
-  ch03::ModelBuilder whole = ch07::make_model;
-  ch09::StepHooks hooks;
-  auto replicas = data;  // the ranks over which chapter 09's step averages
-  if (ep > 1) {
-    experts = ch13::make_expert_parallel(data, ep);
-    whole = [experts](const ModelConfig& config, const ModelPart& part) {
-      return ch13::make_model(config, experts, part);
-    };
-    hooks = ch13::expert_parallel_hooks(experts);
-    replicas = experts.edp;
-  }
-  if (pp > 1) {
-    ch11::PipelineLayout layout;
-    layout.links = std::make_shared<ch11::PipelineLinks>(mesh.comm("pp"));
-    layout.dp = replicas;
-    layout.model_parallel = mesh.comm("pp+tp");
-    layout.tp = group;
-    layout.zero = zero;
-    layout.schedule = schedule;
-    layout.virtual_stages = virtual_stages;
-    layout.hooks = hooks;
-    c.make_step = ch11::pipeline_parallel_step(layout, whole);
-  } else if (tp > 1) {
-    c.make_step = ch10::tensor_parallel_step(group, replicas, zero, whole, hooks);
-  } else if (ep > 1) {
-    c.make_step = ch13::expert_parallel_step(experts, zero);
-  } else if (world->size() > 1 || zero > 0) {
-    c.make_step = ch09::data_parallel_step(data, zero);
-  }
-  if (ep > 1 && (tp > 1 || pp > 1)) c.make_step = ch13::expert_parallel_step(experts, c.make_step);
-  if (cp > 1) {
-    if (!c.make_step) c.make_step = ch09::data_parallel_step(data, zero);
-    c.make_step =
-        ch12::context_parallel_step(c.make_step, {mesh.comm("cp"), cp_layout, cp_attention});
-  }
+  layout = ch14::resolve_layout(layout, world->size(), planned);
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -397,13 +328,28 @@ int train(int argc, char** argv) {
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
-  ch10::check_tensor_parallel(c.model, static_cast<int>(tp), args.on("sequence-parallel"));
-  ch11::check_pipeline(c.model, pp, virtual_stages, schedule, c.micro_batches);
-  ch12::check_context_parallel(c.model, c.seq_len, cp, cp_layout);
-  ch13::check_expert_parallel(c.model, ep, dp * cp);
-  check_model_fits(c.model, dp * cp, zero, runtime.launch().local_size);
-
+  layout = ch14::resolve_layout(layout, world->size(), c);
+  check_model_fits(c.model, layout.dp * layout.cp, layout.zero, runtime.launch().local_size);
+  log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
+  ch14::apply_layout(layout, world, c);
+  dist::reset_comm_stats();  // what the mesh's set-up exchanged is not the training's
   const RunResult r = run_training(c, args.on("resume"));
+  // What each group carried and each rank's peak memory, measured in this run.
+  const auto measured = ch14::gather_measurements(world);
+  const int64_t steps = static_cast<int64_t>(r.losses.size());
+  if (c.placement.writer && steps > 0) {
+    log0() << "measured over " << steps << " steps (payload bytes handed to each communicator, "
+           << "evaluation and checkpoints included):\n"
+           << ch14::measurement_table(measured, steps);
+    if (!c.out_dir.empty()) {
+      nlohmann::json report = ch14::measurement_json(measured, steps);
+      report["layout"] = layout.describe();
+      report["steps"] = steps;
+      io::write_json(c.out_dir + "/measured.json", report);
+      // The settings of this invocation (flags, config file, defaults): --config reads it back.
+      io::write_file_atomic(c.out_dir + "/settings.toml", args.settings_toml());
+    }
+  }
   log0() << "done: " << r.losses.size() << " steps, final training loss "
          << (r.losses.empty() ? 0.0 : r.losses.back()) << ", held-out loss " << r.eval.loss
          << ", checkpoint " << (r.checkpoint.empty() ? "(none)" : r.checkpoint);
