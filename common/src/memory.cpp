@@ -3,6 +3,7 @@
 #include "fivefold/memory.h"
 
 #include <c10/core/CPUAllocator.h>
+#include <sys/resource.h>
 
 #include <atomic>
 #include <mutex>
@@ -103,5 +104,11 @@ void MemoryTracker::reset_peak() {
 }
 
 int64_t MemoryTracker::largest_allocation_bytes() const { return g_largest.load(); }
+
+int64_t peak_resident_bytes() {
+  struct rusage usage {};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
+}
 
 }  // namespace fivefold

@@ -16,6 +16,7 @@
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
+#include "fivefold/memory.h"
 #include "fivefold/progress.h"
 #include "fivefold/timer.h"
 
@@ -374,7 +375,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                              {"tokens", (step + 1) * tokens_per_step},
                              {"step_time_s", seconds},
                              {"tokens_per_s", tokens_per_s},
-                             {"mfu", mfu}};
+                             {"mfu", mfu},
+                             {"peak_memory_bytes", peak_resident_bytes()}};
     if (requested.after_step) {
       latest_extra = requested.after_step(trainer->model());
       record.update(latest_extra);
@@ -382,9 +384,11 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
     FIVEFOLD_CHECK(std::isfinite(r.loss), "the loss is not finite at step ", step + 1,
                    " (lower the learning rate?)");
-    char status[96];
-    std::snprintf(status, sizeof(status), "loss %.4f | %.0f tok/s | MFU %.2f", r.loss, tokens_per_s,
-                  mfu);
+    char status[160];
+    std::snprintf(status, sizeof(status),
+                  "loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.2f%% | peak %.0f MB",
+                  r.loss, r.lr, r.grad_norm, tokens_per_s, 100 * mfu,
+                  static_cast<double>(peak_resident_bytes()) / 1e6);
     bar.update(step + 1 - result.first_step, status);
 
     const int64_t done = step + 1;

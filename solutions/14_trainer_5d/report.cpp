@@ -1,8 +1,6 @@
 // Chapter 14: curves compared, plotted, and what each rank measured.
 #include "14_trainer_5d/report.h"
 
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +12,7 @@
 #include "fivefold/comm_stats.h"
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
+#include "fivefold/memory.h"
 
 namespace fivefold::ch14 {
 
@@ -186,9 +185,7 @@ RankMeasurement measure_rank() {
     for (const auto& [op, counts] : ops) bytes += counts.payload_bytes;
     if (bytes > 0) m.payload_bytes[name] = bytes;
   }
-  struct rusage usage {};
-  getrusage(RUSAGE_SELF, &usage);
-  m.peak_resident_bytes = static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux: KiB
+  m.peak_resident_bytes = peak_resident_bytes();
   return m;
 }
 
@@ -232,8 +229,11 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
 std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t steps) {
   const nlohmann::json j = measurement_json(ranks, steps);
   std::ostringstream out;
-  out << "| communicator | ranks using it | bytes per step, mean | bytes per step, max |\n"
-      << "|---|---:|---:|---:|\n";
+  if (j["per_step_bytes"].empty())
+    out << "no communicator carried anything (one process)\n";
+  else
+    out << "| communicator | ranks using it | bytes per step, mean | bytes per step, max |\n"
+        << "|---|---:|---:|---:|\n";
   for (const auto& [name, g] : j["per_step_bytes"].items()) {
     char line[160];
     std::snprintf(line, sizeof(line), "| %s | %lld | %.0f | %.0f |\n", name.c_str(),

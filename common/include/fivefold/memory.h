@@ -28,4 +28,8 @@ class MemoryTracker {
   void reset_peak();
 };
 
+/// The process's peak resident memory so far (the operating system's high-water mark: tensors,
+/// LibTorch's own and MPI's buffers, code), in bytes. What the trainer reports per rank.
+int64_t peak_resident_bytes();
+
 }  // namespace fivefold
