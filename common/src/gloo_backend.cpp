@@ -251,7 +251,10 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
     where = launch.master_addr + ":" + std::to_string(launch.master_port);
     c10d::TCPStoreOptions options;
     options.port = static_cast<uint16_t>(launch.master_port);
-    options.isServer = launch.rank == 0;
+    // torchrun's agent may already serve a store there (TORCHELASTIC_USE_AGENT_STORE=True, as
+    // PyTorch's own workers check): then every rank is a client of it.
+    const char* agent_store = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+    options.isServer = launch.rank == 0 && !(agent_store && std::string(agent_store) == "True");
     options.numWorkers = c10::nullopt;
     options.timeout = gloo_timeout();
     try {
