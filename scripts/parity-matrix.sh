@@ -5,7 +5,8 @@
 # with the single process's run of the same settings: loss and gradient norm within 1e-4
 # (relative). Writes a Markdown table to OUT/RESULTS.md; exits 1 if any layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [BUILD_DIR] [OUT_DIR]
-# --reduced runs five of them (a quick check); ctest runs them all (ch14_parity_matrix).
+# --reduced runs five of them (what ctest runs: ch14_parity_matrix); the README has the full
+# matrix's last results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reduced=0
