@@ -39,6 +39,7 @@
 #include "fivefold/log.h"
 #include "fivefold/mesh.h"
 #include "fivefold/runtime.h"
+#include "fivefold/trace.h"
 
 namespace fivefold::commands {
 
@@ -247,6 +248,10 @@ int train(int argc, char** argv) {
               "default 100, 0 with --data)");
   args.option("peak-gflops", "0", "matmul peak for MFU (0: measured at start)");
   args.flag("no-progress", "no progress bar");
+  args.flag("trace",
+            "write each rank's timeline (steps, evaluations, checkpoints, every communicator "
+            "operation) to OUT/trace/rank-N.json, Chrome trace format (chrome://tracing, "
+            "ui.perfetto.dev)");
   args.config_file(
       "a TOML file of settings, `name = value` for any option above (flags: true/false); "
       "options on the command line win (presets: chapters/14_trainer_5d/presets/)");
@@ -277,6 +282,8 @@ int train(int argc, char** argv) {
                                    layout.cp_attention == defaults.cp_attention),
                  "--cp-layout and --cp-attention choose how context parallelism splits and "
                  "attends: they need --cp 2 or more");
+  FIVEFOLD_CHECK(!args.on("trace") || !args.str("out").empty(),
+                 "--trace writes into --out: give a folder");
   Runtime runtime;
   auto world = runtime.world();
 
@@ -333,7 +340,16 @@ int train(int argc, char** argv) {
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
   ch14::apply_layout(layout, world, c);
   dist::reset_comm_stats();  // what the mesh's set-up exchanged is not the training's
+  if (args.on("trace")) trace::start();
   const RunResult r = run_training(c, args.on("resume"));
+  if (args.on("trace")) {  // every rank writes its own timeline
+    trace::stop();
+    const std::string path =
+        c.out_dir + "/trace/rank-" + std::to_string(world->rank()) + ".json";
+    std::filesystem::create_directories(c.out_dir + "/trace");
+    io::write_file_atomic(path, trace::chrome_trace(world->rank()).dump());
+    log0() << "timelines: " << c.out_dir << "/trace/rank-*.json (Chrome trace format)";
+  }
   // What each group carried and each rank's peak memory, measured in this run.
   const auto measured = ch14::gather_measurements(world);
   const int64_t steps = static_cast<int64_t>(r.losses.size());

@@ -13,6 +13,7 @@
 #include "fivefold/dist.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
+#include "fivefold/trace.h"
 #include "internal.h"
 
 namespace fivefold::dist {
@@ -186,6 +187,9 @@ torch::Tensor Work::wait() {
   if (!state_->communicator.empty()) {
     const std::chrono::duration<double> blocked = std::chrono::steady_clock::now() - start;
     record_comm_time(state_->communicator, state_->op, blocked.count());
+    if (trace::recording() && blocked.count() > 0)
+      trace::record(std::string("wait ") + op_name(state_->op) + " " + state_->communicator,
+                    "comm", trace::now() - blocked.count(), blocked.count());
   }
   if (state_->error) std::rethrow_exception(state_->error);
   return result_;
@@ -230,12 +234,17 @@ void Communicator::worker_loop() {
     busy_ = true;
     lock.unlock();
     std::exception_ptr error;
+    const double traced = trace::recording() ? trace::now() : -1;
     try {
       WatchdogGuard guard(task->label);
       task->body();
     } catch (...) {
       error = std::current_exception();
     }
+    if (traced >= 0)
+      trace::record(std::string(op_name(task->label.op)) + " " + *task->label.communicator,
+                    "comm", traced, trace::now() - traced, trace::kWorker,
+                    {{"bytes", task->label.bytes}});
     // Drop the tensors the operation captured before the caller learns it is done: after
     // wait() returns, the only references to them are the caller's.
     task->body = nullptr;
@@ -277,12 +286,17 @@ void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
   struct Timed {  // the caller's time inside the operation, however it ends
     const std::string& name;
     Op op;
+    int64_t bytes;
     std::chrono::steady_clock::time_point start;
     ~Timed() {
       const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - start;
       record_comm_time(name, op, spent.count());
+      if (trace::recording())
+        trace::record(std::string(op_name(op)) + " " + name, "comm",
+                      trace::now() - spent.count(), spent.count(), trace::kMain,
+                      {{"bytes", bytes}});
     }
-  } timed{name_, op, start};
+  } timed{name_, op, bytes, start};
   std::unique_lock<std::mutex> lock(mutex_);
   changed_.wait(lock, [&] { return queue_.empty() && !busy_; });  // earlier async ops go first
   busy_ = true;

@@ -19,6 +19,7 @@
 #include "fivefold/memory.h"
 #include "fivefold/progress.h"
 #include "fivefold/timer.h"
+#include "fivefold/trace.h"
 
 namespace fs = std::filesystem;
 
@@ -362,7 +363,10 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     for (int64_t i = 0; i < c.micro_batches; ++i) micro.push_back({inputs[i], targets[i]});
 
     Timer timer;
-    const StepResult r = trainer->step(micro, step);
+    const StepResult r = [&] {
+      trace::Span span("step " + std::to_string(step + 1), "train");  // --trace's timeline
+      return trainer->step(micro, step);
+    }();
     const double seconds = timer.seconds();
     const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     const double mfu = ch02::model_flops_utilization(tokens_per_s, flops_per_token, peak);
@@ -393,9 +397,14 @@ RunResult run_training(const RunConfig& requested, bool resume) {
 
     const int64_t done = step + 1;
     const bool last = done == c.steps;
-    if (last || (c.eval_every > 0 && done % c.eval_every == 0)) evaluate(done);
-    if (!c.out_dir.empty() && (last || (c.save_every > 0 && done % c.save_every == 0)))
+    if (last || (c.eval_every > 0 && done % c.eval_every == 0)) {
+      trace::Span span("evaluate", "eval");
+      evaluate(done);
+    }
+    if (!c.out_dir.empty() && (last || (c.save_every > 0 && done % c.save_every == 0))) {
+      trace::Span span("checkpoint", "checkpoint");
       result.checkpoint = save_checkpoint(c, *trainer, done);
+    }
   }
   bar.finish();
   return result;

@@ -5,7 +5,7 @@
 # pp 2 x cp 2, ep 2, ZeRO-1) shortened to 4 steps of 8 rows of 16 tokens; command-line options
 # win over the file's. Every step's loss and gradient norm equal the single process's, and every
 # dimension's group carried bytes (measured.json); the run's settings.toml trains the same run
-# again; a run saved in one layout resumes in another (5D -> dp 4, tp 2 x pp 2 -> dp 4 and -> 5D
+# again; --trace writes every rank's timeline; a run saved in one layout resumes in another (5D -> dp 4, tp 2 x pp 2 -> dp 4 and -> 5D
 # with ZeRO-1, dp 4 -> pp 2 x cp 2 x ep 2); fivefold compare accepts the curves and refuses a
 # different one; text tokenized by a SentencePiece model trained here trains under tp 2; a loss
 # that overflows stops the run naming the step and keeps the last good checkpoint; bad layouts
@@ -54,6 +54,32 @@ foreach(link pp-activations pp-gradients)
     endif()
   endforeach()
 endforeach()
+
+# --trace: each rank's timeline (Chrome trace JSON) with its steps and its communication, on the
+# training thread and, for queued operations, the communicators' worker; the curve is unchanged.
+train(4 ${WORK}/traced ${short} --tp 2 --pp 2 --trace)
+curve(${WORK}/traced got)
+expect_same_curve("${got}" "${want}" "4 ranks with --trace: tp 2 x pp 2")
+foreach(rank 0 1 2 3)
+  set(file ${WORK}/traced/trace/rank-${rank}.json)
+  if(NOT EXISTS ${file})
+    message(FATAL_ERROR "--trace wrote no ${file}")
+  endif()
+  file(READ ${file} timeline)
+  string(JSON events LENGTH "${timeline}" traceEvents)  # fails unless it is JSON
+  foreach(want_event "\"name\":\"step 1\"" "\"name\":\"step 4\"" "\"name\":\"checkpoint\""
+          "\"name\":\"rank ${rank}\"" "\"cat\":\"comm\"" " tp\"" "pp-")
+    string(FIND "${timeline}" "${want_event}" at)
+    if(at LESS 0)
+      message(FATAL_ERROR "${file} (${events} events) has no ${want_event}")
+    endif()
+  endforeach()
+endforeach()
+file(READ ${WORK}/traced/trace/rank-0.json timeline)
+string(FIND "${timeline}" "\"name\":\"send pp-activations\"" at)
+if(at LESS 0)
+  message(FATAL_ERROR "rank 0 (the first stage) traced no send of activations")
+endif()
 
 # The settings a run wrote train the same run again.
 train(1 ${WORK}/again --config ${WORK}/single/settings.toml --out ${WORK}/again)

@@ -11,9 +11,11 @@
 #include "fivefold/memory.h"
 #include "fivefold/runtime.h"
 #include "fivefold/seed.h"
+#include "fivefold/trace.h"
 #include "testing.h"
 
 using fivefold::Error;
+namespace trace = fivefold::trace;
 
 namespace {
 fivefold::ArgParser make_parser() {
@@ -330,4 +332,32 @@ TEST(MemoryTracker, StorageFromAnEarlierTrackerFreedLaterIsNotCounted) {
   auto own = torch::empty({10});  // 40 bytes
   from_first = torch::Tensor();   // freed now: not the second tracker's storage
   EXPECT_EQ(second.current_bytes(), 40);
+}
+
+// The timeline records only between start() and stop(); start() forgets the last recording;
+// spans and recorded events come out as Chrome complete events in microseconds.
+TEST(Trace, RecordsSpansOnlyWhileRecording) {
+  { trace::Span ignored("before", "test"); }
+  trace::start();
+  { trace::Span span("step 1", "train"); }
+  trace::record("send pp", "comm", 0.5, 0.25, trace::kWorker, {{"bytes", 64}});
+  trace::stop();
+  { trace::Span ignored("after", "test"); }
+  const auto json = trace::chrome_trace(3);
+  std::vector<nlohmann::json> complete;
+  for (const auto& e : json["traceEvents"])
+    if (e["ph"] == "X") complete.push_back(e);
+  ASSERT_EQ(complete.size(), 2u);
+  EXPECT_EQ(complete[0]["name"], "step 1");
+  EXPECT_EQ(complete[0]["tid"], trace::kMain);
+  EXPECT_GE(complete[0]["dur"].get<double>(), 0.0);
+  EXPECT_EQ(complete[1]["name"], "send pp");
+  EXPECT_EQ(complete[1]["pid"], 3);
+  EXPECT_EQ(complete[1]["tid"], trace::kWorker);
+  EXPECT_DOUBLE_EQ(complete[1]["ts"].get<double>(), 0.5e6);
+  EXPECT_DOUBLE_EQ(complete[1]["dur"].get<double>(), 0.25e6);
+  EXPECT_EQ(complete[1]["args"]["bytes"], 64);
+  trace::start();
+  trace::stop();
+  for (const auto& e : trace::chrome_trace(0)["traceEvents"]) EXPECT_NE(e["ph"], "X");
 }
