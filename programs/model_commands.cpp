@@ -351,11 +351,13 @@ int train(int argc, char** argv) {
     log0() << "timelines: " << c.out_dir << "/trace/rank-*.json (Chrome trace format)";
   }
   // What each group carried and each rank's peak memory, measured in this run.
-  const auto measured = ch14::gather_measurements(world);
+  const auto measured = ch14::gather_measurements(
+      world, ch14::predicted_traffic(layout, c, static_cast<int64_t>(world->rank())));
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " steps (payload bytes handed to each communicator, "
-           << "evaluation and checkpoints included):\n"
+           << "evaluation and checkpoints included), beside chapters 11 and 12's formulas "
+           << "(per training step; '-': no formula here):\n"
            << ch14::measurement_table(measured, steps);
     if (!c.out_dir.empty()) {
       nlohmann::json report = ch14::measurement_json(measured, steps);

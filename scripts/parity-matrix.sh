@@ -3,7 +3,9 @@
 # schedule, ZeRO 0-3, sequence parallelism, both CP layouts and kernels, experts split, odd
 # micro-batch counts, MLA + MoE and a dense Llama model), each compared over its first 4 steps
 # with the single process's run of the same settings: loss and gradient norm within 1e-4
-# (relative). Writes a Markdown table to OUT/RESULTS.md; exits 1 if any layout is outside.
+# (relative), and the bytes its pipeline links and context-parallel group carried per step equal
+# chapters 11 and 12's formulas (scripts/check-predicted.cmake). Writes a Markdown table to
+# OUT/RESULTS.md; exits 1 if any layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [BUILD_DIR] [OUT_DIR]
 # --reduced runs five of them (what ctest runs: ch14_parity_matrix); the README has the full
 # matrix's last results.
@@ -99,6 +101,9 @@ for entry in "${layouts[@]}"; do
   seconds=$(($(date +%s) - start))
   verdict=ok
   report=$("$fivefold" compare --runs "$run,$out/single-$name" --tolerance 1e-4 --rows 2) || verdict=FAILED
+  # The pipeline's and context parallelism's bytes per step, measured, equal the formulas'.
+  cmake -DMEASURED="$run/measured.json" -P scripts/check-predicted.cmake >"$run.predicted" 2>&1 ||
+    { verdict="FAILED (bytes: see $run.predicted)"; cat "$run.predicted" >&2; }
   loss=$(sed -n 's/.*loss differs by at most \([^ ]*\) .*/\1/p' <<<"$report")
   norm=$(sed -n 's/.*gradient norm by at most \([^ ]*\)$/\1/p' <<<"$report")
   echo "| $np | $name | \`$flags\` | $loss | $norm | $seconds | $verdict |" >>"$results"

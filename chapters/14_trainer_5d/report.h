@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "14_trainer_5d/trainer_5d.h"
 #include "fivefold/dist.h"
 
 namespace fivefold::ch14 {
@@ -50,21 +51,40 @@ std::string svg_plot(const std::vector<Curve>& curves, const std::string& title)
 struct RankMeasurement {
   std::map<std::string, int64_t> payload_bytes;  ///< communicator name -> bytes
   int64_t peak_resident_bytes = 0;               ///< the process's peak RSS (getrusage)
+  /// communicator name -> the bytes per step chapters 11 and 12's formulas predict for this rank
+  /// (predicted_traffic); only the communicators they describe.
+  std::map<std::string, int64_t> predicted_per_step;
 };
+
+/// What the formulas say world rank `world_rank` of `layout` (resolved) hands each communicator
+/// in one training step of `run`, in payload bytes as comm_stats counts them:
+/// - `pp-activations` and `pp-gradients` (chapter 11): each virtual stage the rank holds sends
+///   its activations on unless it is the last stage and receives them unless it is the first
+///   (gradients the other way), (B/dp) rows x s/(cp·t) tokens x d x 4 bytes each over the m
+///   micro-batches, t = tp under sequence parallelism, else 1 (notes/14_trainer_5d.md §3);
+/// - `cp` (chapter 12's context_parallel_traffic): per attention layer the rank holds and
+///   micro-batch, the keys and values of its tp share of the heads (MLA: each head's
+///   qk_nope + qk_rope key and v_head_dim value).
+/// The tensor-parallel, expert and data-parallel groups have no composed formula here (chapter
+/// 10's is for Llama-shaped models without experts), so they are absent.
+std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
+                                                 int64_t world_rank);
 
 /// This rank's measurement so far.
 RankMeasurement measure_rank();
 
 /// Every rank's measurement, gathered on `world` (collective; the gather itself is not counted).
 /// Returns them by rank on every rank.
-std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world);
+std::vector<RankMeasurement> gather_measurements(
+    const dist::CommunicatorPtr& world, const std::map<std::string, int64_t>& predicted = {});
 
 /// A table of the gathered measurements: per communicator the bytes per step, mean and largest
-/// over the ranks that used it; then the peak memory per rank (smallest, mean, largest).
+/// over the ranks that used it, beside the prediction's mean and largest where there is one;
+/// then the peak memory per rank (smallest, mean, largest).
 std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
-/// The same as JSON: {"per_step_bytes": {name: {"mean", "max", "ranks"}}, "peak_resident_bytes":
-/// [per rank]}.
+/// The same as JSON: {"per_step_bytes": {name: {"mean", "max", "ranks", and where predicted
+/// "predicted_mean", "predicted_max"}}, "peak_resident_bytes": [per rank]}.
 nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 }  // namespace fivefold::ch14

@@ -9,6 +9,9 @@
 #include <limits>
 #include <sstream>
 
+#include "06_mla/mla.h"
+#include "11_pipeline_parallel/pipeline.h"
+#include "12_context_parallel/plan.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
@@ -189,15 +192,73 @@ RankMeasurement measure_rank() {
   return m;
 }
 
-std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world) {
+std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
+                                                 int64_t world_rank) {
+  FIVEFOLD_CHECK(layout.dp >= 1, "predicted_traffic: the layout is not resolved (dp 0)");
+  const ch03::ModelConfig& model = run.model;
+  // The mesh's coordinates of this rank: pp slowest, then dp, cp, tp fastest.
+  const int64_t cp_rank = (world_rank / layout.tp) % layout.cp;
+  const int64_t pp_rank = world_rank / (layout.tp * layout.cp * layout.dp);
+  const int64_t rows = run.batch / layout.dp;  // this data-parallel rank's rows, all micro-batches
+  const int64_t m = run.micro_batches;
+  std::map<std::string, int64_t> bytes;
+
+  // Chapter 11: virtual stage k·pp + r of pp·v; the first receives no activation, the last sends
+  // none (and the other way for gradients). Tokens per row on the link: s/cp, and /tp under SP.
+  const int64_t v = layout.virtual_stages, stages = layout.pp * v;
+  if (layout.pp > 1) {
+    const int64_t tokens = run.seq_len / layout.cp / (layout.sequence_parallel ? layout.tp : 1);
+    const int64_t per_link = rows * tokens * model.d_model * 4;
+    int64_t links = 0;  // stage boundaries this rank is an end of, each way
+    for (int64_t k = 0; k < v; ++k) {
+      const int64_t stage = k * layout.pp + pp_rank;
+      links += (stage > 0) + (stage < stages - 1);
+    }
+    bytes["pp-activations"] = links * per_link;
+    bytes["pp-gradients"] = links * per_link;
+  }
+
+  // Chapter 12: each attention layer of this rank's stages, every micro-batch.
+  if (layout.cp > 1) {
+    const bool mla = !model.extensions.is_null();
+    int64_t heads = 0, key_dim = 0, value_dim = 0;
+    if (mla) {
+      const auto dims = ch06::MlaConfig::from_json(model.extensions);
+      heads = model.n_heads;
+      key_dim = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
+      value_dim = dims.v_head_dim;
+    } else {
+      heads = model.n_kv_heads;
+      key_dim = value_dim = model.resolved_head_dim();
+    }
+    int64_t layers = 0;
+    const auto ranges = ch11::stage_layers(model.n_layers, stages);
+    for (int64_t k = 0; k < v; ++k) {
+      const auto [first, end] = ranges[static_cast<size_t>(k * layout.pp + pp_rank)];
+      layers += end - first;
+    }
+    const auto t = ch12::context_parallel_traffic(layout.cp, cp_rank, rows / m, run.seq_len,
+                                                  heads / layout.tp, key_dim, value_dim,
+                                                  layout.cp_layout, layout.cp_attention);
+    bytes["cp"] = layers * m *
+                  (t.all_gather.payload_bytes + t.send_recv.payload_bytes +
+                   t.all_to_all.payload_bytes);
+  }
+  return bytes;
+}
+
+std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
+                                                 const std::map<std::string, int64_t>& predicted) {
   const RankMeasurement mine = measure_rank();  // before the gather adds its own bytes
-  const nlohmann::json json = {{"bytes", mine.payload_bytes}, {"peak", mine.peak_resident_bytes}};
+  const nlohmann::json json = {
+      {"bytes", mine.payload_bytes}, {"peak", mine.peak_resident_bytes}, {"predicted", predicted}};
   std::vector<RankMeasurement> all;
   for (const std::string& text : all_gather_strings(json.dump(), *world)) {
     const auto j = nlohmann::json::parse(text);
     RankMeasurement m;
     m.payload_bytes = j["bytes"].get<std::map<std::string, int64_t>>();
     m.peak_resident_bytes = j["peak"].get<int64_t>();
+    m.predicted_per_step = j["predicted"].get<std::map<std::string, int64_t>>();
     all.push_back(m);
   }
   return all;
@@ -205,10 +266,11 @@ std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& wo
 
 nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64_t steps) {
   FIVEFOLD_CHECK(steps >= 1, "measurement_json: steps must be >= 1");
-  std::map<std::string, std::vector<int64_t>> by_group;
+  std::map<std::string, std::vector<int64_t>> by_group, predicted;
   nlohmann::json peaks = nlohmann::json::array();
   for (const auto& r : ranks) {
     for (const auto& [name, bytes] : r.payload_bytes) by_group[name].push_back(bytes);
+    for (const auto& [name, bytes] : r.predicted_per_step) predicted[name].push_back(bytes);
     peaks.push_back(r.peak_resident_bytes);
   }
   nlohmann::json groups = nlohmann::json::object();
@@ -223,6 +285,17 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
                     {"max", static_cast<double>(most) / static_cast<double>(steps)},
                     {"ranks", bytes.size()}};
   }
+  for (const auto& [name, bytes] : predicted) {  // per step already, over the ranks predicted
+    double sum = 0;
+    int64_t most = 0;
+    for (int64_t b : bytes) {
+      sum += static_cast<double>(b);
+      most = std::max(most, b);
+    }
+    groups[name]["predicted_mean"] = sum / static_cast<double>(bytes.size());
+    groups[name]["predicted_max"] = static_cast<double>(most);
+    if (!groups[name].contains("ranks")) groups[name].update({{"mean", 0.0}, {"max", 0.0}, {"ranks", 0}});
+  }
   return {{"per_step_bytes", groups}, {"peak_resident_bytes", peaks}};
 }
 
@@ -232,13 +305,21 @@ std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t
   if (j["per_step_bytes"].empty())
     out << "no communicator carried anything (one process)\n";
   else
-    out << "| communicator | ranks using it | bytes per step, mean | bytes per step, max |\n"
-        << "|---|---:|---:|---:|\n";
+    out << "| communicator | ranks using it | bytes per step, mean | bytes per step, max | "
+           "predicted, mean | predicted, max |\n"
+        << "|---|---:|---:|---:|---:|---:|\n";
   for (const auto& [name, g] : j["per_step_bytes"].items()) {
-    char line[160];
-    std::snprintf(line, sizeof(line), "| %s | %lld | %.0f | %.0f |\n", name.c_str(),
+    char line[200];
+    std::string predicted = "| - | - |";
+    if (g.contains("predicted_mean")) {
+      char cells[80];
+      std::snprintf(cells, sizeof(cells), "| %.0f | %.0f |", g["predicted_mean"].get<double>(),
+                    g["predicted_max"].get<double>());
+      predicted = cells;
+    }
+    std::snprintf(line, sizeof(line), "| %s | %lld | %.0f | %.0f %s\n", name.c_str(),
                   static_cast<long long>(g["ranks"].get<int64_t>()), g["mean"].get<double>(),
-                  g["max"].get<double>());
+                  g["max"].get<double>(), predicted.c_str());
     out << line;
   }
   const auto peaks = j["peak_resident_bytes"].get<std::vector<int64_t>>();

@@ -54,6 +54,20 @@ foreach(link pp-activations pp-gradients)
     endif()
   endforeach()
 endforeach()
+# The trainer's prediction (chapters 11 and 12's formulas, per rank) beside each measurement:
+# equal, on the mean and on the busiest rank, for the pipeline's links and for cp's keys and
+# values (chapter 12's context_parallel_traffic for MLA's heads).
+foreach(group pp-activations pp-gradients cp)
+  string(JSON predicted ERROR_VARIABLE none GET "${measured}" per_step_bytes ${group} predicted_mean)
+  if(none)
+    message(FATAL_ERROR "measured.json: no prediction for ${group}")
+  endif()
+endforeach()
+execute_process(COMMAND ${CMAKE_COMMAND} -DMEASURED=${WORK}/5d/measured.json
+                -P ${ROOT}/scripts/check-predicted.cmake RESULT_VARIABLE status)
+if(NOT status EQUAL 0)
+  message(FATAL_ERROR "the 5D run's measured bytes differ from the prediction")
+endif()
 
 # --trace: each rank's timeline (Chrome trace JSON) with its steps and its communication, on the
 # training thread and, for queued operations, the communicators' worker; the curve is unchanged.

@@ -123,8 +123,37 @@ TEST(Report, MeasurementsBecomeBytesPerStep) {
   EXPECT_DOUBLE_EQ(j["per_step_bytes"]["tp"]["max"].get<double>(), 300);
   EXPECT_EQ(j["per_step_bytes"]["dp+cp"]["ranks"].get<int64_t>(), 1);
   const std::string table = measurement_table({r0, r1}, 2);
-  EXPECT_NE(table.find("| tp | 2 | 250 | 300 |"), std::string::npos) << table;
+  EXPECT_NE(table.find("| tp | 2 | 250 | 300 | - | - |"), std::string::npos) << table;
+  // A prediction per rank goes beside the measurement: mean and largest over the ranks.
+  r0.predicted_per_step = {{"tp", 200}};
+  r1.predicted_per_step = {{"tp", 320}};
+  EXPECT_NE(measurement_table({r0, r1}, 2).find("| tp | 2 | 250 | 300 | 260 | 320 |"),
+            std::string::npos)
+      << measurement_table({r0, r1}, 2);
   EXPECT_NE(table.find("smallest 100.0 MB, mean 200.0 MB, largest 300.0 MB"), std::string::npos);
   // This process's own peak is real and positive.
   EXPECT_GT(measure_rank().peak_resident_bytes, 1'000'000);
+}
+
+// The pipeline's links: each virtual stage receives unless first and sends unless last, so a
+// rank at either end of a plain pipeline touches one boundary, one inside two, and interleaving
+// v = 2 over pp 2 gives each rank three. Without pp or cp there is nothing predicted.
+TEST(Report, PredictedTrafficFollowsTheStagesARankHolds) {
+  auto model = ch10::testing::tp_config(false);
+  model.n_layers = 4;
+  const auto run = run_with(model, 4);
+  const int64_t per_link = 16 * 64 * model.d_model * 4;  // all 16 rows, 64 tokens, fp32
+  Layout plain = resolve_layout(sizes(0, 1, 4, 1), 4, run);
+  EXPECT_EQ(predicted_traffic(plain, run, 0).at("pp-activations"), per_link);
+  EXPECT_EQ(predicted_traffic(plain, run, 1).at("pp-gradients"), 2 * per_link);
+  EXPECT_EQ(predicted_traffic(plain, run, 3).at("pp-activations"), per_link);
+  Layout interleaved = sizes(0, 1, 2, 1);
+  interleaved.schedule = "interleaved";
+  interleaved.virtual_stages = 2;
+  interleaved = resolve_layout(interleaved, 2, run);
+  for (int64_t rank : {0, 1})
+    EXPECT_EQ(predicted_traffic(interleaved, run, rank).at("pp-activations"), 3 * per_link);
+  EXPECT_TRUE(predicted_traffic(resolve_layout(sizes(0, 2, 1, 1), 2, run), run, 0).empty());
+  EXPECT_TRUE(throws_error_containing([&] { predicted_traffic(sizes(0, 1, 2, 1), run, 0); },
+                                      "not resolved"));
 }

@@ -41,7 +41,9 @@ void record(const std::string& name, const char* category, double start, double 
 /// Records the time from its construction to its destruction as one event (when recording).
 class Span {
  public:
+  /// Starts timing `name` (shown under `category`, on `lane`) if recording.
   Span(std::string name, const char* category, Lane lane = kMain);
+  /// Records the event (if recording began before the span did).
   ~Span();
   Span(const Span&) = delete;
   Span& operator=(const Span&) = delete;

@@ -1,0 +1,31 @@
+# Checks a run's measured.json: every communicator the trainer predicted (chapters 11 and 12's
+# formulas) carried exactly the predicted bytes per step, on the mean over its ranks and on the
+# busiest one. Prints the communicators checked; fails naming the first that differs.
+#   cmake -DMEASURED=runs/x/measured.json -P scripts/check-predicted.cmake
+if(NOT EXISTS "${MEASURED}")
+  message(FATAL_ERROR "check-predicted: no ${MEASURED}")
+endif()
+file(READ "${MEASURED}" measured)
+string(JSON groups LENGTH "${measured}" per_step_bytes)
+set(checked "")
+if(groups GREATER 0)
+  math(EXPR last "${groups} - 1")
+  foreach(i RANGE ${last})
+    string(JSON group MEMBER "${measured}" per_step_bytes ${i})
+    string(JSON predicted ERROR_VARIABLE none GET "${measured}" per_step_bytes ${group}
+           predicted_mean)
+    if(none)
+      continue()  # no formula for this communicator
+    endif()
+    foreach(stat mean max)
+      string(JSON got GET "${measured}" per_step_bytes ${group} ${stat})
+      string(JSON want GET "${measured}" per_step_bytes ${group} predicted_${stat})
+      if(NOT got EQUAL want)
+        message(FATAL_ERROR "check-predicted: ${group} carried ${got} bytes a step (${stat} over "
+                            "its ranks), predicted ${want} (${MEASURED})")
+      endif()
+    endforeach()
+    list(APPEND checked ${group})
+  endforeach()
+endif()
+message("predicted = measured: ${checked}")
