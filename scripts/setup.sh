@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs every Debian package fivefold needs. Idempotent: packages already present are skipped,
-# so a second run costs a few seconds. Run as root or with sudo available.
+# Installs every Debian package fivefold needs (with --benchmarks, python3-torch too). Idempotent:
+# packages already present are skipped, so a second run costs a few seconds. Run as root or with
+# sudo available.
 set -euo pipefail
 
 packages=(
@@ -14,6 +15,9 @@ packages=(
   libsentencepiece-dev                          # fivefold tokenize: SentencePiece models
   doxygen                                       # `docs` target
 )
+
+# --benchmarks: also PyTorch for Python (benchmarks/run_vs_pytorch.sh); never needed to build or test.
+if [ "${1:-}" = "--benchmarks" ]; then packages+=(python3-torch); fi
 
 missing=()
 for p in "${packages[@]}"; do

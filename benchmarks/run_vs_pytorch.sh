@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# fivefold's training step against the same model in PyTorch (eager, Python), in one run:
+# bench_train_throughput and benchmarks/torch_train_throughput.py alternate for ROUNDS rounds on
+# the same threads, and the medians of their tokens/s per size are printed with the ratio.
+# Needs Debian's python3-torch (benchmarks only: `apt-get install python3-torch`).
+#   benchmarks/run_vs_pytorch.sh [build] [rounds (5)] [steps per size (10)] [threads (2)]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+rounds=${2:-5}
+steps=${3:-10}
+threads=${4:-2}
+py=python3
+[ -x /usr/bin/python3 ] && py=/usr/bin/python3  # Debian's, where python3-torch installs
+"$py" -c "import torch" 2>/dev/null ||
+  { echo "run_vs_pytorch: python3-torch is missing (apt-get install python3-torch)" >&2; exit 1; }
+[ -x "$build/bin/bench_train_throughput" ] ||
+  { echo "run_vs_pytorch: $build/bin/bench_train_throughput is missing (build first)" >&2; exit 1; }
+unset OMP_WAIT_POLICY  # one process: its OpenMP threads must not sleep between operations
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+for ((r = 1; r <= rounds; r++)); do
+  echo "round $r/$rounds" >&2
+  "$build/bin/bench_train_throughput" --steps "$steps" --threads "$threads" --json >>"$out/fivefold"
+  "$py" benchmarks/torch_train_throughput.py --steps "$steps" --threads "$threads" --json \
+    >>"$out/pytorch"
+done
+"$py" - "$out/fivefold" "$out/pytorch" "$threads" "$rounds" <<'EOF'
+import json, statistics, sys
+def load(path):
+    runs = {}
+    for line in open(path):
+        r = json.loads(line)
+        runs.setdefault(r["model"], []).append(r["tokens_per_s"])
+    return runs
+ours, theirs = load(sys.argv[1]), load(sys.argv[2])
+print(f"tokens/s, medians of {sys.argv[4]} alternating rounds, {sys.argv[3]} threads each\n")
+print("| model | fivefold | PyTorch (eager) | ratio | ratio per round, min-max |")
+print("|---|---:|---:|---:|---|")
+for model, mine in ours.items():
+    ref = theirs[model]
+    ratios = [a / b for a, b in zip(mine, ref)]
+    print(f"| {model} | {statistics.median(mine):.0f} | {statistics.median(ref):.0f} | "
+          f"{statistics.median(mine) / statistics.median(ref):.2f}x | "
+          f"{min(ratios):.2f}-{max(ratios):.2f}x |")
+EOF
