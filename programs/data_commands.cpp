@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,18 +20,6 @@
 #include "fivefold/log.h"
 
 namespace fivefold::commands {
-
-namespace {
-
-std::vector<std::string> split_commas(const std::string& text) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  std::string item;
-  while (std::getline(in, item, ',')) out.push_back(item);
-  return out;
-}
-
-}  // namespace
 
 int tokenize(int argc, char** argv) {
   // SentencePiece's library carries its own copy of protobuf, which cannot share a process with
@@ -66,9 +53,9 @@ int compare(int argc, char** argv) {
               "apply --tolerance to the first this many steps only (0: all); fp32 runs in other "
               "layouts drift apart as training goes on");
   if (!args.parse(argc, argv)) return 0;
-  const auto runs = split_commas(args.str("runs"));
+  const auto runs = args.strings("runs");
   FIVEFOLD_CHECK(runs.size() >= 2, "fivefold compare: --runs needs at least two runs");
-  auto labels = split_commas(args.str("labels"));
+  auto labels = args.strings("labels");
   if (labels.empty()) labels = runs;
   FIVEFOLD_CHECK(labels.size() == runs.size(), "fivefold compare: ", labels.size(),
                  " labels for ", runs.size(), " runs");

@@ -116,11 +116,17 @@ double ArgParser::real(const std::string& name) const {
   throw Error(program_ + ": --" + name + " expects a number, got '" + text + "'");
 }
 
-std::vector<int64_t> ArgParser::integers(const std::string& name) const {
-  std::vector<int64_t> values;
+std::vector<std::string> ArgParser::strings(const std::string& name) const {
+  std::vector<std::string> items;
   std::stringstream in(str(name));
   std::string item;
-  while (std::getline(in, item, ',')) {
+  while (std::getline(in, item, ',')) items.push_back(item);
+  return items;
+}
+
+std::vector<int64_t> ArgParser::integers(const std::string& name) const {
+  std::vector<int64_t> values;
+  for (const std::string& item : strings(name)) {
     try {
       size_t used = 0;
       values.push_back(std::stoll(item, &used));

@@ -273,28 +273,28 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
     for (const auto& [name, bytes] : r.predicted_per_step) predicted[name].push_back(bytes);
     peaks.push_back(r.peak_resident_bytes);
   }
+  // The mean and the largest of `bytes`, divided by `steps`.
+  auto mean_and_max = [](const std::vector<int64_t>& bytes, int64_t per) {
+    double sum = 0;
+    int64_t most = 0;
+    for (int64_t b : bytes) {
+      sum += static_cast<double>(b);
+      most = std::max(most, b);
+    }
+    const double n = static_cast<double>(per);
+    return std::pair{sum / static_cast<double>(bytes.size()) / n, static_cast<double>(most) / n};
+  };
   nlohmann::json groups = nlohmann::json::object();
   for (const auto& [name, bytes] : by_group) {
-    double sum = 0;
-    int64_t most = 0;
-    for (int64_t b : bytes) {
-      sum += static_cast<double>(b);
-      most = std::max(most, b);
-    }
-    groups[name] = {{"mean", sum / static_cast<double>(bytes.size()) / static_cast<double>(steps)},
-                    {"max", static_cast<double>(most) / static_cast<double>(steps)},
-                    {"ranks", bytes.size()}};
+    const auto [mean, most] = mean_and_max(bytes, steps);
+    groups[name] = {{"mean", mean}, {"max", most}, {"ranks", bytes.size()}};
   }
   for (const auto& [name, bytes] : predicted) {  // per step already, over the ranks predicted
-    double sum = 0;
-    int64_t most = 0;
-    for (int64_t b : bytes) {
-      sum += static_cast<double>(b);
-      most = std::max(most, b);
-    }
-    groups[name]["predicted_mean"] = sum / static_cast<double>(bytes.size());
-    groups[name]["predicted_max"] = static_cast<double>(most);
-    if (!groups[name].contains("ranks")) groups[name].update({{"mean", 0.0}, {"max", 0.0}, {"ranks", 0}});
+    const auto [mean, most] = mean_and_max(bytes, 1);
+    groups[name]["predicted_mean"] = mean;
+    groups[name]["predicted_max"] = most;
+    if (!groups[name].contains("ranks"))
+      groups[name].update({{"mean", 0.0}, {"max", 0.0}, {"ranks", 0}});
   }
   return {{"per_step_bytes", groups}, {"peak_resident_bytes", peaks}};
 }

@@ -49,6 +49,8 @@ class ArgParser {
   int64_t integer(const std::string& name) const;
   /// The value as a real number.
   double real(const std::string& name) const;
+  /// A comma-separated list, e.g. `--runs a,b`; empty for an empty value.
+  std::vector<std::string> strings(const std::string& name) const;
   /// A comma-separated list of integers, e.g. `--ranks 2,4,8`.
   std::vector<int64_t> integers(const std::string& name) const;
   /// Whether a flag was given.
