@@ -21,26 +21,29 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for ((r = 1; r <= rounds; r++)); do
   echo "round $r/$rounds" >&2
-  "$build/bin/bench_train_throughput" --steps "$steps" --threads "$threads" --json >>"$out/fivefold"
+  "$build/bin/bench_train_throughput" --steps "$steps" --threads "$threads" --json --compare \
+    >>"$out/fivefold"
   "$py" benchmarks/torch_train_throughput.py --steps "$steps" --threads "$threads" --json \
     >>"$out/pytorch"
 done
 "$py" - "$out/fivefold" "$out/pytorch" "$threads" "$rounds" <<'EOF'
 import json, statistics, sys
-def load(path):
+def load(path, key="tokens_per_s"):
     runs = {}
     for line in open(path):
         r = json.loads(line)
-        runs.setdefault(r["model"], []).append(r["tokens_per_s"])
+        runs.setdefault(r["model"], []).append(r[key])
     return runs
-ours, theirs = load(sys.argv[1]), load(sys.argv[2])
-print(f"tokens/s, medians of {sys.argv[4]} alternating rounds, {sys.argv[3]} threads each\n")
-print("| model | fivefold | PyTorch (eager) | ratio | ratio per round, min-max |")
-print("|---|---:|---:|---:|---|")
+ours, lesson, theirs = load(sys.argv[1]), load(sys.argv[1], "lesson_tokens_per_s"), load(sys.argv[2])
+print(f"tokens/s, medians of {sys.argv[4]} alternating rounds, {sys.argv[3]} threads each; "
+      "fivefold with its fast paths (the trainer's default) and with --lesson-kernels\n")
+print("| model | fivefold | lesson kernels | PyTorch (eager) | fivefold / PyTorch | per round, min-max "
+      "| lesson / PyTorch |")
+print("|---|---:|---:|---:|---:|---|---:|")
 for model, mine in ours.items():
-    ref = theirs[model]
+    ref, plain = theirs[model], lesson[model]
     ratios = [a / b for a, b in zip(mine, ref)]
-    print(f"| {model} | {statistics.median(mine):.0f} | {statistics.median(ref):.0f} | "
-          f"{statistics.median(mine) / statistics.median(ref):.2f}x | "
-          f"{min(ratios):.2f}-{max(ratios):.2f}x |")
+    m, r, p = statistics.median(mine), statistics.median(ref), statistics.median(plain)
+    print(f"| {model} | {m:.0f} | {p:.0f} | {r:.0f} | {m / r:.2f}x | "
+          f"{min(ratios):.2f}-{max(ratios):.2f}x | {p / r:.2f}x |")
 EOF

@@ -2,7 +2,10 @@
 // backward, clipping, AdamW) for a few sizes, with MFU taken against the matmul throughput
 // measured in the same run (the machine's practical peak, not a datasheet figure).
 //
-//   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json]
+//   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
+//
+// The step is the training run's: with the fast paths (chapters/03_transformer/fast.h) unless
+// --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
 //
 // Run it alone, without OMP_WAIT_POLICY=passive: that setting (right for several processes
 // sharing cores) makes a single process wait for its sleeping OpenMP threads at every operation.
@@ -12,9 +15,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <vector>
 
 #include "02_flops_6np/flops.h"
+#include "03_transformer/fast.h"
 #include "03_transformer/train.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
@@ -34,7 +39,7 @@ struct Timing {
   double step, forward, backward, update;  // update: clipping + AdamW
 };
 
-Timing median_times(const Size& s, int64_t steps) {
+Timing median_times(const Size& s, int64_t steps, bool fast) {
   using namespace fivefold::ch03;
   ModelConfig config;
   config.d_model = s.d_model;
@@ -43,6 +48,8 @@ Timing median_times(const Size& s, int64_t steps) {
   config.d_ff = s.d_ff;
   Transformer model(config);
   TrainConfig train;
+  train.fast = fast;
+  if (fast) install_fast_paths(model);
   auto optimizer = make_optimizer(model, train);
   auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
   const Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
@@ -90,6 +97,65 @@ double product_gflops(int64_t batch, int64_t m, int64_t k, int64_t n) {
   return rates[rates.size() / 2];
 }
 
+// One part of the step on its own, forward and backward, at the model's shapes: median ms over
+// `steps` runs, and its matmul FLOPs (forward x 3, chapter 02's accounting; attention's scores
+// counted in full as chapter 02 counts them, though the tiled kernel computes about half).
+struct Part {
+  const char* name;
+  double ms, flops;
+};
+
+std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast) {
+  using namespace fivefold::ch03;
+  ModelConfig config;
+  config.d_model = s.d_model;
+  config.n_layers = s.n_layers;
+  config.n_heads = config.n_kv_heads = s.n_heads;
+  config.d_ff = s.d_ff;
+  Transformer model(config);
+  if (fast) install_fast_paths(model);
+  TrainConfig train;
+  train.fast = fast;
+  auto optimizer = make_optimizer(model, train);
+  BlockImpl& block = model->block(0);
+  const auto positions = position_range(0, s.seq);
+  const auto x = torch::randn({s.batch, s.seq, s.d_model}).requires_grad_(true);
+  const auto targets = torch::randint(config.vocab_size, {s.batch, s.seq});
+  auto median_ms = [&](const std::function<void()>& work) {
+    std::vector<double> ms;
+    for (int64_t i = 0; i < steps + 3; ++i) {
+      fivefold::Timer timer;
+      work();
+      if (i >= 3) ms.push_back(timer.seconds() * 1e3);
+    }
+    std::sort(ms.begin(), ms.end());
+    return ms[ms.size() / 2];
+  };
+  const double tokens = static_cast<double>(s.batch * s.seq), d = static_cast<double>(s.d_model);
+  const double f = static_cast<double>(s.d_ff), seq = static_cast<double>(s.seq);
+  const double layers = static_cast<double>(s.n_layers);
+  std::vector<Part> parts;
+  parts.push_back({"attention", layers * median_ms([&] {
+                     block.self_attn->forward(x, positions, nullptr).sum().backward();
+                   }),
+                   layers * 3 * (2 * tokens * 4 * d * d + 4 * tokens * seq * d)});
+  parts.push_back({"MLP", layers * median_ms([&] { block.mlp->forward(x).sum().backward(); }),
+                   layers * 3 * 2 * tokens * 3 * d * f});
+  parts.push_back({"norms", (2 * layers + 1) * median_ms([&] {
+                     block.input_layernorm->forward(x).sum().backward();
+                   }),
+                   0});
+  parts.push_back({"head + loss", median_ms([&] { model->loss(x, targets).backward(); }),
+                   3 * 2 * tokens * d * static_cast<double>(config.vocab_size)});
+  for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
+  parts.push_back({"clip + AdamW", median_ms([&] {
+                     clip_gradients(model, train.grad_clip);
+                     optimizer->step();
+                   }),
+                   0});
+  return parts;
+}
+
 }  // namespace
 
 namespace {
@@ -99,6 +165,11 @@ int run(int argc, char** argv) {
   args.option("steps", "20", "timed steps per size (after 3 warm-up steps)");
   args.option("threads", "0", "torch threads (0: LibTorch's default)");
   args.flag("json", "print JSON lines instead of a table");
+  args.flag("lesson-kernels", "the lesson's code alone, without the fast paths (fast.h)");
+  args.flag("compare", "time the lesson's code too: its tokens/s and the fast paths' speed-up");
+  args.flag("parts",
+            "time each part of the step on its own instead (attention, MLP, norms, head + loss, "
+            "clip + AdamW; forward and backward), with its GFLOP/s against the peak");
   if (!args.parse(argc, argv)) return 0;
   fivefold::Runtime runtime;
   if (args.integer("threads") > 0)
@@ -113,13 +184,36 @@ int run(int argc, char** argv) {
                                    {"d128 L4 seq128 b8", 128, 4, 2, 384, 128, 8},
                                    {"d256 L4 seq256 b8", 256, 4, 4, 704, 256, 8},
                                    {"d256 L4 seq256 b8 h8", 256, 4, 8, 704, 256, 8}};
+  if (args.on("parts")) {
+    std::printf("threads %d, matmul peak %.1f GFLOP/s; each part forward + backward on its own, "
+                "summed over the step's layers; %s\n\n",
+                torch::get_num_threads(), peak / 1e9,
+                args.on("lesson-kernels") ? "the lesson's code" : "with the fast paths");
+    std::printf("%-22s %-13s %9s %9s %8s\n", "model", "part", "ms/step", "GFLOP/s", "of peak");
+    for (const Size& s : sizes) {
+      double total = 0;
+      for (const Part& p : time_parts(s, args.integer("steps"), !args.on("lesson-kernels"))) {
+        total += p.ms;
+        if (p.flops > 0) {
+          const double rate = p.flops / (p.ms * 1e-3) / 1e9;
+          std::printf("%-22s %-13s %9.2f %9.0f %7.0f%%\n", s.name, p.name, p.ms, rate,
+                      100 * rate * 1e9 / peak);
+        } else {
+          std::printf("%-22s %-13s %9.2f %9s %8s\n", s.name, p.name, p.ms, "-", "-");
+        }
+      }
+      std::printf("%-22s %-13s %9.2f\n", s.name, "sum of parts", total);
+    }
+    return 0;
+  }
   if (!args.on("json")) {
     std::printf(
         "threads %d, matmul peak %.1f GFLOP/s (fp32, best of 1024^3 and 2048^3, in this run);\n"
         "last columns: GFLOP/s of the model's own MLP matmul and attention-score bmm\n\n",
         torch::get_num_threads(), peak / 1e9);
-    std::printf("%-22s %11s %12s %9s %22s %10s %6s %9s %9s\n", "model", "parameters", "MFLOP/token",
-                "step ms", "fwd / bwd / update ms", "tokens/s", "MFU", "MLP mm", "QK^T bmm");
+    std::printf("%-22s %11s %12s %9s %22s %10s %6s %9s %9s%s\n", "model", "parameters",
+                "MFLOP/token", "step ms", "fwd / bwd / update ms", "tokens/s", "MFU", "MLP mm",
+                "QK^T bmm", args.on("compare") ? "  vs lesson" : "");
   }
   for (const Size& s : sizes) {
     fivefold::ch02::TransformerShape shape;
@@ -132,7 +226,10 @@ int run(int argc, char** argv) {
     shape.gated_mlp = true;
     shape.biases = shape.layer_norm = false;
     const double flops = fivefold::ch02::training_flops_per_token(shape, s.seq);
-    const Timing t = median_times(s, args.integer("steps"));
+    const Timing t = median_times(s, args.integer("steps"), !args.on("lesson-kernels"));
+    // The lesson's step on the same size, right after (with --compare): the fast paths' gain.
+    const double lesson =
+        args.on("compare") ? median_times(s, args.integer("steps"), false).step : 0.0;
     const double seconds = t.step;
     const double tokens_per_s = static_cast<double>(s.batch * s.seq) / seconds;
     const double mfu = fivefold::ch02::model_flops_utilization(tokens_per_s, flops, peak);
@@ -145,16 +242,19 @@ int run(int argc, char** argv) {
           "{\"model\":\"%s\",\"parameters\":%lld,\"flops_per_token\":%.0f,\"step_s\":%.6f,"
           "\"forward_s\":%.6f,\"backward_s\":%.6f,\"update_s\":%.6f,"
           "\"tokens_per_s\":%.1f,\"mfu\":%.4f,\"peak_gflops\":%.1f,\"mlp_mm_gflops\":%.1f,"
-          "\"scores_bmm_gflops\":%.1f}\n",
+          "\"scores_bmm_gflops\":%.1f,\"lesson_tokens_per_s\":%.1f}\n",
           s.name, static_cast<long long>(parameters), flops, seconds, t.forward, t.backward,
-          t.update, tokens_per_s, mfu, peak / 1e9, mlp, scores);
+          t.update, tokens_per_s, mfu, peak / 1e9, mlp, scores,
+          lesson > 0 ? static_cast<double>(s.batch * s.seq) / lesson : 0.0);
     } else {
       char parts[64];
       std::snprintf(parts, sizeof(parts), "%.1f / %.1f / %.1f", t.forward * 1e3, t.backward * 1e3,
                     t.update * 1e3);
-      std::printf("%-22s %11lld %12.2f %9.2f %22s %10.0f %6.2f %9.0f %9.0f\n", s.name,
+      std::printf("%-22s %11lld %12.2f %9.2f %22s %10.0f %6.2f %9.0f %9.0f", s.name,
                   static_cast<long long>(parameters), flops / 1e6, seconds * 1e3, parts,
                   tokens_per_s, mfu, mlp, scores);
+      if (lesson > 0) std::printf(" %10.2fx", lesson / seconds);
+      std::printf("\n");
     }
   }
   return 0;

@@ -248,6 +248,10 @@ int train(int argc, char** argv) {
               "default 100, 0 with --data)");
   args.option("peak-gflops", "0", "matmul peak for MFU (0: measured at start)");
   args.flag("no-progress", "no progress bar");
+  args.flag("lesson-kernels",
+            "train on the lesson's code alone: the attention and RMSNorm as written out and "
+            "torch's AdamW, instead of the fast paths (chapters/03_transformer/fast.h) that "
+            "compute the same thing faster");
   args.flag("trace",
             "write each rank's timeline (steps, evaluations, checkpoints, every communicator "
             "operation) to OUT/trace/rank-N.json, Chrome trace format (chrome://tracing, "
@@ -304,6 +308,7 @@ int train(int argc, char** argv) {
   c.train.weight_decay = args.real("weight-decay");
   c.train.decay_embeddings = args.on("decay-embeddings");
   c.train.grad_clip = args.real("grad-clip");
+  c.train.fast = !args.on("lesson-kernels");
   c.model.vocab_size = args.integer("vocab");
   c.model.d_model = args.integer("d-model");
   c.model.n_layers = args.integer("n-layers");
@@ -352,12 +357,12 @@ int train(int argc, char** argv) {
   }
   // What each group carried and each rank's peak memory, measured in this run.
   const auto measured = ch14::gather_measurements(
-      world, ch14::predicted_traffic(layout, c, static_cast<int64_t>(world->rank())));
+      world, r.training_comm, ch14::predicted_traffic(layout, c, static_cast<int64_t>(world->rank())));
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   if (c.placement.writer && steps > 0) {
-    log0() << "measured over " << steps << " steps (payload bytes handed to each communicator, "
-           << "evaluation and checkpoints included), beside chapters 11 and 12's formulas "
-           << "(per training step; '-': no formula here):\n"
+    log0() << "measured over " << steps << " training steps (payload bytes handed to each "
+           << "communicator; evaluation and checkpoints not counted), beside chapters 11 and 12's "
+           << "formulas (per training step; '-': no formula here):\n"
            << ch14::measurement_table(measured, steps);
     if (!c.out_dir.empty()) {
       nlohmann::json report = ch14::measurement_json(measured, steps);

@@ -178,14 +178,28 @@ class LinearImpl : public torch::nn::Module {
 };
 TORCH_MODULE(Linear);
 
+/// The computation of an RMSNorm, x and weight -> the normalised x: the slot a faster
+/// implementation of the same formula fills (fast.h).
+class NormKernel {
+ public:
+  virtual ~NormKernel() = default;
+  /// x [..., dim], weight [dim] -> x / sqrt(mean(x²) + eps) · weight over the last dimension.
+  virtual torch::Tensor normalize(const torch::Tensor& x, const torch::Tensor& weight,
+                                  double eps) const = 0;
+};
+
 /// RMSNorm: x / sqrt(mean(x²) + eps) · weight, over the last dimension.
 class RMSNormImpl : public torch::nn::Module {
  public:
   /// @param dim features; @param eps added under the square root.
   RMSNormImpl(int64_t dim, double eps);
-  /// x [..., dim] -> same shape.
+  /// x [..., dim] -> same shape: the formula above, or `kernel` when one is installed.
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;  ///< [dim], initialised to ones
+  /// Computes the norm instead of the formula written out in forward (null: the formula).
+  std::shared_ptr<const NormKernel> kernel;
+  /// The eps added under the square root.
+  double eps() const { return eps_; }
 
  private:
   double eps_;

@@ -30,6 +30,10 @@ struct TrainConfig {
   double eps = 1e-8;              ///< Adam epsilon
   double grad_clip = 1.0;         ///< maximum global gradient norm (0: no clipping)
   bool decay_embeddings = false;  ///< also decay the token embedding (GPT-2 does not)
+  /// The fast paths (fast.h): make_optimizer builds FusedAdamW, and the training run installs
+  /// the model's fast kernels. false: the lesson's code throughout (torch::optim::AdamW, the
+  /// attention and RMSNorm written out). Either way the same mathematics; not saved with a run.
+  bool fast = true;
   /// Throws fivefold::Error for inconsistent settings.
   void validate() const;
 };
@@ -40,6 +44,7 @@ double learning_rate(const TrainConfig& config, int64_t step);
 
 /// AdamW over the model's parameters in two groups: group 0 decays (every 2-D weight except the
 /// embedding unless decay_embeddings), group 1 does not (norms, and the embedding by default).
+/// With config.fast it is a FusedAdamW (fast.h), the same update in one pass per parameter.
 std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& config);
 
 /// Mean next-token cross-entropy of `batch`.

@@ -27,6 +27,7 @@
 #include "03_transformer/evaluate.h"
 #include "03_transformer/model.h"
 #include "03_transformer/train.h"
+#include "fivefold/comm_stats.h"
 
 namespace fivefold::ch03 {
 
@@ -102,6 +103,9 @@ struct RunResult {
   LossReport eval;             ///< the last evaluation
   ExactMatchReport exact;      ///< the last exact-match evaluation (empty if not asked)
   std::string checkpoint;      ///< the last checkpoint folder written ("" if none)
+  /// This rank's communicator counts over the training steps alone: no evaluation, checkpoint
+  /// or set-up traffic (what the per-step formulas predict).
+  dist::CommStats training_comm;
 };
 
 /// Runs training. With `resume`, continues from `out_dir`'s latest checkpoint with its saved

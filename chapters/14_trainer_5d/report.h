@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "14_trainer_5d/trainer_5d.h"
+#include "fivefold/comm_stats.h"
 #include "fivefold/dist.h"
 
 namespace fivefold::ch14 {
@@ -46,8 +47,8 @@ std::string curve_table(const Curve& curve, const Curve& reference, int64_t rows
 /// An SVG line plot (loss against step) of `curves`, one colour each, with axes and a legend.
 std::string svg_plot(const std::vector<Curve>& curves, const std::string& title);
 
-/// What one rank measured over a run: the bytes it handed to each communicator (comm_stats'
-/// payload bytes, summed over ops), and its peak resident memory.
+/// What one rank measured over a run: the bytes it handed to each communicator in the training
+/// steps (comm_stats' payload bytes, summed over ops), and its peak resident memory.
 struct RankMeasurement {
   std::map<std::string, int64_t> payload_bytes;  ///< communicator name -> bytes
   int64_t peak_resident_bytes = 0;               ///< the process's peak RSS (getrusage)
@@ -70,13 +71,15 @@ struct RankMeasurement {
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
                                                  int64_t world_rank);
 
-/// This rank's measurement so far.
-RankMeasurement measure_rank();
+/// This rank's measurement: the bytes of `stats` (a run's training_comm: the training steps
+/// alone) and its peak memory so far.
+RankMeasurement measure_rank(const dist::CommStats& stats);
 
-/// Every rank's measurement, gathered on `world` (collective; the gather itself is not counted).
-/// Returns them by rank on every rank.
-std::vector<RankMeasurement> gather_measurements(
-    const dist::CommunicatorPtr& world, const std::map<std::string, int64_t>& predicted = {});
+/// Every rank's measurement of its `stats`, gathered on `world` (collective). Returns them by
+/// rank on every rank.
+std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
+                                                 const dist::CommStats& stats,
+                                                 const std::map<std::string, int64_t>& predicted = {});
 
 /// A table of the gathered measurements: per communicator the bytes per step, mean and largest
 /// over the ranks that used it, beside the prediction's mean and largest where there is one;

@@ -39,6 +39,36 @@ void reset_comm_stats() {
   stats_table().clear();
 }
 
+CommStats comm_stats_since(const CommStats& earlier) {
+  CommStats now = comm_stats();
+  for (auto& [comm, ops] : now) {
+    const auto before = earlier.find(comm);
+    if (before == earlier.end()) continue;
+    for (auto& [op, counts] : ops) {
+      const auto old = before->second.find(op);
+      if (old == before->second.end()) continue;
+      counts.calls -= old->second.calls;
+      counts.payload_bytes -= old->second.payload_bytes;
+      counts.modelled_wire_bytes -= old->second.modelled_wire_bytes;
+      counts.blocked_seconds -= old->second.blocked_seconds;
+    }
+  }
+  return now;
+}
+
+void accumulate_comm_stats(CommStats& total, const CommStats& part) {
+  for (const auto& [comm, ops] : part) {
+    for (const auto& [op, counts] : ops) {
+      if (counts.calls == 0) continue;
+      OpCounts& sum = total[comm][op];
+      sum.calls += counts.calls;
+      sum.payload_bytes += counts.payload_bytes;
+      sum.modelled_wire_bytes += counts.modelled_wire_bytes;
+      sum.blocked_seconds += counts.blocked_seconds;
+    }
+  }
+}
+
 OpCounts comm_counts(const std::string& communicator, Op op) {
   std::lock_guard<std::mutex> lock(stats_mutex());
   auto comm = stats_table().find(communicator);

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "03_transformer/checkpoint.h"
+#include "03_transformer/fast.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -46,6 +47,7 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const Tr
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, options(c.weight_decay));
   groups.emplace_back(no_decay, options(0.0));
+  if (c.fast) return std::make_unique<FusedAdamW>(groups, torch::optim::AdamWOptions(c.lr));
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
 }
 

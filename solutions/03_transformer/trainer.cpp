@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "02_flops_6np/flops.h"
+#include "03_transformer/fast.h"
 #include "03_transformer/checkpoint.h"
 #include "fivefold/blas.h"
 #include "fivefold/error.h"
@@ -249,6 +250,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     c.eval_every = requested.eval_every;
     c.eval_batches = requested.eval_batches;
     c.exact_match_examples = requested.exact_match_examples;
+    c.train.fast = requested.train.fast;
     result.first_step = state.step;
     FIVEFOLD_CHECK(result.first_step < c.steps, "resume: '", start, "' is at step ",
                    result.first_step, ", nothing to do for --steps ", c.steps);
@@ -269,6 +271,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   const ModelBuilder build = requested.build_model ? requested.build_model : build_model;
   Transformer model = resume ? load_model(start, build) : build(c.model, ModelPart{});
   c.model = model->config();
+  if (c.train.fast) install_fast_paths(model);  // fast.h: the same mathematics, fewer passes
   const BatchSampler train_batches(train_data, c.seq_len, c.batch, c.data.seed);
   const BatchSampler eval_batches(val_data, c.seq_len, c.batch, c.data.seed + 1);
   const int64_t tokens_per_step = c.batch * c.seq_len;
@@ -363,11 +366,13 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     for (int64_t i = 0; i < c.micro_batches; ++i) micro.push_back({inputs[i], targets[i]});
 
     Timer timer;
+    const dist::CommStats comm_before = dist::comm_stats();
     const StepResult r = [&] {
       trace::Span span("step " + std::to_string(step + 1), "train");  // --trace's timeline
       return trainer->step(micro, step);
     }();
     const double seconds = timer.seconds();
+    dist::accumulate_comm_stats(result.training_comm, dist::comm_stats_since(comm_before));
     const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     const double mfu = ch02::model_flops_utilization(tokens_per_s, flops_per_token, peak);
     result.losses.push_back(r.loss);

@@ -181,9 +181,9 @@ std::string svg_plot(const std::vector<Curve>& curves, const std::string& title)
   return out.str();
 }
 
-RankMeasurement measure_rank() {
+RankMeasurement measure_rank(const dist::CommStats& stats) {
   RankMeasurement m;
-  for (const auto& [name, ops] : dist::comm_stats()) {
+  for (const auto& [name, ops] : stats) {
     int64_t bytes = 0;
     for (const auto& [op, counts] : ops) bytes += counts.payload_bytes;
     if (bytes > 0) m.payload_bytes[name] = bytes;
@@ -248,8 +248,9 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
 }
 
 std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
+                                                 const dist::CommStats& stats,
                                                  const std::map<std::string, int64_t>& predicted) {
-  const RankMeasurement mine = measure_rank();  // before the gather adds its own bytes
+  const RankMeasurement mine = measure_rank(stats);
   const nlohmann::json json = {
       {"bytes", mine.payload_bytes}, {"peak", mine.peak_resident_bytes}, {"predicted", predicted}};
   std::vector<RankMeasurement> all;

@@ -132,7 +132,7 @@ TEST(Report, MeasurementsBecomeBytesPerStep) {
       << measurement_table({r0, r1}, 2);
   EXPECT_NE(table.find("smallest 100.0 MB, mean 200.0 MB, largest 300.0 MB"), std::string::npos);
   // This process's own peak is real and positive.
-  EXPECT_GT(measure_rank().peak_resident_bytes, 1'000'000);
+  EXPECT_GT(measure_rank({}).peak_resident_bytes, 1'000'000);
 }
 
 // The pipeline's links: each virtual stage receives unless first and sends unless last, so a

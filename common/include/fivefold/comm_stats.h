@@ -45,6 +45,13 @@ CommStats comm_stats();
 /// Sets every count to zero (e.g. after set-up, before the part a test measures).
 void reset_comm_stats();
 
+/// The counts added since `earlier` (a comm_stats() copy taken before): what one part of a run
+/// communicated, e.g. a training step without the evaluation and checkpoints around it.
+CommStats comm_stats_since(const CommStats& earlier);
+
+/// Adds every count of `part` into `total`.
+void accumulate_comm_stats(CommStats& total, const CommStats& part);
+
 /// Counts for one communicator and op (zero if never used).
 OpCounts comm_counts(const std::string& communicator, Op op);
 

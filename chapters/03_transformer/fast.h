@@ -1,0 +1,72 @@
+#pragma once
+/// @file fast.h
+/// @brief Fast paths for the single-device training step: the same mathematics as the lesson's
+/// modules, computed with fewer passes over memory and fewer operations. Each one fills a slot the
+/// lesson's code already has (the attention kernel, the norm's kernel, the optimizer), is tested
+/// against the lesson's version (tests/03_transformer/test_fast.cpp), and is installed by the
+/// training run unless `RunConfig::fast` is off (`fivefold train --lesson-kernels`). Read the
+/// lesson first: this file is for after chapter 12, whose blockwise attention it shares.
+
+#include <torch/torch.h>
+
+#include <cstdint>
+
+#include "03_transformer/model.h"
+
+namespace fivefold::ch03 {
+
+/// Causal attention one tile of queries at a time, each tile against only the keys it can see:
+/// the masked half of the score matrix is never computed (at seq 256 with tiles of 128, 3 of the
+/// 4 blocks are), and neither the full score matrix nor the probabilities are kept for
+/// backward, which recomputes each tile's probabilities from its log-sum-exp (as chapter 12's
+/// blockwise attention does). The softmax is written as max, exp, sum over the visible scores and
+/// one division of the output rows, so forward touches each score four times and backward four.
+/// The same layout as CausalAttentionKernel (keys at consecutive positions, queries the last of
+/// them); any other is refused with fivefold::Error.
+class TiledCausalAttentionKernel : public AttentionKernel {
+ public:
+  /// Queries per tile (> 0).
+  explicit TiledCausalAttentionKernel(int64_t tile = 128);
+  AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& q_positions, const torch::Tensor& k_positions,
+                         double scale) const override;
+
+ private:
+  int64_t tile_;
+};
+
+/// RMSNorm as one pass forward (per row: Σx², then x·rstd·w) and one backward
+/// (∂x = rstd·(g − x·rstd²·mean(g·x)) with g = ∂y·w; ∂w = Σ_rows ∂y·x·rstd), over at::parallel_for,
+/// instead of the six operations forward and about a dozen backward that autograd records for the
+/// formula. float32 and float64.
+class FusedRMSNormKernel : public NormKernel {
+ public:
+  torch::Tensor normalize(const torch::Tensor& x, const torch::Tensor& weight,
+                          double eps) const override;
+};
+
+/// torch::optim::AdamW with each parameter's update done in one pass over its elements
+/// (decay, both moments, bias corrections and the step), instead of the seven tensor operations of
+/// LibTorch's loop. The state is AdamW's own (AdamWParamState under the same keys), so
+/// optimizer_state, load_optimizer_state and every step that holds a torch::optim::AdamW work
+/// unchanged. amsgrad is not supported (refused).
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// What install_fast_paths replaced.
+struct FastPaths {
+  int64_t attention_kernels = 0;  ///< CausalAttentionKernel -> TiledCausalAttentionKernel
+  int64_t norms = 0;              ///< RMSNorm modules given FusedRMSNormKernel
+};
+
+/// Installs the fast paths in every module of `model` that still runs the lesson's version: the
+/// attention layers whose kernel is chapter 03's CausalAttentionKernel (a ring or all-gather
+/// kernel of chapter 12 is left alone) and every RMSNorm. Before the first, it checks the tiled
+/// kernel against causal_attention (the chapter's exercise) on a small input, so an attention
+/// that disagrees stops the run here with fivefold::Error rather than training on either.
+FastPaths install_fast_paths(Transformer& model);
+
+}  // namespace fivefold::ch03

@@ -1,0 +1,320 @@
+// Fast paths for the single-device step (fast.h): the lesson's formulas, fewer passes over memory.
+
+#include "03_transformer/fast.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "fivefold/error.h"
+
+namespace fivefold::ch03 {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Grouped-query attention: each key/value head repeated for the query heads it serves, and the
+// gradients of the repeats summed back onto their head.
+torch::Tensor expand_heads(const torch::Tensor& t, int64_t heads) {
+  const int64_t group = heads / t.size(1);
+  return group == 1 ? t : t.repeat_interleave(group, 1);
+}
+
+torch::Tensor fold_heads(const torch::Tensor& t, int64_t kv_heads) {
+  const int64_t group = t.size(1) / kv_heads;
+  return group == 1 ? t : t.unflatten(1, {kv_heads, group}).sum(2);
+}
+
+// The scores of a tile of queries q_tile [b, h, T, d] (already scaled) against the keys it can
+// see, keys [b, h, end, d]: the tile's queries are the last T positions before `end`, so only the
+// tile's diagonal block [T, T] (the last T keys) has keys after a query; `future` is the strictly
+// upper triangle of a full tile, whose top-left corner serves a shorter last tile.
+torch::Tensor tile_scores(const torch::Tensor& q_tile, const torch::Tensor& keys,
+                          const torch::Tensor& future) {
+  const int64_t t = q_tile.size(2), end = keys.size(2);
+  auto scores = torch::matmul(q_tile, keys.transpose(-2, -1));  // [b, h, T, end]
+  scores.narrow(-1, end - t, t).masked_fill_(future.narrow(0, 0, t).narrow(1, 0, t), -INFINITY);
+  return scores;
+}
+
+class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttention> {
+ public:
+  // q [b, h, sq, d], k [b, hk, sk, d], v [b, hk, sk, dv]; query i sits at position sk - sq + i.
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
+                               const torch::Tensor& v, double scale, int64_t tile) {
+    const int64_t heads = q.size(1), seq_q = q.size(2), offset = k.size(2) - seq_q;
+    auto qs = (q * scale).contiguous();
+    auto keys = expand_heads(k, heads).contiguous();
+    auto values = expand_heads(v, heads).contiguous();
+    auto out = torch::empty({q.size(0), heads, seq_q, v.size(3)}, q.options());
+    auto lse = torch::empty({q.size(0), heads, seq_q}, q.options());
+    const auto future = torch::ones({tile, tile}, torch::kBool).triu(1);
+    for (int64_t first = 0; first < seq_q; first += tile) {
+      const int64_t t = std::min(tile, seq_q - first), end = offset + first + t;
+      auto e = tile_scores(qs.narrow(2, first, t), keys.narrow(2, 0, end), future);
+      // Softmax as max, exp, sum; the division by the sum waits for the output's rows.
+      auto max = std::get<0>(e.max(-1, /*keepdim=*/true));  // every query sees its own key
+      e.sub_(max).exp_();
+      auto sum = e.sum(-1, /*keepdim=*/true);
+      out.narrow(2, first, t).copy_(torch::matmul(e, values.narrow(2, 0, end)).div_(sum));
+      lse.narrow(2, first, t).copy_((max + sum.log()).squeeze(-1));
+    }
+    ctx->save_for_backward({qs, keys, values, out, lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["tile"] = tile;
+    ctx->saved_data["kv_heads"] = k.size(1);
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &qs = saved[0], &keys = saved[1], &values = saved[2], &out = saved[3],
+               &lse = saved[4];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t tile = ctx->saved_data["tile"].toInt();
+    const int64_t kv_heads = ctx->saved_data["kv_heads"].toInt();
+    const int64_t seq_q = qs.size(2), offset = keys.size(2) - seq_q;
+    const auto grad_out = grads[0].contiguous();
+    // Softmax's backward needs Σ_j p_j·(dO·v_j) per query, which is dO·O.
+    const auto delta = (grad_out * out).sum(-1, /*keepdim=*/true);  // [b, h, sq, 1]
+    auto grad_q = torch::empty_like(qs);
+    auto grad_keys = torch::zeros_like(keys), grad_values = torch::zeros_like(values);
+    const auto future = torch::ones({tile, tile}, torch::kBool).triu(1);
+    for (int64_t first = 0; first < seq_q; first += tile) {
+      const int64_t t = std::min(tile, seq_q - first), end = offset + first + t;
+      const auto q_tile = qs.narrow(2, first, t), k_seen = keys.narrow(2, 0, end);
+      const auto v_seen = values.narrow(2, 0, end), dout = grad_out.narrow(2, first, t);
+      // The tile's probabilities again, from its log-sum-exp: p = exp(s − lse).
+      auto p = tile_scores(q_tile, k_seen, future);
+      p.sub_(lse.narrow(2, first, t).unsqueeze(-1)).exp_();
+      grad_values.narrow(2, 0, end).add_(torch::matmul(p.transpose(-2, -1), dout));
+      auto grad_scores = torch::matmul(dout, v_seen.transpose(-2, -1));  // ∂L/∂p
+      grad_scores.sub_(delta.narrow(2, first, t)).mul_(p);                // ∂L/∂s
+      grad_q.narrow(2, first, t).copy_(torch::matmul(grad_scores, k_seen).mul_(scale));
+      grad_keys.narrow(2, 0, end).add_(torch::matmul(grad_scores.transpose(-2, -1), q_tile));
+    }
+    return {grad_q, fold_heads(grad_keys, kv_heads), fold_heads(grad_values, kv_heads), {}, {}};
+  }
+};
+
+// Whether `positions` (int64 [n]) are first, first + 1, ...
+bool consecutive(const torch::Tensor& positions, int64_t first) {
+  const auto p = positions.contiguous();
+  const int64_t* x = p.data_ptr<int64_t>();
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    if (x[i] != first + i) return false;
+  }
+  return true;
+}
+
+class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const auto input = x.contiguous(), w = weight.contiguous();
+    const int64_t dim = input.size(-1), rows = input.numel() / dim;
+    auto y = torch::empty_like(input);
+    auto rstd = torch::empty({rows}, input.options());
+    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm_forward", [&] {
+      const scalar_t* xs = input.data_ptr<scalar_t>();
+      const scalar_t* ws = w.data_ptr<scalar_t>();
+      scalar_t* ys = y.data_ptr<scalar_t>();
+      scalar_t* rs = rstd.data_ptr<scalar_t>();
+      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const scalar_t* xr = xs + r * dim;
+          scalar_t squares = 0;
+          for (int64_t i = 0; i < dim; ++i) squares += xr[i] * xr[i];
+          const scalar_t s = 1 / std::sqrt(squares / static_cast<scalar_t>(dim) + eps);
+          rs[r] = s;
+          scalar_t* yr = ys + r * dim;
+          for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * s * ws[i];
+        }
+      });
+    });
+    ctx->save_for_backward({input, w, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &input = saved[0], &w = saved[1], &rstd = saved[2];
+    const auto grad_y = grads[0].contiguous();
+    const int64_t dim = input.size(-1), rows = input.numel() / dim;
+    auto grad_x = torch::empty_like(input);
+    // ∂w is a sum over rows: each thread adds into its own row of `partial`.
+    auto partial = torch::zeros({at::get_num_threads(), dim}, input.options());
+    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm_backward", [&] {
+      const scalar_t* xs = input.data_ptr<scalar_t>();
+      const scalar_t* ws = w.data_ptr<scalar_t>();
+      const scalar_t* gs = grad_y.data_ptr<scalar_t>();
+      const scalar_t* rs = rstd.data_ptr<scalar_t>();
+      scalar_t* dxs = grad_x.data_ptr<scalar_t>();
+      scalar_t* parts = partial.data_ptr<scalar_t>();
+      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        scalar_t* dw = parts + at::get_thread_num() * dim;
+        for (int64_t r = begin; r < end; ++r) {
+          const scalar_t *xr = xs + r * dim, *gr = gs + r * dim;
+          const scalar_t s = rs[r];
+          scalar_t dot = 0;  // Σ_i ∂y_i·w_i·x_i
+          for (int64_t i = 0; i < dim; ++i) dot += gr[i] * ws[i] * xr[i];
+          const scalar_t c = dot * s * s * s / static_cast<scalar_t>(dim);
+          scalar_t* dxr = dxs + r * dim;
+          for (int64_t i = 0; i < dim; ++i) {
+            dxr[i] = s * gr[i] * ws[i] - c * xr[i];
+            dw[i] += gr[i] * xr[i] * s;
+          }
+        }
+      });
+    });
+    return {grad_x, partial.sum(0), {}};
+  }
+};
+
+// AdamW on n elements: both moments, the decoupled decay and the step. This file compiles with
+// -fno-math-errno (CMakeLists.txt): sqrt then need not set errno, and GCC vectorises the loop,
+// whose sqrt and division are its costly part.
+template <typename T>
+void adamw_span(T* __restrict__ w, T* __restrict__ m, T* __restrict__ v,
+                const T* __restrict__ g, int64_t n, T b1, T b2, T c1, T c2, T keep, T size, T root,
+                T eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = m[i] * b1 + g[i] * c1;
+    v[i] = v[i] * b2 + g[i] * g[i] * c2;
+    w[i] = w[i] * keep - size * m[i] / (std::sqrt(v[i]) / root + eps);
+  }
+}
+
+}  // namespace
+
+TiledCausalAttentionKernel::TiledCausalAttentionKernel(int64_t tile) : tile_(tile) {
+  FIVEFOLD_CHECK(tile > 0, "TiledCausalAttentionKernel: a tile holds at least one query, got ",
+                 tile);
+}
+
+AttentionOutput TiledCausalAttentionKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
+                                                   const torch::Tensor& v,
+                                                   const torch::Tensor& q_positions,
+                                                   const torch::Tensor& k_positions,
+                                                   double scale) const {
+  const int64_t seq_q = q.size(2), seq_k = k.size(2);
+  FIVEFOLD_CHECK(seq_q <= seq_k && q_positions.size(0) == seq_q && k_positions.size(0) == seq_k &&
+                     (seq_k == 0 || consecutive(k_positions, k_positions[0].item<int64_t>())) &&
+                     (seq_k == 0 || consecutive(q_positions, k_positions[0].item<int64_t>() +
+                                                                 seq_k - seq_q)),
+                 "the tiled attention kernel needs keys at consecutive positions and queries at "
+                 "the last of them; other layouts need another kernel (chapter 12)");
+  FIVEFOLD_CHECK(q.size(1) % k.size(1) == 0, "attention: ", k.size(1),
+                 " key/value heads do not divide ", q.size(1), " query heads");
+  if (seq_q == 0) {
+    return {torch::zeros({q.size(0), q.size(1), 0, v.size(3)}, q.options()),
+            torch::zeros({q.size(0), q.size(1), 0}, q.options())};
+  }
+  auto result = TiledCausalAttention::apply(q, k, v, scale, tile_);
+  return {result[0], result[1]};
+}
+
+torch::Tensor FusedRMSNormKernel::normalize(const torch::Tensor& x, const torch::Tensor& weight,
+                                            double eps) const {
+  FIVEFOLD_CHECK(x.size(-1) == weight.numel() && x.scalar_type() == weight.scalar_type(),
+                 "RMSNorm: x [..., ", x.size(-1), "] ", x.scalar_type(), " against weight [",
+                 weight.numel(), "] ", weight.scalar_type());
+  return RMSNormFunction::apply(x, weight, eps);
+}
+
+torch::Tensor FusedAdamW::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    FIVEFOLD_CHECK(!o.amsgrad(), "FusedAdamW: amsgrad is not supported");
+    const double lr = o.lr(), decay = 1.0 - o.lr() * o.weight_decay(), eps = o.eps();
+    const double beta1 = std::get<0>(o.betas()), beta2 = std::get<1>(o.betas());
+    for (auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      // LibTorch's AdamW keeps each parameter's state under its TensorImpl's address.
+      auto& slot = state_[c10::guts::to_string(p.unsafeGetTensorImpl())];
+      if (!slot) {
+        auto fresh = std::make_unique<torch::optim::AdamWParamState>();
+        fresh->exp_avg(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        fresh->exp_avg_sq(torch::zeros_like(p, torch::MemoryFormat::Contiguous));
+        slot = std::move(fresh);
+      }
+      auto& s = static_cast<torch::optim::AdamWParamState&>(*slot);
+      s.step(s.step() + 1);
+      const double correction1 = 1.0 - std::pow(beta1, static_cast<double>(s.step()));
+      const double correction2 = 1.0 - std::pow(beta2, static_cast<double>(s.step()));
+      const double step_size = lr / correction1, root2 = std::sqrt(correction2);
+      const auto grad = p.grad().contiguous();
+      FIVEFOLD_CHECK(p.is_contiguous() && s.exp_avg().is_contiguous() &&
+                         s.exp_avg_sq().is_contiguous() && grad.scalar_type() == p.scalar_type(),
+                     "FusedAdamW: parameters and their state must be contiguous, of one dtype");
+      AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "fused_adamw", [&] {
+        scalar_t* w = p.data_ptr<scalar_t>();
+        scalar_t* m = s.exp_avg().data_ptr<scalar_t>();
+        scalar_t* v = s.exp_avg_sq().data_ptr<scalar_t>();
+        const scalar_t* g = grad.data_ptr<scalar_t>();
+        const auto b1 = static_cast<scalar_t>(beta1), b2 = static_cast<scalar_t>(beta2);
+        const auto c1 = static_cast<scalar_t>(1 - beta1), c2 = static_cast<scalar_t>(1 - beta2);
+        const auto keep = static_cast<scalar_t>(decay), size = static_cast<scalar_t>(step_size);
+        const auto root = static_cast<scalar_t>(root2), e = static_cast<scalar_t>(eps);
+        at::parallel_for(0, p.numel(), 1 << 14, [=](int64_t begin, int64_t end) {
+          adamw_span(w + begin, m + begin, v + begin, g + begin, end - begin, b1, b2, c1, c2,
+                     keep, size, root, e);
+        });
+      });
+    }
+  }
+  return loss;
+}
+
+FastPaths install_fast_paths(Transformer& model) {
+  FastPaths installed;
+  auto tiled = std::make_shared<const TiledCausalAttentionKernel>();
+  auto norm = std::make_shared<const FusedRMSNormKernel>();
+  bool checked = false;
+  for (const auto& item : model->named_modules()) {
+    auto* layer = dynamic_cast<AttentionLayer*>(item.value().get());
+    if (layer != nullptr && dynamic_cast<const CausalAttentionKernel*>(layer->kernel.get())) {
+      if (!checked) {
+        // The tiled kernel against the lesson's on a small grouped-query input with two tiles.
+        torch::NoGradGuard no_grad;
+        auto generator = at::detail::createCPUGenerator(17);
+        auto q = torch::randn({1, 4, 5, 8}, generator), k = torch::randn({1, 2, 7, 8}, generator);
+        auto v = torch::randn({1, 2, 7, 6}, generator);
+        const auto want = layer->kernel->attend(q, k, v, position_range(2, 5),
+                                                position_range(0, 7), 0.3);
+        const auto got = TiledCausalAttentionKernel(3).attend(q, k, v, position_range(2, 5),
+                                                              position_range(0, 7), 0.3);
+        const double gap = std::max((want.output - got.output).abs().max().item<double>(),
+                                    (want.lse - got.lse).abs().max().item<double>());
+        FIVEFOLD_CHECK(gap < 1e-5, "the tiled attention kernel and causal_attention differ by ",
+                       gap, " on a test input: one of them is wrong (run with --lesson-kernels "
+                       "to train on causal_attention alone)");
+        checked = true;
+      }
+      layer->kernel = tiled;
+      ++installed.attention_kernels;
+    }
+    auto* rms = dynamic_cast<RMSNormImpl*>(item.value().get());
+    if (rms != nullptr && !rms->kernel) {
+      rms->kernel = norm;
+      ++installed.norms;
+    }
+  }
+  return installed;
+}
+
+}  // namespace fivefold::ch03

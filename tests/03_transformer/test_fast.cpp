@@ -1,0 +1,178 @@
+// The fast paths (fast.h) against the lesson's code: the tiled attention kernel against
+// causal_attention (output, log-sum-exp, and the gradients of q, k and v), the fused RMSNorm
+// against the formula, FusedAdamW against torch::optim::AdamW step by step, and a whole model's
+// loss and every gradient with the fast paths installed against the lesson's model.
+
+#include <cmath>
+#include <tuple>
+
+#include "03_transformer/fast.h"
+#include "03_transformer/train.h"
+#include "fivefold/error.h"
+#include "fivefold/seed.h"
+#include "testing.h"
+
+using namespace fivefold::ch03;
+
+namespace {
+
+torch::Tensor draw(std::vector<int64_t> shape, const char* name, torch::Dtype dtype) {
+  return torch::randn(shape, fivefold::generator_for(3, name), dtype);
+}
+
+// Output, lse and the gradients of q, k, v under a fixed upstream gradient of the output.
+std::vector<torch::Tensor> run_kernel(const AttentionKernel& kernel, torch::Tensor q,
+                                      torch::Tensor k, torch::Tensor v, int64_t seq_q) {
+  q = q.clone().requires_grad_(true);
+  k = k.clone().requires_grad_(true);
+  v = v.clone().requires_grad_(true);
+  const int64_t seq_k = k.size(2);
+  const auto result = kernel.attend(q, k, v, position_range(seq_k - seq_q, seq_q),
+                                    position_range(0, seq_k), 0.4);
+  auto upstream = draw(result.output.sizes().vec(), "upstream", result.output.scalar_type());
+  (result.output * upstream).sum().backward();
+  return {result.output.detach(), result.lse, q.grad(), k.grad(), v.grad()};
+}
+
+}  // namespace
+
+TEST(TiledCausalAttention, EqualsTheLessonKernelWithItsGradients) {
+  // (query heads, kv heads, seq_q, seq_k, tile): several tiles with a shorter last one, one tile,
+  // tiles of one query, queries fewer than keys (a KV cache), grouped-query heads, v_dim != d.
+  const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> cases = {
+      {4, 4, 11, 11, 4}, {4, 2, 11, 11, 64}, {4, 1, 7, 7, 1}, {2, 2, 5, 9, 2}, {4, 2, 1, 6, 3}};
+  for (const auto& [heads, kv_heads, seq_q, seq_k, tile] : cases) {
+    SCOPED_TRACE(::testing::Message() << heads << " heads, " << kv_heads << " kv, seq " << seq_q
+                                    << "/" << seq_k << ", tile " << tile);
+    auto q = draw({2, heads, seq_q, 8}, "q", torch::kDouble);
+    auto k = draw({2, kv_heads, seq_k, 8}, "k", torch::kDouble);
+    auto v = draw({2, kv_heads, seq_k, 6}, "v", torch::kDouble);
+    const auto want = run_kernel(CausalAttentionKernel(), q, k, v, seq_q);
+    const auto got = run_kernel(TiledCausalAttentionKernel(tile), q, k, v, seq_q);
+    const char* names[] = {"output", "lse", "grad q", "grad k", "grad v"};
+    for (size_t i = 0; i < want.size(); ++i) {
+      SCOPED_TRACE(names[i]);
+      EXPECT_TENSOR_CLOSE(got[i], want[i], 1e-12, 1e-12);
+    }
+  }
+}
+
+TEST(TiledCausalAttention, RefusesALayoutItCannotAttend) {
+  auto q = torch::randn({1, 2, 4, 8}), k = torch::randn({1, 2, 4, 8}), v = torch::randn({1, 2, 4, 8});
+  const TiledCausalAttentionKernel kernel(2);
+  const auto shuffled = torch::tensor({0, 2, 1, 3}, torch::kLong);
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] { kernel.attend(q, k, v, shuffled, shuffled, 0.3); }, "consecutive positions"));
+  EXPECT_TRUE(fivefold::testing::throws_error_containing([] { TiledCausalAttentionKernel(0); },
+                                                "at least one query"));
+}
+
+TEST(FusedRMSNorm, EqualsTheFormulaWithItsGradients) {
+  for (auto dtype : {torch::kDouble, torch::kFloat}) {
+    const double tolerance = dtype == torch::kDouble ? 1e-12 : 1e-5;
+    auto x = draw({3, 5, 16}, "x", dtype);
+    auto w = (1 + 0.1 * draw({16}, "w", dtype));
+    auto upstream = draw({3, 5, 16}, "dy", dtype);
+    std::vector<torch::Tensor> results[2];
+    for (int fused = 0; fused < 2; ++fused) {
+      RMSNorm norm(16, 1e-5);
+      {
+        torch::NoGradGuard no_grad;
+        norm->to(dtype);
+        norm->weight.copy_(w);
+      }
+      if (fused == 1) norm->kernel = std::make_shared<FusedRMSNormKernel>();
+      auto input = x.clone().requires_grad_(true);
+      auto y = norm(input);
+      (y * upstream).sum().backward();
+      results[fused] = {y.detach(), input.grad(), norm->weight.grad()};
+    }
+    for (size_t i = 0; i < 3; ++i) EXPECT_TENSOR_CLOSE(results[1][i], results[0][i], tolerance, tolerance);
+  }
+}
+
+TEST(FusedAdamW, StepsAsTorchsAdamWInBothGroups) {
+  TrainConfig config;
+  config.grad_clip = 0;
+  ModelConfig model_config;
+  model_config.vocab_size = 31;
+  model_config.d_model = 16;
+  model_config.n_layers = 1;
+  model_config.n_heads = model_config.n_kv_heads = 2;
+  model_config.d_ff = 24;
+  Transformer lesson(model_config), fast(model_config);
+  config.fast = false;
+  auto reference = make_optimizer(lesson, config);
+  config.fast = true;
+  auto fused = make_optimizer(fast, config);
+  ASSERT_NE(dynamic_cast<FusedAdamW*>(fused.get()), nullptr);
+  ASSERT_EQ(dynamic_cast<FusedAdamW*>(reference.get()), nullptr);
+  for (int step = 0; step < 4; ++step) {
+    auto lesson_params = lesson->parameters(), fast_params = fast->parameters();
+    for (size_t i = 0; i < lesson_params.size(); ++i) {
+      // The same gradient on both, different each step; the first parameter gets none at step 1
+      // (it keeps no state until its first gradient), as an expert no token chose.
+      auto grad = draw(lesson_params[i].sizes().vec(), "g", torch::kFloat) * (step + 1);
+      if (i == 0 && step == 1) continue;
+      lesson_params[i].mutable_grad() = grad.clone();
+      fast_params[i].mutable_grad() = grad.clone();
+    }
+    for (auto& group : reference->param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(0.01 * (step + 1));
+    for (auto& group : fused->param_groups())
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(0.01 * (step + 1));
+    reference->step();
+    fused->step();
+    for (size_t i = 0; i < lesson_params.size(); ++i)
+      EXPECT_TENSOR_CLOSE(fast_params[i], lesson_params[i], 1e-6, 1e-6);
+  }
+  // The state is AdamW's own: the same names, steps and moments.
+  const auto want = optimizer_state(lesson, *reference), got = optimizer_state(fast, *fused);
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, tensor] : want) EXPECT_TENSOR_CLOSE(got.at(name), tensor, 1e-6, 1e-6);
+}
+
+TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
+  ModelConfig c;
+  c.vocab_size = 61;
+  c.d_model = 32;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.d_ff = 48;
+  Transformer lesson(c), fast(c);
+  const FastPaths installed = install_fast_paths(fast);
+  EXPECT_EQ(installed.attention_kernels, 2);
+  EXPECT_EQ(installed.norms, 5);  // two per block and the final norm
+  EXPECT_EQ(install_fast_paths(fast).norms, 0);  // once installed, left alone
+  auto tokens = torch::randint(c.vocab_size, {3, 70}, fivefold::generator_for(5, "tokens"));
+  const Batch batch{tokens.narrow(1, 0, 69), tokens.narrow(1, 1, 69)};
+  auto lesson_loss = loss_of(lesson, batch), fast_loss = loss_of(fast, batch);
+  lesson_loss.backward();
+  fast_loss.backward();
+  EXPECT_NEAR(fast_loss.item<double>(), lesson_loss.item<double>(), 1e-6);
+  const auto want = lesson->named_parameters(), got = fast->named_parameters();
+  for (const auto& item : want) {
+    SCOPED_TRACE(item.key());
+    EXPECT_TENSOR_CLOSE(got[item.key()].grad(), item.value().grad(), 1e-5, 1e-6);
+  }
+}
+
+TEST(FastPaths, LeaveAnotherAttentionKernelAlone) {
+  struct Mine : AttentionKernel {
+    AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& qp, const torch::Tensor& kp,
+                           double scale) const override {
+      return CausalAttentionKernel().attend(q, k, v, qp, kp, scale);
+    }
+  };
+  ModelConfig c;
+  c.vocab_size = 31;
+  c.d_model = 16;
+  c.n_layers = 2;
+  c.n_heads = c.n_kv_heads = 2;
+  c.d_ff = 24;
+  Transformer model(c);
+  model->set_attention_kernel(std::make_shared<Mine>());
+  EXPECT_EQ(install_fast_paths(model).attention_kernels, 0);
+}
