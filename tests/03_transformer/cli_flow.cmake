@@ -24,6 +24,16 @@ if(NOT count EQUAL 6)
   message(FATAL_ERROR "metrics.jsonl has ${count} training lines, expected 6")
 endif()
 
+# The lesson's code (--lesson-kernels) trains the run the fast paths (the default) train: the
+# same loss and gradient norm at each of its 4 steps, within 1e-5.
+run("" train --out ${WORK}/lesson --steps 4 --save-every 2 --eval-every 2 --exact-match 4
+    --synthetic-examples 300 --peak-gflops 100 --no-progress --lesson-kernels ${model})
+execute_process(COMMAND ${FIVEFOLD} compare --runs ${out},${WORK}/lesson --tolerance 1e-5
+                RESULT_VARIABLE status OUTPUT_VARIABLE text ERROR_VARIABLE text)
+if(NOT status EQUAL 0)
+  message(FATAL_ERROR "the fast paths' curve differs from the lesson's code's:\n${text}")
+endif()
+
 # The interop flags: new ids on one line, comma-separated; logits as one F32 tensor [seq, vocab].
 run("^[0-9]+(,[0-9]+)*\n$" generate --checkpoint ${out} --prompt-ids 3,1,4 --max-new-tokens 5
     --greedy)
