@@ -357,12 +357,14 @@ int train(int argc, char** argv) {
   }
   // What each group carried and each rank's peak memory, measured in this run.
   const auto measured = ch14::gather_measurements(
-      world, r.training_comm, ch14::predicted_traffic(layout, c, static_cast<int64_t>(world->rank())));
+      world, r.training_comm,
+      ch14::predicted_traffic(layout, c, static_cast<int64_t>(world->rank()),
+                              {r.parameters_held, r.parameter_tensors_held}));
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " training steps (payload bytes handed to each "
-           << "communicator; evaluation and checkpoints not counted), beside chapters 11 and 12's "
-           << "formulas (per training step; '-': no formula here):\n"
+           << "communicator; evaluation and checkpoints not counted), beside chapters 09, 11 and "
+           << "12's formulas (per training step; '-': no formula here):\n"
            << ch14::measurement_table(measured, steps);
     if (!c.out_dir.empty()) {
       nlohmann::json report = ch14::measurement_json(measured, steps);

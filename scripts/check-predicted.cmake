@@ -1,5 +1,5 @@
-# Checks a run's measured.json: every communicator the trainer predicted (chapters 11 and 12's
-# formulas) carried exactly the predicted bytes per step, on the mean over its ranks and on the
+# Checks a run's measured.json: every communicator the trainer predicted (chapters 09, 10, 11
+# and 12's formulas) carried exactly the predicted bytes per step, on the mean over its ranks and on the
 # busiest one. Prints the communicators checked; fails naming the first that differs.
 #   cmake -DMEASURED=runs/x/measured.json -P scripts/check-predicted.cmake
 if(NOT EXISTS "${MEASURED}")

@@ -3,8 +3,9 @@
 # schedule, ZeRO 0-3, sequence parallelism, both CP layouts and kernels, experts split, odd
 # micro-batch counts, MLA + MoE and a dense Llama model), each compared over its first 4 steps
 # with the single process's run of the same settings: loss and gradient norm within 1e-4
-# (relative), and the bytes its pipeline links and context-parallel group carried per step equal
-# chapters 11 and 12's formulas (scripts/check-predicted.cmake). Writes a Markdown table to
+# (relative), and the bytes its pipeline links, cp, tp and data-parallel groups carried per step
+# equal chapters 09-12's formulas where they apply (scripts/check-predicted.cmake). Writes a
+# Markdown table to
 # OUT/RESULTS.md; exits 1 if any layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [BUILD_DIR] [OUT_DIR]
 # --reduced runs five of them (what ctest runs: ch14_parity_matrix); the README has the full

@@ -106,6 +106,11 @@ struct RunResult {
   /// This rank's communicator counts over the training steps alone: no evaluation, checkpoint
   /// or set-up traffic (what the per-step formulas predict).
   dist::CommStats training_comm;
+  /// The trainable parameters this rank's step holds (TrainingStep::model(): a tensor-parallel
+  /// slice, a pipeline stage's layers): elements and tensors, what the data-parallel reductions
+  /// carry.
+  int64_t parameters_held = 0;
+  int64_t parameter_tensors_held = 0;  ///< see parameters_held
 };
 
 /// Runs training. With `resume`, continues from `out_dir`'s latest checkpoint with its saved

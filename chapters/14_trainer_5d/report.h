@@ -57,6 +57,13 @@ struct RankMeasurement {
   std::map<std::string, int64_t> predicted_per_step;
 };
 
+/// The trainable parameters a rank's step holds (RunResult::parameters_held and
+/// parameter_tensors_held): what its data-parallel reductions carry.
+struct HeldParameters {
+  int64_t elements = 0;  ///< 0: not known, and no data-parallel prediction
+  int64_t tensors = 0;   ///< parameter tensors
+};
+
 /// What the formulas say world rank `world_rank` of `layout` (resolved) hands each communicator
 /// in one training step of `run`, in payload bytes as comm_stats counts them:
 /// - `pp-activations` and `pp-gradients` (chapter 11): each virtual stage the rank holds sends
@@ -66,10 +73,21 @@ struct RankMeasurement {
 /// - `cp` (chapter 12's context_parallel_traffic): per attention layer the rank holds and
 ///   micro-batch, the keys and values of its tp share of the heads (MLA: each head's
 ///   qk_nope + qk_rope key and v_head_dim value).
-/// The tensor-parallel, expert and data-parallel groups have no composed formula here (chapter
-/// 10's is for Llama-shaped models without experts), so they are absent.
+/// - `dp+cp` (chapter 09), given the parameters the rank's step holds (P elements in T tensors),
+///   without expert parallelism and for ZeRO 0-2, over its N = dp·cp ranks: DDP's buckets carry
+///   every gradient and one flag per tensor, 4(P + T), and the loss 8 more; ZeRO-1 and 2 the
+///   flags (4T), the reduce-scatter's padded input and the all-gather's padded output
+///   (4·N·⌈P/N⌉ each), the norm's and the loss's 8 bytes each.
+/// - `tp` (chapter 10's tensor_parallel_traffic) for a Llama model (no extensions) without pp or
+///   cp: each micro-batch's activations through f and g (or their all-gather/reduce-scatter
+///   pairs under sequence parallelism) and the loss's per-token sums, plus per step the norm's
+///   8 bytes and, under sequence parallelism, the norms' partial gradients, 4·(2L + 1)·d.
+/// The expert groups, tp with MLA or across stages and sequence shards, ZeRO-3's gathers and the
+/// data-parallel groups under expert parallelism have no composed formula here, so they are
+/// absent.
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
-                                                 int64_t world_rank);
+                                                 int64_t world_rank,
+                                                 const HeldParameters& held = {});
 
 /// This rank's measurement: the bytes of `stats` (a run's training_comm: the training steps
 /// alone) and its peak memory so far.

@@ -293,6 +293,11 @@ RunResult run_training(const RunConfig& requested, bool resume) {
         return std::unique_ptr<TrainingStep>(new SingleProcessStep(std::move(m), t));
       };
   std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
+  for (const auto& p : trainer->model()->parameters()) {
+    if (!p.requires_grad()) continue;
+    result.parameters_held += p.numel();
+    result.parameter_tensors_held += 1;
+  }
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";
     trainer->load_optimizer_state(io::load_safetensors(path), path);

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "06_mla/mla.h"
+#include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/plan.h"
 #include "fivefold/comm_stats.h"
@@ -193,7 +194,7 @@ RankMeasurement measure_rank(const dist::CommStats& stats) {
 }
 
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
-                                                 int64_t world_rank) {
+                                                 int64_t world_rank, const HeldParameters& held) {
   FIVEFOLD_CHECK(layout.dp >= 1, "predicted_traffic: the layout is not resolved (dp 0)");
   const ch03::ModelConfig& model = run.model;
   // The mesh's coordinates of this rank: pp slowest, then dp, cp, tp fastest.
@@ -243,6 +244,30 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
     bytes["cp"] = layers * m *
                   (t.all_gather.payload_bytes + t.send_recv.payload_bytes +
                    t.all_to_all.payload_bytes);
+  }
+
+  // Chapter 10: each micro-batch's f/g all-reduces (under sequence parallelism their all-gather
+  // and reduce-scatter pairs) and the loss's per-token sums; per step the norm's one number and,
+  // under sequence parallelism, the norms' partial gradients (one all-reduce). The formula is for
+  // a Llama model whose layers the rank holds all of, on whole sequences.
+  if (layout.tp > 1 && model.extensions.is_null() && layout.pp == 1 && layout.cp == 1) {
+    const auto t = ch10::tensor_parallel_traffic(model.shape(), static_cast<int>(layout.tp),
+                                                 rows / m, run.seq_len, layout.sequence_parallel);
+    const int64_t micro_batch = t.all_reduce.payload_bytes + t.all_gather.payload_bytes +
+                                t.reduce_scatter.payload_bytes;
+    const int64_t norms = layout.sequence_parallel ? (2 * model.n_layers + 1) * model.d_model : 0;
+    bytes["tp"] = m * micro_batch + 8 + 4 * norms;
+  }
+
+  // Chapter 09: the gradients' reduction over the dp x cp ranks, and the loss's (8 bytes).
+  if (held.elements > 0 && layout.ep == 1 && layout.zero <= 2) {
+    const int64_t p = held.elements, tensors = held.tensors, n = layout.dp * layout.cp;
+    if (layout.zero == 0) {
+      bytes["dp+cp"] = 4 * (p + tensors) + 8;  // DDP's buckets: gradients and one flag each
+    } else {
+      const int64_t padded = n * ((p + n - 1) / n);  // the flat vector, a multiple of n
+      bytes["dp+cp"] = 4 * tensors + 2 * 4 * padded + 8 + 8;  // flags, scatter, gather, norm, loss
+    }
   }
   return bytes;
 }

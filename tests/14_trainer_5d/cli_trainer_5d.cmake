@@ -55,6 +55,7 @@ foreach(link pp-activations pp-gradients)
   endforeach()
 endforeach()
 # The trainer's prediction (chapters 11 and 12's formulas, per rank) beside each measurement:
+# (this layout's tp is MLA's and its data-parallel group works under ep: no formula for either)
 # equal, on the mean and on the busiest rank, for the pipeline's links and for cp's keys and
 # values (chapter 12's context_parallel_traffic for MLA's heads).
 foreach(group pp-activations pp-gradients cp)

@@ -137,7 +137,7 @@ TEST(Report, MeasurementsBecomeBytesPerStep) {
 
 // The pipeline's links: each virtual stage receives unless first and sends unless last, so a
 // rank at either end of a plain pipeline touches one boundary, one inside two, and interleaving
-// v = 2 over pp 2 gives each rank three. Without pp or cp there is nothing predicted.
+// v = 2 over pp 2 gives each rank three. Without pp or cp there are no such links.
 TEST(Report, PredictedTrafficFollowsTheStagesARankHolds) {
   auto model = ch10::testing::tp_config(false);
   model.n_layers = 4;
@@ -153,7 +153,48 @@ TEST(Report, PredictedTrafficFollowsTheStagesARankHolds) {
   interleaved = resolve_layout(interleaved, 2, run);
   for (int64_t rank : {0, 1})
     EXPECT_EQ(predicted_traffic(interleaved, run, rank).at("pp-activations"), 3 * per_link);
-  EXPECT_TRUE(predicted_traffic(resolve_layout(sizes(0, 2, 1, 1), 2, run), run, 0).empty());
+  const auto tp_only = predicted_traffic(resolve_layout(sizes(0, 2, 1, 1), 2, run), run, 0);
+  EXPECT_EQ(tp_only.size(), 1u);  // tp's (the next tests), no pipeline or cp bytes
+  EXPECT_EQ(tp_only.count("tp"), 1u);
   EXPECT_TRUE(throws_error_containing([&] { predicted_traffic(sizes(0, 1, 2, 1), run, 0); },
                                       "not resolved"));
+}
+
+// The data-parallel group from the parameters the rank holds (P = 1001 in T = 5 tensors): DDP
+// 4(P + T) + 8; ZeRO-1 over dp 2: the flags 4T, the scatter's and the gather's padded 4·1002
+// each, the norm's and the loss's 8. Not predicted: under ep, for ZeRO-3, or without the counts.
+TEST(Report, PredictedDataParallelBytesFollowTheHeldParameters) {
+  const auto run = run_with(ch10::testing::tp_config(false));
+  const HeldParameters held{1001, 5};
+  auto dp = [&](int zero, int64_t ep, const HeldParameters& h) {
+    Layout l = sizes(0, 1, 1, 1, ep);
+    l.zero = zero;
+    const auto bytes = predicted_traffic(resolve_layout(l, 2, run), run, 0, h);
+    return bytes.count("dp+cp") ? bytes.at("dp+cp") : int64_t{-1};
+  };
+  EXPECT_EQ(dp(0, 1, held), 4 * (1001 + 5) + 8);
+  EXPECT_EQ(dp(1, 1, held), 4 * 5 + 4 * 1002 + 8 + 4 * 1002 + 8);
+  EXPECT_EQ(dp(2, 1, held), 4 * 5 + 4 * 1002 + 8 + 4 * 1002 + 8);
+  EXPECT_EQ(dp(3, 1, held), -1);
+  EXPECT_EQ(dp(0, 1, {}), -1);
+}
+
+// tp 2 on the Llama model (d 32, L 2), 16 rows of 64 tokens, fp32: per layer g's and f's four
+// all-reduces of [16, 64, 32], the embedding's and the head's one each, the loss's three of one
+// number per token, and the norm's 8 bytes; under sequence parallelism each all-reduce is an
+// all-gather and a reduce-scatter (both counted at the full size) and the norms' 2L + 1 = 5
+// partial gradients of 32 numbers are all-reduced once.
+TEST(Report, PredictedTensorParallelBytesFollowChapter10) {
+  const auto run = run_with(ch10::testing::tp_config(false));
+  const int64_t activation = 16 * 64 * 32 * 4, per_token = 16 * 64 * 4;
+  Layout plain = resolve_layout(sizes(0, 2, 1, 1), 2, run);
+  EXPECT_EQ(predicted_traffic(plain, run, 0).at("tp"),
+            (4 * 2 + 2) * activation + 3 * per_token + 8);
+  Layout sp = sizes(0, 2, 1, 1);
+  sp.sequence_parallel = true;
+  sp = resolve_layout(sp, 2, run);
+  EXPECT_EQ(predicted_traffic(sp, run, 1).at("tp"),
+            2 * (4 * 2 + 2) * activation + 3 * per_token + 8 + 4 * 5 * 32);
+  // No formula for tp across pipeline stages.
+  EXPECT_EQ(predicted_traffic(resolve_layout(sizes(0, 2, 2, 1), 4, run), run, 0).count("tp"), 0u);
 }
