@@ -259,8 +259,11 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
     bytes["tp"] = m * micro_batch + 8 + 4 * norms;
   }
 
-  // Chapter 09: the gradients' reduction over the dp x cp ranks, and the loss's (8 bytes).
-  if (held.elements > 0 && layout.ep == 1 && layout.zero <= 2) {
+  // Chapter 09: the gradients' reduction over the dp x cp ranks, and the loss's (8 bytes). One
+  // process has no communicator at all (chapter 03's step); any other layout has the group, even
+  // of one rank (tp or pp alone), and hands it the same bytes.
+  const bool one_process = layout.dp * layout.tp * layout.pp * layout.cp == 1;
+  if (held.elements > 0 && !one_process && layout.ep == 1 && layout.zero <= 2) {
     const int64_t p = held.elements, tensors = held.tensors, n = layout.dp * layout.cp;
     if (layout.zero == 0) {
       bytes["dp+cp"] = 4 * (p + tensors) + 8;  // DDP's buckets: gradients and one flag each

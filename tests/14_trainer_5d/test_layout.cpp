@@ -177,6 +177,9 @@ TEST(Report, PredictedDataParallelBytesFollowTheHeldParameters) {
   EXPECT_EQ(dp(2, 1, held), 4 * 5 + 4 * 1002 + 8 + 4 * 1002 + 8);
   EXPECT_EQ(dp(3, 1, held), -1);
   EXPECT_EQ(dp(0, 1, {}), -1);
+  // One process: chapter 03's step, no communicator.
+  EXPECT_EQ(predicted_traffic(resolve_layout(sizes(0, 1, 1, 1), 1, run), run, 0, held).count("dp+cp"),
+            0u);
 }
 
 // tp 2 on the Llama model (d 32, L 2), 16 rows of 64 tokens, fp32: per layer g's and f's four
