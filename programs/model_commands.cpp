@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -165,6 +166,69 @@ void resumed_settings(const ArgParser& args, RunConfig& c) {
 
 }  // namespace
 
+namespace {
+
+// `fivefold train --plan N`: what the formulas say each of N ranks of `layout` holds and carries
+// in one training step of `c`, printed as a table; nothing is trained and no process is started.
+// Parameters and memory are counted from the rank's part of the model, built here on one
+// process; under tp they would need the split modules (which need their communicators), so they
+// are left out there, and with them the data-parallel bytes that follow from them.
+int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_size) {
+  std::printf("plan: %s on %lld processes; %lld rows of %lld tokens a step, %lld micro-batch(es)\n\n",
+              layout.describe().c_str(), static_cast<long long>(world_size),
+              static_cast<long long>(c.batch), static_cast<long long>(c.seq_len),
+              static_cast<long long>(c.micro_batches));
+  std::printf("| rank | pp, dp, cp, tp | layers | parameters | parameters + gradients + AdamW "
+              "(chapter 09) | bytes per step, by group (predicted) |\n|---:|---|---|---:|---:|---|\n");
+  std::vector<int64_t> held_by_stage(static_cast<size_t>(layout.pp), -1), tensors_by_stage = held_by_stage;
+  for (int64_t r = 0; r < world_size; ++r) {
+    const int64_t tp_rank = r % layout.tp, cp_rank = (r / layout.tp) % layout.cp;
+    const int64_t dp_rank = (r / (layout.tp * layout.cp)) % layout.dp;
+    const int64_t pp_rank = r / (layout.tp * layout.cp * layout.dp);
+    const ModelPart part = layout.pp > 1 ? ch11::stage_part(c.model.n_layers, layout.pp,
+                                                            layout.virtual_stages, pp_rank)
+                                         : ModelPart{};
+    std::string layers;
+    for (const auto layer : part.layers(c.model.n_layers))
+      layers += (layers.empty() ? "" : ",") + std::to_string(layer);
+    ch14::HeldParameters held;
+    if (layout.tp == 1) {
+      auto& count = held_by_stage[static_cast<size_t>(pp_rank)];
+      if (count < 0) {  // each stage's part once
+        count = 0;
+        tensors_by_stage[static_cast<size_t>(pp_rank)] = 0;
+        const ModelBuilder build = c.build_model ? c.build_model : ch07::make_model;
+        for (const auto& p : build(c.model, part)->parameters()) {
+          count += p.numel();
+          tensors_by_stage[static_cast<size_t>(pp_rank)] += 1;
+        }
+      }
+      held = {count, tensors_by_stage[static_cast<size_t>(pp_rank)]};
+    }
+    std::string memory = "-", parameters = "-";
+    if (held.elements > 0) {
+      const auto m = ch09::zero_memory_formula(held.elements, layout.dp * layout.cp, layout.zero);
+      memory = std::to_string(m.parameters + m.gradients + m.optimizer) + " B";
+      parameters = std::to_string(held.elements);
+    }
+    std::string bytes;
+    for (const auto& [group, b] : ch14::predicted_traffic(layout, c, r, held))
+      bytes += (bytes.empty() ? "" : ", ") + group + " " + std::to_string(b);
+    std::printf("| %lld | %lld, %lld, %lld, %lld | %s | %s | %s | %s |\n", static_cast<long long>(r),
+                static_cast<long long>(pp_rank), static_cast<long long>(dp_rank),
+                static_cast<long long>(cp_rank), static_cast<long long>(tp_rank), layers.c_str(),
+                parameters.c_str(), memory.c_str(), bytes.empty() ? "-" : bytes.c_str());
+  }
+  std::printf("\nBytes are what each rank hands its communicators in one training step (the "
+              "trainer prints the measured ones beside them at the end of a run). No formula "
+              "here for ep's all-to-alls (they follow the routing), ZeRO-3's gathers, the "
+              "data-parallel groups under ep, tp with MLA or across stages or sequence shards, "
+              "nor, under tp, for the parameters a rank holds.\n");
+  return 0;
+}
+
+}  // namespace
+
 int train(int argc, char** argv) {
   const RunConfig d;  // defaults, shown in --help
   ArgParser args(
@@ -248,6 +312,10 @@ int train(int argc, char** argv) {
               "default 100, 0 with --data)");
   args.option("peak-gflops", "0", "matmul peak for MFU (0: measured at start)");
   args.flag("no-progress", "no progress bar");
+  args.option("plan", "0",
+              "print the plan of this run on N processes and exit: each rank's layers, "
+              "parameters, memory (chapter 09's ZeRO formulas) and the bytes the formulas "
+              "predict per group and step; trains nothing and needs no mpirun (0: train)");
   args.flag("lesson-kernels",
             "train on the lesson's code alone: the attention and RMSNorm as written out and "
             "torch's AdamW, instead of the fast paths (chapters/03_transformer/fast.h) that "
@@ -288,8 +356,16 @@ int train(int argc, char** argv) {
                  "attends: they need --cp 2 or more");
   FIVEFOLD_CHECK(!args.on("trace") || !args.str("out").empty(),
                  "--trace writes into --out: give a folder");
-  Runtime runtime;
-  auto world = runtime.world();
+  // --plan N: the layout on N processes, planned on this one; otherwise the launched world.
+  const int64_t plan_world = args.integer("plan");
+  FIVEFOLD_CHECK(plan_world >= 0, "--plan takes a number of processes, got ", plan_world);
+  std::optional<Runtime> runtime;
+  dist::CommunicatorPtr world;
+  if (plan_world == 0) {
+    runtime.emplace();
+    world = runtime->world();
+  }
+  const int64_t world_size = plan_world > 0 ? plan_world : world->size();
 
   RunConfig c;
   c.out_dir = args.str("out");
@@ -328,7 +404,7 @@ int train(int argc, char** argv) {
     planned = load_run_state(resolve_checkpoint(c.out_dir)).run;
     if (args.given("accum")) planned.micro_batches = c.micro_batches;
   }
-  layout = ch14::resolve_layout(layout, world->size(), planned);
+  layout = ch14::resolve_layout(layout, world_size, planned);
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -340,8 +416,9 @@ int train(int argc, char** argv) {
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
-  layout = ch14::resolve_layout(layout, world->size(), c);
-  check_model_fits(c.model, layout.dp * layout.cp, layout.zero, runtime.launch().local_size);
+  layout = ch14::resolve_layout(layout, world_size, c);
+  if (plan_world > 0) return print_plan(layout, c, world_size);
+  check_model_fits(c.model, layout.dp * layout.cp, layout.zero, runtime->launch().local_size);
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
   ch14::apply_layout(layout, world, c);
   dist::reset_comm_stats();  // what the mesh's set-up exchanged is not the training's

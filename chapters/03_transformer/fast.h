@@ -53,6 +53,8 @@ class FusedRMSNormKernel : public NormKernel {
 class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
+  /// One AdamW step of every parameter with a gradient, as torch::optim::AdamW::step computes
+  /// it; the closure, if given, is evaluated first and its loss returned.
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 

@@ -26,6 +26,14 @@ set(short --model-config ${ROOT}/chapters/14_trainer_5d/presets/moe-mla.json --s
     --save-every 2 --peak-gflops 100 --no-progress)
 set(one_process --tp 1 --pp 1 --cp 1 --ep 1 --zero 0 --sequence-parallel=false)
 
+# --plan 16 on one process, no mpirun: each rank's row of the layout with the formulas' bytes,
+# which the 16-rank run below then measures (pp 4096 and cp 82,496 bytes a step, notes §3); a
+# layout the world cannot hold is refused as the run would be.
+include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
+run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\|[^\n]*cp 82496, pp-activations 4096, pp-gradients 4096"
+    train --config ${preset} ${short} --plan 16)
+refused("does not divide the 12 processes" train --config ${preset} ${short} --plan 12)
+
 # One process with the preset's settings, every dimension 1: the reference curve.
 train(1 ${WORK}/single --config ${preset} ${short} ${one_process})
 curve(${WORK}/single want)
