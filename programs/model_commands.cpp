@@ -180,7 +180,7 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
               static_cast<long long>(c.micro_batches));
   std::printf("| rank | pp, dp, cp, tp | layers | parameters | parameters + gradients + AdamW "
               "(chapter 09) | bytes per step, by group (predicted) |\n|---:|---|---|---:|---:|---|\n");
-  std::vector<int64_t> held_by_stage(static_cast<size_t>(layout.pp), -1), tensors_by_stage = held_by_stage;
+  std::vector<TrainableCounts> by_stage(static_cast<size_t>(layout.pp));
   for (int64_t r = 0; r < world_size; ++r) {
     const int64_t tp_rank = r % layout.tp, cp_rank = (r / layout.tp) % layout.cp;
     const int64_t dp_rank = (r / (layout.tp * layout.cp)) % layout.dp;
@@ -192,18 +192,14 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
     for (const auto layer : part.layers(c.model.n_layers))
       layers += (layers.empty() ? "" : ",") + std::to_string(layer);
     ch14::HeldParameters held;
-    if (layout.tp == 1) {
-      auto& count = held_by_stage[static_cast<size_t>(pp_rank)];
-      if (count < 0) {  // each stage's part once
-        count = 0;
-        tensors_by_stage[static_cast<size_t>(pp_rank)] = 0;
+    if (layout.tp == 1) {  // each stage's part built once
+      auto& counts = by_stage[static_cast<size_t>(pp_rank)];
+      if (counts.by_unit.empty()) {
         const ModelBuilder build = c.build_model ? c.build_model : ch07::make_model;
-        for (const auto& p : build(c.model, part)->parameters()) {
-          count += p.numel();
-          tensors_by_stage[static_cast<size_t>(pp_rank)] += 1;
-        }
+        Transformer stage = build(c.model, part);
+        counts = count_trainable(stage);
       }
-      held = {count, tensors_by_stage[static_cast<size_t>(pp_rank)]};
+      held = {counts.elements, counts.tensors, counts.by_unit};
     }
     std::string memory = "-", parameters = "-";
     if (held.elements > 0) {
@@ -221,7 +217,7 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
   }
   std::printf("\nBytes are what each rank hands its communicators in one training step (the "
               "trainer prints the measured ones beside them at the end of a run). No formula "
-              "here for ep's all-to-alls (they follow the routing), ZeRO-3's gathers, the "
+              "here for ep's all-to-alls (they follow the routing), the "
               "data-parallel groups under ep, tp with MLA or across stages or sequence shards, "
               "nor, under tp, for the parameters a rank holds.\n");
   return 0;
@@ -435,8 +431,10 @@ int train(int argc, char** argv) {
   // What each group carried and each rank's peak memory, measured in this run.
   const auto measured = ch14::gather_measurements(
       world, r.training_comm,
-      ch14::predicted_traffic(layout, c, static_cast<int64_t>(world->rank()),
-                              {r.parameters_held, r.parameter_tensors_held}));
+      ch14::predicted_run_traffic(
+          layout, c, static_cast<int64_t>(world->rank()),
+          {r.held.elements, r.held.tensors, r.held.by_unit},
+          static_cast<int64_t>(r.losses.size()), r.steps_after_whole_model));
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " training steps (payload bytes handed to each "

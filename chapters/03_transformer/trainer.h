@@ -97,6 +97,18 @@ RunState load_run_state(const std::string& checkpoint);
 std::pair<TokenDataset, TokenDataset> load_datasets(const DataConfig& data, int64_t seq_len);
 
 /// What a run did.
+/// The trainable parameters (requires_grad) of a model or model part.
+struct TrainableCounts {
+  int64_t elements = 0;  ///< numbers
+  int64_t tensors = 0;   ///< parameter tensors
+  /// The elements by ZeRO-3's units (chapter 09): [0] everything outside the blocks (the root),
+  /// then block 0, 1, ... of the whole model, n_layers + 1 entries (0 for a block not held).
+  std::vector<int64_t> by_unit;
+};
+
+/// Counts `model`'s trainable parameters.
+TrainableCounts count_trainable(Transformer& model);
+
 struct RunResult {
   int64_t first_step = 0;      ///< 0, or the step it resumed from
   std::vector<double> losses;  ///< training loss of each step run
@@ -107,10 +119,11 @@ struct RunResult {
   /// or set-up traffic (what the per-step formulas predict).
   dist::CommStats training_comm;
   /// The trainable parameters this rank's step holds (TrainingStep::model(): a tensor-parallel
-  /// slice, a pipeline stage's layers): elements and tensors, what the data-parallel reductions
-  /// carry.
-  int64_t parameters_held = 0;
-  int64_t parameter_tensors_held = 0;  ///< see parameters_held
+  /// slice, a pipeline stage's layers): what the data-parallel reductions carry.
+  TrainableCounts held;
+  /// Training steps that began right after the whole model was gathered for an evaluation or a
+  /// checkpoint (ZeRO-3's first forward then finds every unit already gathered).
+  int64_t steps_after_whole_model = 0;
 };
 
 /// Runs training. With `resume`, continues from `out_dir`'s latest checkpoint with its saved

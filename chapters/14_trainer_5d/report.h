@@ -52,9 +52,9 @@ std::string svg_plot(const std::vector<Curve>& curves, const std::string& title)
 struct RankMeasurement {
   std::map<std::string, int64_t> payload_bytes;  ///< communicator name -> bytes
   int64_t peak_resident_bytes = 0;               ///< the process's peak RSS (getrusage)
-  /// communicator name -> the bytes per step chapters 11 and 12's formulas predict for this rank
-  /// (predicted_traffic); only the communicators they describe.
-  std::map<std::string, int64_t> predicted_per_step;
+  /// communicator name -> the bytes the formulas predict for this rank over the whole run
+  /// (predicted_run_traffic); only the communicators they describe.
+  std::map<std::string, int64_t> predicted_bytes;
 };
 
 /// The trainable parameters a rank's step holds (RunResult::parameters_held and
@@ -62,6 +62,9 @@ struct RankMeasurement {
 struct HeldParameters {
   int64_t elements = 0;  ///< 0: not known, and no data-parallel prediction
   int64_t tensors = 0;   ///< parameter tensors
+  /// ZeRO-3's units (RunResult::parameters_by_unit): the root's elements, then each block's of
+  /// the whole model; empty: not known, and no ZeRO-3 prediction.
+  std::vector<int64_t> units;
 };
 
 /// What the formulas say world rank `world_rank` of `layout` (resolved) hands each communicator
@@ -77,17 +80,30 @@ struct HeldParameters {
 ///   without expert parallelism and for ZeRO 0-2, over its N = dp·cp ranks: DDP's buckets carry
 ///   every gradient and one flag per tensor, 4(P + T), and the loss 8 more; ZeRO-1 and 2 the
 ///   flags (4T), the reduce-scatter's padded input and the all-gather's padded output
-///   (4·N·⌈P/N⌉ each), the norm's and the loss's 8 bytes each.
+///   (4·N·⌈P/N⌉ each), the norm's and the loss's 8 bytes each; ZeRO-3, with each unit padded to
+///   S_u = N·⌈P_u/N⌉ and S their sum, for a step that begins with every unit freed: each unit
+///   gathered for forward and again for backward and its gradient reduce-scattered, 12·S, each
+///   micro-batch after the first 4·(S_root + S_block0 + 3·S_later blocks) more (the root and
+///   the first block stay gathered between them), or under pp 8·S (gathered once for the
+///   step), plus the flags, the norm and the loss.
 /// - `tp` (chapter 10's tensor_parallel_traffic) for a Llama model (no extensions) without pp or
 ///   cp: each micro-batch's activations through f and g (or their all-gather/reduce-scatter
 ///   pairs under sequence parallelism) and the loss's per-token sums, plus per step the norm's
-///   8 bytes and, under sequence parallelism, the norms' partial gradients, 4·(2L + 1)·d.
-/// The expert groups, tp with MLA or across stages and sequence shards, ZeRO-3's gathers and the
-/// data-parallel groups under expert parallelism have no composed formula here, so they are
-/// absent.
+///   8 bytes and, under sequence parallelism, the norms' partial gradients, 4·(2L + 1)·d (ZeRO-3
+///   reduces them unit by unit as it releases them: 4·(2(L − 1)·m + 3)·d).
+/// The expert groups, tp with MLA or across stages and sequence shards, and the data-parallel
+/// groups under expert parallelism have no composed formula here, so they are absent.
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
                                                  int64_t world_rank,
                                                  const HeldParameters& held = {});
+
+/// predicted_traffic over a run of `steps` training steps, `after_whole_model` of which began right
+/// after an evaluation or checkpoint had gathered the whole model (RunResult): totals, not per
+/// step. Only ZeRO-3 depends on the latter: such a step's first forward gathers nothing (4·S less).
+std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
+                                                     const ch03::RunConfig& run, int64_t world_rank,
+                                                     const HeldParameters& held, int64_t steps,
+                                                     int64_t after_whole_model);
 
 /// This rank's measurement: the bytes of `stats` (a run's training_comm: the training steps
 /// alone) and its peak memory so far.

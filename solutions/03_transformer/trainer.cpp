@@ -154,6 +154,21 @@ std::string resolve_checkpoint(const std::string& path) {
   return dir.string();
 }
 
+TrainableCounts count_trainable(Transformer& model) {
+  TrainableCounts counts;
+  counts.by_unit.assign(static_cast<size_t>(model->config().n_layers + 1), 0);
+  for (const auto& item : model->named_parameters()) {
+    const auto& p = item.value();
+    if (!p.requires_grad()) continue;
+    counts.elements += p.numel();
+    counts.tensors += 1;
+    const std::string prefix = "model.layers.";  // model.layers.{i}.*: block i's unit, 1 + i
+    const bool block = item.key().rfind(prefix, 0) == 0;
+    counts.by_unit[block ? 1 + std::stoul(item.key().substr(prefix.size())) : 0] += p.numel();
+  }
+  return counts;
+}
+
 namespace {
 
 // Writes OUT/step-NNNNNNNN as a whole: into a temporary folder, renamed when complete; then
@@ -293,11 +308,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
         return std::unique_ptr<TrainingStep>(new SingleProcessStep(std::move(m), t));
       };
   std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
-  for (const auto& p : trainer->model()->parameters()) {
-    if (!p.requires_grad()) continue;
-    result.parameters_held += p.numel();
-    result.parameter_tensors_held += 1;
-  }
+  result.held = count_trainable(trainer->model());
+  bool whole_model = false;  // gathered by full_model() since the last step
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";
     trainer->load_optimizer_state(io::load_safetensors(path), path);
@@ -371,6 +383,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     for (int64_t i = 0; i < c.micro_batches; ++i) micro.push_back({inputs[i], targets[i]});
 
     Timer timer;
+    if (whole_model) ++result.steps_after_whole_model;
+    whole_model = false;
     const dist::CommStats comm_before = dist::comm_stats();
     const StepResult r = [&] {
       trace::Span span("step " + std::to_string(step + 1), "train");  // --trace's timeline
@@ -410,10 +424,12 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     if (last || (c.eval_every > 0 && done % c.eval_every == 0)) {
       trace::Span span("evaluate", "eval");
       evaluate(done);
+      whole_model = true;
     }
     if (!c.out_dir.empty() && (last || (c.save_every > 0 && done % c.save_every == 0))) {
       trace::Span span("checkpoint", "checkpoint");
       result.checkpoint = save_checkpoint(c, *trainer, done);
+      whole_model = true;
     }
   }
   bar.finish();

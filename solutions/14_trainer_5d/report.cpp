@@ -255,7 +255,11 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
                                                  rows / m, run.seq_len, layout.sequence_parallel);
     const int64_t micro_batch = t.all_reduce.payload_bytes + t.all_gather.payload_bytes +
                                 t.reduce_scatter.payload_bytes;
-    const int64_t norms = layout.sequence_parallel ? (2 * model.n_layers + 1) * model.d_model : 0;
+    // The norms' partial gradients go once a step; ZeRO-3 reduces them with each unit's release,
+    // which for blocks 1 .. L-1 happens every micro-batch (block 0 and the root at the step).
+    const int64_t norm_sets = layout.zero == 3 ? 2 * (model.n_layers - 1) * m + 3
+                                               : 2 * model.n_layers + 1;
+    const int64_t norms = layout.sequence_parallel ? norm_sets * model.d_model : 0;
     bytes["tp"] = m * micro_batch + 8 + 4 * norms;
   }
 
@@ -272,6 +276,35 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
       bytes["dp+cp"] = 4 * tensors + 2 * 4 * padded + 8 + 8;  // flags, scatter, gather, norm, loss
     }
   }
+  // ZeRO-3: each unit gathered (all-gather output) and its gradient reduce-scattered (input).
+  if (!held.units.empty() && !one_process && layout.ep == 1 && layout.zero == 3) {
+    const int64_t n = layout.dp * layout.cp;
+    auto padded = [n](int64_t numel) { return n * ((numel + n - 1) / n); };
+    int64_t total = 0;
+    for (int64_t u : held.units) total += padded(u);
+    const int64_t root = padded(held.units[0]);
+    const int64_t first_block = held.units.size() > 1 ? padded(held.units[1]) : 0;
+    const int64_t later = total - root - first_block;
+    const int64_t units = layout.pp > 1
+                              ? 2 * total  // gathered for the whole step, then scattered once
+                              : 3 * total + (m - 1) * (root + first_block + 3 * later);
+    bytes["dp+cp"] = 4 * units + 4 * held.tensors + 8 + 8;  // with the flags, the norm, the loss
+  }
+  return bytes;
+}
+
+std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
+                                                     const ch03::RunConfig& run, int64_t world_rank,
+                                                     const HeldParameters& held, int64_t steps,
+                                                     int64_t after_whole_model) {
+  auto bytes = predicted_traffic(layout, run, world_rank, held);
+  for (auto& [group, b] : bytes) b *= steps;
+  if (bytes.count("dp+cp") && layout.zero == 3) {
+    const int64_t n = layout.dp * layout.cp;
+    int64_t total = 0;
+    for (int64_t u : held.units) total += n * ((u + n - 1) / n);
+    bytes["dp+cp"] -= after_whole_model * 4 * total;  // every unit found gathered already
+  }
   return bytes;
 }
 
@@ -287,7 +320,7 @@ std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& wo
     RankMeasurement m;
     m.payload_bytes = j["bytes"].get<std::map<std::string, int64_t>>();
     m.peak_resident_bytes = j["peak"].get<int64_t>();
-    m.predicted_per_step = j["predicted"].get<std::map<std::string, int64_t>>();
+    m.predicted_bytes = j["predicted"].get<std::map<std::string, int64_t>>();
     all.push_back(m);
   }
   return all;
@@ -299,7 +332,7 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
   nlohmann::json peaks = nlohmann::json::array();
   for (const auto& r : ranks) {
     for (const auto& [name, bytes] : r.payload_bytes) by_group[name].push_back(bytes);
-    for (const auto& [name, bytes] : r.predicted_per_step) predicted[name].push_back(bytes);
+    for (const auto& [name, bytes] : r.predicted_bytes) predicted[name].push_back(bytes);
     peaks.push_back(r.peak_resident_bytes);
   }
   // The mean and the largest of `bytes`, divided by `steps`.
@@ -318,8 +351,8 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
     const auto [mean, most] = mean_and_max(bytes, steps);
     groups[name] = {{"mean", mean}, {"max", most}, {"ranks", bytes.size()}};
   }
-  for (const auto& [name, bytes] : predicted) {  // per step already, over the ranks predicted
-    const auto [mean, most] = mean_and_max(bytes, 1);
+  for (const auto& [name, bytes] : predicted) {  // over the ranks predicted
+    const auto [mean, most] = mean_and_max(bytes, steps);
     groups[name]["predicted_mean"] = mean;
     groups[name]["predicted_max"] = most;
     if (!groups[name].contains("ranks"))

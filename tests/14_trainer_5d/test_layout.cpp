@@ -124,9 +124,10 @@ TEST(Report, MeasurementsBecomeBytesPerStep) {
   EXPECT_EQ(j["per_step_bytes"]["dp+cp"]["ranks"].get<int64_t>(), 1);
   const std::string table = measurement_table({r0, r1}, 2);
   EXPECT_NE(table.find("| tp | 2 | 250 | 300 | - | - |"), std::string::npos) << table;
-  // A prediction per rank goes beside the measurement: mean and largest over the ranks.
-  r0.predicted_per_step = {{"tp", 200}};
-  r1.predicted_per_step = {{"tp", 320}};
+  // A prediction per rank (over the run, like the measurement) goes beside it, per step: mean and
+  // largest over the ranks.
+  r0.predicted_bytes = {{"tp", 400}};
+  r1.predicted_bytes = {{"tp", 640}};
   EXPECT_NE(measurement_table({r0, r1}, 2).find("| tp | 2 | 250 | 300 | 260 | 320 |"),
             std::string::npos)
       << measurement_table({r0, r1}, 2);
@@ -165,7 +166,7 @@ TEST(Report, PredictedTrafficFollowsTheStagesARankHolds) {
 // each, the norm's and the loss's 8. Not predicted: under ep, for ZeRO-3, or without the counts.
 TEST(Report, PredictedDataParallelBytesFollowTheHeldParameters) {
   const auto run = run_with(ch10::testing::tp_config(false));
-  const HeldParameters held{1001, 5};
+  const HeldParameters held{1001, 5, {}};
   auto dp = [&](int zero, int64_t ep, const HeldParameters& h) {
     Layout l = sizes(0, 1, 1, 1, ep);
     l.zero = zero;
@@ -175,8 +176,22 @@ TEST(Report, PredictedDataParallelBytesFollowTheHeldParameters) {
   EXPECT_EQ(dp(0, 1, held), 4 * (1001 + 5) + 8);
   EXPECT_EQ(dp(1, 1, held), 4 * 5 + 4 * 1002 + 8 + 4 * 1002 + 8);
   EXPECT_EQ(dp(2, 1, held), 4 * 5 + 4 * 1002 + 8 + 4 * 1002 + 8);
-  EXPECT_EQ(dp(3, 1, held), -1);
+  EXPECT_EQ(dp(3, 1, held), -1);  // ZeRO-3 needs the units
   EXPECT_EQ(dp(0, 1, {}), -1);
+  // ZeRO-3 over dp 2 with units root 101, block 0 300, block 1 600 (padded 102, 300, 600; S =
+  // 1002): one micro-batch 12·S; a second adds 4·(102 + 300 + 3·600); plus flags, norm, loss.
+  const HeldParameters units{1001, 5, {101, 300, 600}};
+  EXPECT_EQ(dp(3, 1, units), 12 * 1002 + 4 * 5 + 16);
+  auto two = run;
+  two.micro_batches = 2;
+  Layout l3 = sizes(0, 1, 1, 1);
+  l3.zero = 3;
+  l3 = resolve_layout(l3, 2, two);
+  EXPECT_EQ(predicted_traffic(l3, two, 0, units).at("dp+cp"),
+            12 * 1002 + 4 * (102 + 300 + 3 * 600) + 4 * 5 + 16);
+  // Over 5 steps, 2 of them after an evaluation had gathered every unit: 4·S less each.
+  EXPECT_EQ(predicted_run_traffic(l3, two, 0, units, 5, 2).at("dp+cp"),
+            5 * (12 * 1002 + 4 * (102 + 300 + 3 * 600) + 4 * 5 + 16) - 2 * 4 * 1002);
   // One process: chapter 03's step, no communicator.
   EXPECT_EQ(predicted_traffic(resolve_layout(sizes(0, 1, 1, 1), 1, run), run, 0, held).count("dp+cp"),
             0u);
@@ -198,6 +213,14 @@ TEST(Report, PredictedTensorParallelBytesFollowChapter10) {
   sp = resolve_layout(sp, 2, run);
   EXPECT_EQ(predicted_traffic(sp, run, 1).at("tp"),
             2 * (4 * 2 + 2) * activation + 3 * per_token + 8 + 4 * 5 * 32);
+  // ZeRO-3 reduces the norms' partial gradients as it releases each unit: blocks 1 .. L-1 every
+  // micro-batch (here 1 of them, 2 norms, m = 1), block 0's 2 and the final norm at the step.
+  Layout sp3 = sizes(0, 2, 1, 1);
+  sp3.sequence_parallel = true;
+  sp3.zero = 3;
+  sp3 = resolve_layout(sp3, 2, run);
+  EXPECT_EQ(predicted_traffic(sp3, run, 0).at("tp"),
+            2 * (4 * 2 + 2) * activation + 3 * per_token + 8 + 4 * (2 + 3) * 32);
   // No formula for tp across pipeline stages.
   EXPECT_EQ(predicted_traffic(resolve_layout(sizes(0, 2, 2, 1), 4, run), run, 0).count("tp"), 0u);
 }
