@@ -96,7 +96,6 @@ RunState load_run_state(const std::string& checkpoint);
 /// missing, empty or too short file.
 std::pair<TokenDataset, TokenDataset> load_datasets(const DataConfig& data, int64_t seq_len);
 
-/// What a run did.
 /// The trainable parameters (requires_grad) of a model or model part.
 struct TrainableCounts {
   int64_t elements = 0;  ///< numbers
@@ -109,6 +108,7 @@ struct TrainableCounts {
 /// Counts `model`'s trainable parameters.
 TrainableCounts count_trainable(Transformer& model);
 
+/// What a run did.
 struct RunResult {
   int64_t first_step = 0;      ///< 0, or the step it resumed from
   std::vector<double> losses;  ///< training loss of each step run
