@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "03_transformer/heads.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -19,18 +20,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// Grouped-query attention: each key/value head repeated for the query heads it serves, and the
-// gradients of the repeats summed back onto their head.
-torch::Tensor expand_heads(const torch::Tensor& t, int64_t heads) {
-  const int64_t group = heads / t.size(1);
-  return group == 1 ? t : t.repeat_interleave(group, 1);
-}
-
-torch::Tensor fold_heads(const torch::Tensor& t, int64_t kv_heads) {
-  const int64_t group = t.size(1) / kv_heads;
-  return group == 1 ? t : t.unflatten(1, {kv_heads, group}).sum(2);
-}
 
 // The scores of a tile of queries q_tile [b, h, T, d] (already scaled) against the keys it can
 // see, keys [b, h, end, d]: the tile's queries are the last T positions before `end`, so only the

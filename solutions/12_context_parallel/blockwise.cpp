@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "03_transformer/heads.h"
 #include "12_context_parallel/attention.h"
 #include "fivefold/error.h"
 
@@ -10,17 +11,8 @@ namespace fivefold::ch12 {
 
 namespace {
 
-// Grouped-query attention: key/value heads repeated to the query heads, and the gradients of the
-// repeats summed back onto their head.
-torch::Tensor expand_heads(const torch::Tensor& t, int64_t heads) {
-  const int64_t group = heads / t.size(1);
-  return group == 1 ? t : t.repeat_interleave(group, 1);
-}
-
-torch::Tensor fold_heads(const torch::Tensor& t, int64_t kv_heads) {
-  const int64_t group = t.size(1) / kv_heads;
-  return group == 1 ? t : t.unflatten(1, {kv_heads, group}).sum(2);
-}
+using ch03::expand_heads;  // grouped-query heads (03_transformer/heads.h)
+using ch03::fold_heads;
 
 // scale·q·kᵀ with the keys a query may not see (a later position) at −inf: [b, h, seq_q, seq_k].
 torch::Tensor masked_scores(const torch::Tensor& q, const torch::Tensor& k,
