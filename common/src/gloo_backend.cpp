@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -217,23 +218,49 @@ void meet(c10d::Store& store, int rank, int size, const std::string& where) {
   }
 }
 
+// When process `pid` started, in clock ticks after boot (/proc/<pid>/stat, field 22); -1 when
+// it does not exist or cannot be read. With the pid it names one process for good: a pid the
+// kernel hands out again belongs to a process with a later start.
+long long process_start_time(long pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return -1;
+  const auto name_end = stat.rfind(')');  // field 2, the command, may hold spaces and ')'
+  if (name_end == std::string::npos) return -1;
+  std::istringstream fields(stat.substr(name_end + 1));
+  std::string field;
+  for (int i = 3; i <= 22 && fields >> field; ++i) {
+    if (i == 22) return std::atoll(field.c_str());
+  }
+  return -1;
+}
+
 // Rendezvous files of jobs whose launcher is gone (a job that crashed never removes its own): the
-// launcher's pid ends the name, so a file whose pid no longer exists belongs to no running job.
+// name ends in the launcher's pid and start time, so a file whose pid no longer runs, or runs a
+// later process that was given the same pid, belongs to no running job.
 void remove_stale_rendezvous_files(const std::filesystem::path& dir) {
   const std::string prefix = "fivefold-rendezvous-";
   std::error_code error;
   for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
     const std::string name = entry.path().filename().string();
     if (name.rfind(prefix, 0) != 0) continue;
-    const auto dash = name.rfind('-');
+    const auto last = name.rfind('-');
+    const auto before = last == std::string::npos || last == 0 ? std::string::npos
+                                                               : name.rfind('-', last - 1);
+    if (before == std::string::npos || before < prefix.size()) continue;  // not one of ours
     long pid = 0;
+    long long start = 0;
     try {
-      pid = std::stol(name.substr(dash + 1));
+      pid = std::stol(name.substr(before + 1, last - before - 1));
+      start = std::stoll(name.substr(last + 1));
     } catch (const std::exception&) {
       continue;  // not one of ours
     }
     if (pid <= 0 || pid > std::numeric_limits<pid_t>::max()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // still running
+    const bool running = ::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH;
+    const long long started = process_start_time(pid);
+    // A pid that runs but whose start cannot be read (another user's /proc hidden) is kept.
+    if (running && (started < 0 || started == start)) continue;
     if (std::filesystem::remove(entry.path(), error))
       fivefold::log(LogLevel::Info)
           << "removed the rendezvous file of a finished job: " << entry.path();
@@ -267,13 +294,16 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
     }
   } else if (!launch.job_id.empty()) {
     // mpirun/srun without MASTER_ADDR: a store in a file named after the job and its launcher
-    // (the ranks' parent process), so two jobs on one machine never meet (no port to collide
-    // on). Single machine only.
+    // (the ranks' parent process: pid and start time), so two jobs on one machine never meet (no
+    // port to collide on), not even a job whose launcher got the pid of a crashed job's, whose
+    // file is still there. Single machine only.
     const auto dir = std::filesystem::temp_directory_path();
     const long launcher = static_cast<long>(::getppid());
     if (launch.local_rank == 0) remove_stale_rendezvous_files(dir);
-    const std::string path =
-        (dir / ("fivefold-rendezvous-" + launch.job_id + "-" + std::to_string(launcher))).string();
+    const std::string path = (dir / ("fivefold-rendezvous-" + launch.job_id + "-" +
+                                     std::to_string(launcher) + "-" +
+                                     std::to_string(process_start_time(launcher))))
+                                 .string();
     where = "'" + path + "'";
     store = c10::make_intrusive<c10d::FileStore>(path, launch.size);
   } else if (launch.size == 1) {
