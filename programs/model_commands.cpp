@@ -199,7 +199,17 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
         Transformer stage = build(c.model, part);
         counts = count_trainable(stage);
       }
-      held = {counts.elements, counts.tensors, counts.by_unit};
+      held = counts;
+    }
+    if (layout.ep > 1) {  // the rank holds E/ep of each layer's routed experts, all of one size
+      for (size_t u = 0; u < held.by_unit.size() && !held.routed_by_unit.empty(); ++u) {
+        const int64_t away = held.routed_by_unit[u] - held.routed_by_unit[u] / layout.ep;
+        held.by_unit[u] -= away;
+        held.routed_by_unit[u] -= away;
+        held.elements -= away;
+      }
+      held.tensors -= held.routed_tensors - held.routed_tensors / layout.ep;
+      held.routed_tensors /= layout.ep;
     }
     std::string memory = "-", parameters = "-";
     if (held.elements > 0) {
@@ -216,10 +226,11 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
                 parameters.c_str(), memory.c_str(), bytes.empty() ? "-" : bytes.c_str());
   }
   std::printf("\nBytes are what each rank hands its communicators in one training step (the "
-              "trainer prints the measured ones beside them at the end of a run). No formula "
-              "here for ep's all-to-alls (they follow the routing), the "
-              "data-parallel groups under ep, tp with MLA or across stages or sequence shards, "
-              "nor, under tp, for the parameters a rank holds.\n");
+              "trainer prints the measured ones beside them at the end of a run); ep's assume "
+              "the router spreads every rank's tokens evenly (what one rank receives follows "
+              "the routing; the mean over the ranks does not). No formula here for tp with MLA "
+              "or across stages or sequence shards, nor, under tp, for the parameters a rank "
+              "holds.\n");
   return 0;
 }
 
@@ -433,13 +444,14 @@ int train(int argc, char** argv) {
       world, r.training_comm,
       ch14::predicted_run_traffic(
           layout, c, static_cast<int64_t>(world->rank()),
-          {r.held.elements, r.held.tensors, r.held.by_unit},
+          r.held,
           static_cast<int64_t>(r.losses.size()), r.steps_after_whole_model));
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " training steps (payload bytes handed to each "
-           << "communicator; evaluation and checkpoints not counted), beside chapters 09, 11 and "
-           << "12's formulas (per training step; '-': no formula here):\n"
+           << "communicator; evaluation and checkpoints not counted), beside chapters 09-13's "
+           << "formulas (per training step; '-': no formula here; '~': ep's balanced-routing "
+           << "expectation):\n"
            << ch14::measurement_table(measured, steps);
     if (!c.out_dir.empty()) {
       nlohmann::json report = ch14::measurement_json(measured, steps);

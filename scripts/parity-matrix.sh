@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The parity matrix: `fivefold train` in many layouts (each dimension 1, 2 or 4, every pipeline
 # schedule, ZeRO 0-3, sequence parallelism, both CP layouts and kernels, experts split, odd
-# micro-batch counts, MLA + MoE and a dense Llama model), each compared over its first 4 steps
-# with the single process's run of the same settings: loss and gradient norm within 1e-4
-# (relative), and the bytes its pipeline links, cp, tp and data-parallel groups carried per step
-# equal chapters 09-12's formulas where they apply (scripts/check-predicted.cmake). Writes a
-# Markdown table to
-# OUT/RESULTS.md; exits 1 if any layout is outside.
+# micro-batch counts, a sequence that splits unevenly, MLA + MoE and a dense Llama model), each
+# compared over its first 4 steps with the single process's run of the same settings: loss and
+# gradient norm within 1e-4 (relative), and the bytes its pipeline links, cp, tp, ep and
+# data-parallel groups carried per step equal chapters 09-13's formulas where they apply
+# (scripts/check-predicted.cmake). Writes a Markdown table to OUT/RESULTS.md; exits 1 if any
+# layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [BUILD_DIR] [OUT_DIR]
 # --reduced runs five of them (what ctest runs: ch14_parity_matrix); the README has the full
 # matrix's last results.
@@ -22,12 +22,15 @@ export OMP_WAIT_POLICY=passive
 mpi=(mpirun --oversubscribe)
 [ "$(id -u)" -eq 0 ] && mpi+=(--allow-run-as-root)
 
-common=(--steps 4 --batch 24 --seq 16 --synthetic-examples 300 --warmup 1 --grad-clip 0.5
+common=(--steps 4 --batch 24 --synthetic-examples 300 --warmup 1 --grad-clip 0.5
         --eval-every 0 --eval-batches 1 --exact-match 0 --save-every 0 --peak-gflops 100
         --no-progress)
+# moe-15: sequences of 15 tokens, which contiguous CP, sequence parallelism and the pipeline's
+# links split unevenly.
 declare -A model=(
-  [moe]="--model-config chapters/14_trainer_5d/presets/moe-mla.json"
-  [llama]="--d-model 32 --n-layers 4 --n-heads 4 --n-kv-heads 2 --d-ff 64"
+  [moe]="--model-config chapters/14_trainer_5d/presets/moe-mla.json --seq 16"
+  [moe-15]="--model-config chapters/14_trainer_5d/presets/moe-mla.json --seq 15"
+  [llama]="--d-model 32 --n-layers 4 --n-heads 4 --n-kv-heads 2 --d-ff 64 --seq 16"
 )
 
 # ranks | model | layout flags
@@ -53,11 +56,14 @@ full=(
   "4|moe|--pp 2 --cp 2 --ep 2"
   "4|llama|--tp 2 --pp 2 --schedule zb --accum 2"
   "4|moe|--dp 2 --cp 2 --ep 4 --zero 3"
+  "4|moe|--dp 4 --ep 2 --zero 3 --accum 3"
+  "4|moe|--pp 2 --dp 2 --ep 2 --zero 3 --accum 2"
   "4|llama|--dp 4 --tp 1 --pp 1 --cp 1 --ep 1"
   "8|llama|--tp 2 --sequence-parallel --pp 2 --cp 2 --accum 3"
   "8|moe|--dp 2 --tp 2 --pp 2 --ep 2 --zero 1 --schedule interleaved --virtual-stages 2 --accum 2"
   "8|moe|--dp 2 --cp 2 --tp 2 --ep 4 --zero 2 --cp-attention allgather"
   "8|llama|--dp 2 --pp 2 --cp 2 --zero 3 --schedule gpipe --accum 2"
+  "8|moe-15|--tp 2 --sequence-parallel --pp 2 --cp 2 --cp-layout contiguous --ep 2 --accum 2"
   "16|moe|--dp 2 --tp 2 --sequence-parallel --pp 2 --cp 2 --ep 2 --zero 1 --accum 2"
   "16|llama|--dp 2 --tp 2 --pp 2 --cp 2 --zero 2 --schedule zb --accum 3 --cp-layout contiguous"
 )
@@ -72,7 +78,7 @@ if [ $reduced -eq 1 ]; then layouts=("${ci[@]}"); else layouts=("${full[@]}"); f
 
 rm -rf "$out"
 mkdir -p "$out"
-for name in moe llama; do  # the references: one process, the same settings
+for name in "${!model[@]}"; do  # the references: one process, the same settings
   # shellcheck disable=SC2086
   "$fivefold" train --out "$out/single-$name" "${common[@]}" ${model[$name]} >"$out/single-$name.log" 2>&1 ||
     { cat "$out/single-$name.log"; exit 1; }

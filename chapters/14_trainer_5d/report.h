@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "03_transformer/trainer.h"
 #include "14_trainer_5d/trainer_5d.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/dist.h"
@@ -57,22 +58,21 @@ struct RankMeasurement {
   std::map<std::string, int64_t> predicted_bytes;
 };
 
-/// The trainable parameters a rank's step holds (RunResult::parameters_held and
-/// parameter_tensors_held): what its data-parallel reductions carry.
-struct HeldParameters {
-  int64_t elements = 0;  ///< 0: not known, and no data-parallel prediction
-  int64_t tensors = 0;   ///< parameter tensors
-  /// ZeRO-3's units (RunResult::parameters_by_unit): the root's elements, then each block's of
-  /// the whole model; empty: not known, and no ZeRO-3 prediction.
-  std::vector<int64_t> units;
-};
+/// The trainable parameters a rank's step holds (RunResult::held, counted from the step's model):
+/// what its data-parallel reductions carry. `by_unit` empty: no ZeRO-3 prediction; `elements` 0:
+/// no data-parallel prediction at all.
+using HeldParameters = ch03::TrainableCounts;
 
 /// What the formulas say world rank `world_rank` of `layout` (resolved) hands each communicator
 /// in one training step of `run`, in payload bytes as comm_stats counts them:
 /// - `pp-activations` and `pp-gradients` (chapter 11): each virtual stage the rank holds sends
 ///   its activations on unless it is the last stage and receives them unless it is the first
-///   (gradients the other way), (B/dp) rows x s/(cp·t) tokens x d x 4 bytes each over the m
-///   micro-batches, t = tp under sequence parallelism, else 1 (notes/14_trainer_5d.md §3);
+///   (gradients the other way), (B/dp) rows x s/(cp·t) positions (the rank's own count where
+///   contiguous CP's or sequence parallelism's slices differ by one) x d x 4 bytes each over
+///   the m micro-batches, t = tp under sequence parallelism, else 1 (notes/14_trainer_5d.md
+///   §3), and
+///   per step `pp` the loss (8 bytes, broadcast from the last stage) and `pp+tp` the norm's
+///   squares (8 bytes);
 /// - `cp` (chapter 12's context_parallel_traffic): per attention layer the rank holds and
 ///   micro-batch, the keys and values of its tp share of the heads (MLA: each head's
 ///   qk_nope + qk_rope key and v_head_dim value).
@@ -91,8 +91,18 @@ struct HeldParameters {
 ///   pairs under sequence parallelism) and the loss's per-token sums, plus per step the norm's
 ///   8 bytes and, under sequence parallelism, the norms' partial gradients, 4·(2L + 1)·d (ZeRO-3
 ///   reduces them unit by unit as it releases them: 4·(2(L − 1)·m + 3)·d).
-/// The expert groups, tp with MLA or across stages and sequence shards, and the data-parallel
-/// groups under expert parallelism have no composed formula here, so they are absent.
+/// - under expert parallelism (chapter 13), `edp` takes the place of `dp+cp`: the same formulas
+///   over its N = dp·cp/ep ranks and the parameters the rank holds (its E/ep experts); and `ep`
+///   carries, per MoE layer the rank holds and micro-batch, the counts' all-to-all (E int64) and
+///   four token all-to-alls (dispatch and combine, each again in backward) of T·k rows of d
+///   floats sent and, if the router spreads the T·k assignments of every rank evenly, as many
+///   received (T: the rank's tokens per micro-batch), plus per step the partial gradients of
+///   everything but the routed experts (4·P_shared; ZeRO-3 sums them unit by unit as it releases
+///   them), the norm's squares and the loss (8 bytes each). What a rank receives follows the
+///   routing, but every row sent is received: the mean over the ranks is exact, each rank's
+///   share is the balanced expectation (measurement_json). Dropless routing only (no capacity).
+/// tp with MLA or across stages and sequence shards has no composed formula here, so it is
+/// absent.
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
                                                  int64_t world_rank,
                                                  const HeldParameters& held = {});
@@ -121,7 +131,9 @@ std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& wo
 std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 /// The same as JSON: {"per_step_bytes": {name: {"mean", "max", "ranks", and where predicted
-/// "predicted_mean", "predicted_max"}}, "peak_resident_bytes": [per rank]}.
+/// "predicted_mean", "predicted_max" and "exact": the statistics the prediction is exact for,
+/// ["mean", "max"], or for `ep` ["mean"] (each rank's share follows the routing)}},
+/// "peak_resident_bytes": [per rank]}.
 nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 }  // namespace fivefold::ch14

@@ -164,7 +164,13 @@ TrainableCounts count_trainable(Transformer& model) {
     counts.tensors += 1;
     const std::string prefix = "model.layers.";  // model.layers.{i}.*: block i's unit, 1 + i
     const bool block = item.key().rfind(prefix, 0) == 0;
-    counts.by_unit[block ? 1 + std::stoul(item.key().substr(prefix.size())) : 0] += p.numel();
+    const size_t unit = block ? 1 + std::stoul(item.key().substr(prefix.size())) : 0;
+    counts.by_unit[unit] += p.numel();
+    if (item.key().find(".experts.") != std::string::npos) {
+      if (counts.routed_by_unit.empty()) counts.routed_by_unit.assign(counts.by_unit.size(), 0);
+      counts.routed_by_unit[unit] += p.numel();
+      counts.routed_tensors += 1;
+    }
   }
   return counts;
 }

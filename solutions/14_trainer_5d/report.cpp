@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "06_mla/mla.h"
+#include "07_moe/moe.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/plan.h"
@@ -17,6 +18,7 @@
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 #include "fivefold/memory.h"
+#include "fivefold/seed.h"
 
 namespace fivefold::ch14 {
 
@@ -50,6 +52,13 @@ Curve read_curve(const std::string& metrics_path, const std::string& label) {
 }
 
 namespace {
+
+// ZeRO-3's S: each unit's elements padded to a multiple of the n data-parallel ranks, summed.
+int64_t padded_units(const HeldParameters& held, int64_t n) {
+  int64_t total = 0;
+  for (int64_t u : held.by_unit) total += n * ((u + n - 1) / n);
+  return total;
+}
 
 double relative(double a, double reference) {
   return std::abs(a - reference) / std::max(std::abs(reference), 1e-30);
@@ -198,18 +207,24 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
   FIVEFOLD_CHECK(layout.dp >= 1, "predicted_traffic: the layout is not resolved (dp 0)");
   const ch03::ModelConfig& model = run.model;
   // The mesh's coordinates of this rank: pp slowest, then dp, cp, tp fastest.
-  const int64_t cp_rank = (world_rank / layout.tp) % layout.cp;
+  const int64_t tp_rank = world_rank % layout.tp, cp_rank = (world_rank / layout.tp) % layout.cp;
   const int64_t pp_rank = world_rank / (layout.tp * layout.cp * layout.dp);
   const int64_t rows = run.batch / layout.dp;  // this data-parallel rank's rows, all micro-batches
   const int64_t m = run.micro_batches;
   std::map<std::string, int64_t> bytes;
+  // The positions of each row this rank computes on: its slice of the sequence (contiguous
+  // slices may differ by one), under sequence parallelism its tp part of that (the same way).
+  int64_t positions = layout.cp_layout == ch12::CpLayout::Contiguous
+                          ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(cp_rank)]
+                          : run.seq_len / layout.cp;
+  if (layout.sequence_parallel)
+    positions = split_sizes(positions, layout.tp)[static_cast<size_t>(tp_rank)];
 
   // Chapter 11: virtual stage k·pp + r of pp·v; the first receives no activation, the last sends
-  // none (and the other way for gradients). Tokens per row on the link: s/cp, and /tp under SP.
+  // none (and the other way for gradients), each row's `positions`.
   const int64_t v = layout.virtual_stages, stages = layout.pp * v;
   if (layout.pp > 1) {
-    const int64_t tokens = run.seq_len / layout.cp / (layout.sequence_parallel ? layout.tp : 1);
-    const int64_t per_link = rows * tokens * model.d_model * 4;
+    const int64_t per_link = rows * positions * model.d_model * 4;
     int64_t links = 0;  // stage boundaries this rank is an end of, each way
     for (int64_t k = 0; k < v; ++k) {
       const int64_t stage = k * layout.pp + pp_rank;
@@ -217,6 +232,8 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
     }
     bytes["pp-activations"] = links * per_link;
     bytes["pp-gradients"] = links * per_link;
+    bytes["pp"] = 8;     // the last stage's loss, broadcast to the others
+    bytes["pp+tp"] = 8;  // the gradient norm's squares of every stage (and tp part), summed
   }
 
   // Chapter 12: each attention layer of this rank's stages, every micro-batch.
@@ -263,32 +280,58 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
     bytes["tp"] = m * micro_batch + 8 + 4 * norms;
   }
 
-  // Chapter 09: the gradients' reduction over the dp x cp ranks, and the loss's (8 bytes). One
-  // process has no communicator at all (chapter 03's step); any other layout has the group, even
-  // of one rank (tp or pp alone), and hands it the same bytes.
+  // Chapter 13: each MoE layer's all-to-alls, every micro-batch; then per step the shared
+  // weights' partial gradients, the norm's squares and the loss, over the ep ranks.
+  const bool experts = layout.ep > 1 && held.elements > 0;
+  if (experts) {
+    const auto moe = ch07::MoeConfig::from_json(model.extensions);
+    const auto ranges = ch11::stage_layers(model.n_layers, stages);
+    int64_t moe_layers = 0;
+    for (int64_t k = 0; k < v; ++k) {
+      const auto [first, end] = ranges[static_cast<size_t>(k * layout.pp + pp_rank)];
+      for (int64_t layer = first; layer < end; ++layer) moe_layers += moe.is_moe_layer(layer);
+    }
+    // Each rank routes its own tokens (under sequence parallelism its tp part of them).
+    const int64_t assignments = rows / m * positions * moe.num_experts_per_tok;
+    const int64_t exchange = moe.n_routed_experts * 8 + 4 * assignments * model.d_model * 4;
+    int64_t shared = 0;  // the partial gradients' elements the step sums over ep
+    for (size_t u = 0; u < held.by_unit.size(); ++u) {
+      const int64_t mine = held.by_unit[u] - (held.routed_by_unit.empty() ? 0 : held.routed_by_unit[u]);
+      // ZeRO-3 sums each unit's as it releases it: blocks 1 .. L-1 every micro-batch (pp: once).
+      const bool each_micro_batch = layout.zero == 3 && layout.pp == 1 && u >= 2;
+      shared += mine * (each_micro_batch ? m : 1);
+    }
+    if (held.by_unit.empty()) shared = -1;  // unknown: no prediction
+    if (moe.capacity_factor <= 0 && shared >= 0)
+      bytes["ep"] = moe_layers * m * exchange + 4 * shared + 8 + 8;
+  }
+
+  // Chapter 09: the gradients' reduction over the dp x cp ranks (edp under expert parallelism:
+  // the ranks holding the same experts), and the loss's (8 bytes). One process has no
+  // communicator at all (chapter 03's step); any other layout has the group, even of one rank
+  // (tp or pp alone), and hands it the same bytes.
   const bool one_process = layout.dp * layout.tp * layout.pp * layout.cp == 1;
-  if (held.elements > 0 && !one_process && layout.ep == 1 && layout.zero <= 2) {
-    const int64_t p = held.elements, tensors = held.tensors, n = layout.dp * layout.cp;
+  const std::string data = experts ? "edp" : "dp+cp";
+  const int64_t n = layout.dp * layout.cp / layout.ep;
+  auto padded = [n](int64_t numel) { return n * ((numel + n - 1) / n); };  // a multiple of n
+  if (held.elements > 0 && !one_process && layout.zero <= 2) {
+    const int64_t p = held.elements, tensors = held.tensors;
     if (layout.zero == 0) {
-      bytes["dp+cp"] = 4 * (p + tensors) + 8;  // DDP's buckets: gradients and one flag each
+      bytes[data] = 4 * (p + tensors) + 8;  // DDP's buckets: gradients and one flag each
     } else {
-      const int64_t padded = n * ((p + n - 1) / n);  // the flat vector, a multiple of n
-      bytes["dp+cp"] = 4 * tensors + 2 * 4 * padded + 8 + 8;  // flags, scatter, gather, norm, loss
+      bytes[data] = 4 * tensors + 2 * 4 * padded(p) + 8 + 8;  // flags, scatter, gather, norm, loss
     }
   }
   // ZeRO-3: each unit gathered (all-gather output) and its gradient reduce-scattered (input).
-  if (!held.units.empty() && !one_process && layout.ep == 1 && layout.zero == 3) {
-    const int64_t n = layout.dp * layout.cp;
-    auto padded = [n](int64_t numel) { return n * ((numel + n - 1) / n); };
-    int64_t total = 0;
-    for (int64_t u : held.units) total += padded(u);
-    const int64_t root = padded(held.units[0]);
-    const int64_t first_block = held.units.size() > 1 ? padded(held.units[1]) : 0;
+  if (!held.by_unit.empty() && held.elements > 0 && !one_process && layout.zero == 3) {
+    const int64_t total = padded_units(held, n);
+    const int64_t root = padded(held.by_unit[0]);
+    const int64_t first_block = held.by_unit.size() > 1 ? padded(held.by_unit[1]) : 0;
     const int64_t later = total - root - first_block;
     const int64_t units = layout.pp > 1
                               ? 2 * total  // gathered for the whole step, then scattered once
                               : 3 * total + (m - 1) * (root + first_block + 3 * later);
-    bytes["dp+cp"] = 4 * units + 4 * held.tensors + 8 + 8;  // with the flags, the norm, the loss
+    bytes[data] = 4 * units + 4 * held.tensors + 8 + 8;  // with the flags, the norm, the loss
   }
   return bytes;
 }
@@ -299,11 +342,10 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
                                                      int64_t after_whole_model) {
   auto bytes = predicted_traffic(layout, run, world_rank, held);
   for (auto& [group, b] : bytes) b *= steps;
-  if (bytes.count("dp+cp") && layout.zero == 3) {
-    const int64_t n = layout.dp * layout.cp;
-    int64_t total = 0;
-    for (int64_t u : held.units) total += n * ((u + n - 1) / n);
-    bytes["dp+cp"] -= after_whole_model * 4 * total;  // every unit found gathered already
+  const std::string data = bytes.count("edp") ? "edp" : "dp+cp";
+  if (bytes.count(data) && layout.zero == 3) {
+    const int64_t n = layout.dp * layout.cp / layout.ep;
+    bytes[data] -= after_whole_model * 4 * padded_units(held, n);  // found gathered already
   }
   return bytes;
 }
@@ -355,6 +397,9 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
     const auto [mean, most] = mean_and_max(bytes, steps);
     groups[name]["predicted_mean"] = mean;
     groups[name]["predicted_max"] = most;
+    // ep's all-to-alls carry what the router chose: every row sent is received, so the mean
+    // over the ranks is the formula's, but one rank's share is only the balanced expectation.
+    groups[name]["exact"] = name == "ep" ? nlohmann::json{"mean"} : nlohmann::json{"mean", "max"};
     if (!groups[name].contains("ranks"))
       groups[name].update({{"mean", 0.0}, {"max", 0.0}, {"ranks", 0}});
   }
@@ -375,8 +420,9 @@ std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t
     std::string predicted = "| - | - |";
     if (g.contains("predicted_mean")) {
       char cells[80];
-      std::snprintf(cells, sizeof(cells), "| %.0f | %.0f |", g["predicted_mean"].get<double>(),
-                    g["predicted_max"].get<double>());
+      const bool max_exact = g["exact"].size() == 2;  // else '~': the balanced expectation
+      std::snprintf(cells, sizeof(cells), "| %.0f | %s%.0f |", g["predicted_mean"].get<double>(),
+                    max_exact ? "" : "~", g["predicted_max"].get<double>());
       predicted = cells;
     }
     std::snprintf(line, sizeof(line), "| %s | %lld | %.0f | %.0f %s\n", name.c_str(),

@@ -30,8 +30,13 @@ set(one_process --tp 1 --pp 1 --cp 1 --ep 1 --zero 0 --sequence-parallel=false)
 # which the 16-rank run below then measures (pp 4096 and cp 82,496 bytes a step, notes §3); a
 # layout the world cannot hold is refused as the run would be.
 include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
-run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\|[^\n]*cp 82496, pp-activations 4096, pp-gradients 4096"
+run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\|[^\n]*cp 82496, pp 8, pp\\+tp 8, pp-activations 4096, pp-gradients 4096"
     train --config ${preset} ${short} --plan 16)
+# Without tp the plan counts the parameters and predicts edp and ep too: each rank of the second
+# stage holds 111,232 of them (its 4 of each layer's 8 experts); a run of this layout measured
+# edp 890,080 bytes a step on those ranks and ep 382,544 on the mean over all (2026-12-03).
+run("\\| 4 \\| 1, 0, 0, 0 \\| 2,3 \\| 111232 \\|[^\n]*edp 890080, ep 379664,"
+    train --config ${preset} ${short} --tp 1 --sequence-parallel=false --plan 8)
 refused("does not divide the 12 processes" train --config ${preset} ${short} --plan 12)
 
 # One process with the preset's settings, every dimension 1: the reference curve.

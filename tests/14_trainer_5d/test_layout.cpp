@@ -27,6 +27,15 @@ ch03::RunConfig run_with(const ch03::ModelConfig& model, int64_t micro = 1) {
   return run;
 }
 
+// What a rank's step holds: `elements` in `tensors`, by ZeRO-3 unit.
+HeldParameters held_of(int64_t elements, int64_t tensors, std::vector<int64_t> by_unit = {}) {
+  HeldParameters held;
+  held.elements = elements;
+  held.tensors = tensors;
+  held.by_unit = std::move(by_unit);
+  return held;
+}
+
 }  // namespace
 
 TEST(Layout, FillsDataParallelismAndDescribesItself) {
@@ -132,6 +141,18 @@ TEST(Report, MeasurementsBecomeBytesPerStep) {
             std::string::npos)
       << measurement_table({r0, r1}, 2);
   EXPECT_NE(table.find("smallest 100.0 MB, mean 200.0 MB, largest 300.0 MB"), std::string::npos);
+  // ep's prediction is exact on the mean only (one rank receives what the router sends it): its
+  // largest is marked as the balanced expectation, and the JSON says which statistics to check.
+  r0.payload_bytes["ep"] = 700;
+  r1.payload_bytes["ep"] = 500;
+  r0.predicted_bytes["ep"] = 600;
+  r1.predicted_bytes["ep"] = 600;
+  const auto routed = measurement_json({r0, r1}, 2);
+  EXPECT_EQ(routed["per_step_bytes"]["ep"]["exact"], nlohmann::json({"mean"}));
+  EXPECT_EQ(routed["per_step_bytes"]["tp"]["exact"], nlohmann::json({"mean", "max"}));
+  EXPECT_NE(measurement_table({r0, r1}, 2).find("| ep | 2 | 300 | 350 | 300 | ~300 |"),
+            std::string::npos)
+      << measurement_table({r0, r1}, 2);
   // This process's own peak is real and positive.
   EXPECT_GT(measure_rank({}).peak_resident_bytes, 1'000'000);
 }
@@ -166,7 +187,7 @@ TEST(Report, PredictedTrafficFollowsTheStagesARankHolds) {
 // each, the norm's and the loss's 8. Not predicted: under ep, for ZeRO-3, or without the counts.
 TEST(Report, PredictedDataParallelBytesFollowTheHeldParameters) {
   const auto run = run_with(ch10::testing::tp_config(false));
-  const HeldParameters held{1001, 5, {}};
+  const HeldParameters held = held_of(1001, 5);
   auto dp = [&](int zero, int64_t ep, const HeldParameters& h) {
     Layout l = sizes(0, 1, 1, 1, ep);
     l.zero = zero;
@@ -180,7 +201,7 @@ TEST(Report, PredictedDataParallelBytesFollowTheHeldParameters) {
   EXPECT_EQ(dp(0, 1, {}), -1);
   // ZeRO-3 over dp 2 with units root 101, block 0 300, block 1 600 (padded 102, 300, 600; S =
   // 1002): one micro-batch 12·S; a second adds 4·(102 + 300 + 3·600); plus flags, norm, loss.
-  const HeldParameters units{1001, 5, {101, 300, 600}};
+  const HeldParameters units = held_of(1001, 5, {101, 300, 600});
   EXPECT_EQ(dp(3, 1, units), 12 * 1002 + 4 * 5 + 16);
   auto two = run;
   two.micro_batches = 2;
@@ -194,6 +215,38 @@ TEST(Report, PredictedDataParallelBytesFollowTheHeldParameters) {
             5 * (12 * 1002 + 4 * (102 + 300 + 3 * 600) + 4 * 5 + 16) - 2 * 4 * 1002);
   // One process: chapter 03's step, no communicator.
   EXPECT_EQ(predicted_traffic(resolve_layout(sizes(0, 1, 1, 1), 1, run), run, 0, held).count("dp+cp"),
+            0u);
+}
+
+// Experts over ep 2 of dp 2 (deepseek_config: d 32, 2 layers, layer 1 with 8 experts, 2 per
+// token), 16 rows of 64 tokens: each rank's 8 rows, 512 tokens, 1024 assignments. Per MoE layer
+// and micro-batch the counts' all-to-all (8 int64) and four token all-to-alls of 1024 rows of
+// 32 floats each way at balance; then the partial gradients of all but the routed experts, the
+// norm and the loss. edp (1 rank here) gets chapter 09's formulas over the held parameters.
+TEST(Report, PredictedExpertParallelBytesFollowChapter13) {
+  const auto run = run_with(ch10::testing::deepseek_config());
+  HeldParameters held = held_of(5000, 20, {1000, 1500, 2500});
+  held.routed_tensors = 6;
+  held.routed_by_unit = {0, 0, 1200};
+  Layout l = resolve_layout(sizes(0, 1, 1, 1, 2), 2, run);
+  auto bytes = predicted_traffic(l, run, 1, held);
+  EXPECT_EQ(bytes.count("dp+cp"), 0u);  // the experts' ranks take its place
+  EXPECT_EQ(bytes.at("edp"), 4 * (5000 + 20) + 8);
+  EXPECT_EQ(bytes.at("ep"), (8 * 8 + 4 * 1024 * 32 * 4) + 4 * (5000 - 1200) + 8 + 8);
+  // ZeRO-3, 2 micro-batches of 256 tokens: the later block's shared part is summed at each
+  // micro-batch's release, the root's and block 0's once.
+  auto two = run;
+  two.micro_batches = 2;
+  l.zero = 3;
+  bytes = predicted_traffic(resolve_layout(l, 2, two), two, 0, held);
+  EXPECT_EQ(bytes.at("ep"),
+            2 * (8 * 8 + 4 * 512 * 32 * 4) + 4 * (1000 + 1500 + 2 * 1300) + 8 + 8);
+  EXPECT_EQ(bytes.at("edp"), 12 * 5000 + 4 * (1000 + 1500 + 3 * 2500) + 4 * 20 + 16);
+  // Routing with a capacity drops tokens: no formula for what the all-to-alls carry.
+  auto capped = run;
+  capped.model.extensions["fivefold_capacity_factor"] = 1.25;
+  EXPECT_EQ(predicted_traffic(resolve_layout(sizes(0, 1, 1, 1, 2), 2, capped), capped, 0, held)
+                .count("ep"),
             0u);
 }
 
