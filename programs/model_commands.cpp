@@ -171,8 +171,7 @@ namespace {
 // `fivefold train --plan N`: what the formulas say each of N ranks of `layout` holds and carries
 // in one training step of `c`, printed as a table; nothing is trained and no process is started.
 // Parameters and memory are counted from the rank's part of the model, built here on one
-// process; under tp they would need the split modules (which need their communicators), so they
-// are left out there, and with them the data-parallel bytes that follow from them.
+// process over offline communicators (ch14::rank_parameters).
 int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_size) {
   std::printf("plan: %s on %lld processes; %lld rows of %lld tokens a step, %lld micro-batch(es)\n\n",
               layout.describe().c_str(), static_cast<long long>(world_size),
@@ -180,7 +179,7 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
               static_cast<long long>(c.micro_batches));
   std::printf("| rank | pp, dp, cp, tp | layers | parameters | parameters + gradients + AdamW "
               "(chapter 09) | bytes per step, by group (predicted) |\n|---:|---|---|---:|---:|---|\n");
-  std::vector<TrainableCounts> by_stage(static_cast<size_t>(layout.pp));
+  std::string unbuilt;  // why a rank's part could not be built here, if one could not
   for (int64_t r = 0; r < world_size; ++r) {
     const int64_t tp_rank = r % layout.tp, cp_rank = (r / layout.tp) % layout.cp;
     const int64_t dp_rank = (r / (layout.tp * layout.cp)) % layout.dp;
@@ -192,28 +191,15 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
     for (const auto layer : part.layers(c.model.n_layers))
       layers += (layers.empty() ? "" : ",") + std::to_string(layer);
     ch14::HeldParameters held;
-    if (layout.tp == 1) {  // each stage's part built once
-      auto& counts = by_stage[static_cast<size_t>(pp_rank)];
-      if (counts.by_unit.empty()) {
-        const ModelBuilder build = c.build_model ? c.build_model : ch07::make_model;
-        Transformer stage = build(c.model, part);
-        counts = count_trainable(stage);
-      }
-      held = counts;
-    }
-    if (layout.ep > 1) {  // the rank holds E/ep of each layer's routed experts, all of one size
-      for (size_t u = 0; u < held.by_unit.size() && !held.routed_by_unit.empty(); ++u) {
-        const int64_t away = held.routed_by_unit[u] - held.routed_by_unit[u] / layout.ep;
-        held.by_unit[u] -= away;
-        held.routed_by_unit[u] -= away;
-        held.elements -= away;
-      }
-      held.tensors -= held.routed_tensors - held.routed_tensors / layout.ep;
-      held.routed_tensors /= layout.ep;
+    try {
+      held = ch14::rank_parameters(layout, c, r);
+    } catch (const Error& e) {
+      unbuilt = e.what();
     }
     std::string memory = "-", parameters = "-";
     if (held.elements > 0) {
-      const auto m = ch09::zero_memory_formula(held.elements, layout.dp * layout.cp, layout.zero);
+      const auto m = ch09::zero_memory_formula(held.elements, layout.dp * layout.cp / layout.ep,
+                                               layout.zero);
       memory = std::to_string(m.parameters + m.gradients + m.optimizer) + " B";
       parameters = std::to_string(held.elements);
     }
@@ -225,12 +211,13 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
                 static_cast<long long>(cp_rank), static_cast<long long>(tp_rank), layers.c_str(),
                 parameters.c_str(), memory.c_str(), bytes.empty() ? "-" : bytes.c_str());
   }
+  if (!unbuilt.empty())
+    std::printf("\nParameters, memory and the groups that follow from them are not predicted "
+                "here: %s\n", unbuilt.c_str());
   std::printf("\nBytes are what each rank hands its communicators in one training step (the "
               "trainer prints the measured ones beside them at the end of a run); ep's assume "
               "the router spreads every rank's tokens evenly (what one rank receives follows "
-              "the routing; the mean over the ranks does not). No formula here for tp with MLA "
-              "or across stages or sequence shards, nor, under tp, for the parameters a rank "
-              "holds.\n");
+              "the routing; the mean over the ranks does not).\n");
   return 0;
 }
 
@@ -439,13 +426,24 @@ int train(int argc, char** argv) {
     io::write_file_atomic(path, trace::chrome_trace(world->rank()).dump());
     log0() << "timelines: " << c.out_dir << "/trace/rank-*.json (Chrome trace format)";
   }
-  // What each group carried and each rank's peak memory, measured in this run.
+  // What each group carried and each rank's peak memory, measured in this run, beside what the
+  // formulas say for this rank's part (built again here, offline: what --plan counts).
+  ch14::HeldParameters held;
+  static_cast<TrainableCounts&>(held) = r.held;
+  try {
+    held = ch14::rank_parameters(layout, c, static_cast<int64_t>(world->rank()));
+  } catch (const Error&) {
+    // built only over its peers (a replica group): no tp prediction, the run's own counts
+  }
+  if (held.elements != r.held.elements || held.tensors != r.held.tensors)
+    log(LogLevel::Warn) << "the plan's part of the model holds " << held.elements << " parameters in "
+                        << held.tensors << " tensors, the run's " << r.held.elements << " in "
+                        << r.held.tensors << ": the predictions below follow the plan's";
   const auto measured = ch14::gather_measurements(
       world, r.training_comm,
-      ch14::predicted_run_traffic(
-          layout, c, static_cast<int64_t>(world->rank()),
-          r.held,
-          static_cast<int64_t>(r.losses.size()), r.steps_after_whole_model));
+      ch14::predicted_run_traffic(layout, c, static_cast<int64_t>(world->rank()), held,
+                                  static_cast<int64_t>(r.losses.size()),
+                                  r.steps_after_whole_model));
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " training steps (payload bytes handed to each "

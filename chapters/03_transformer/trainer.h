@@ -110,6 +110,10 @@ struct TrainableCounts {
   std::vector<int64_t> routed_by_unit;
 };
 
+/// The ZeRO-3 unit (TrainableCounts::by_unit) a parameter of this name belongs to: 1 + i for
+/// model.layers.{i}.*, else 0 (the root).
+size_t parameter_unit(const std::string& name);
+
 /// Counts `model`'s trainable parameters.
 TrainableCounts count_trainable(Transformer& model);
 

@@ -58,10 +58,23 @@ struct RankMeasurement {
   std::map<std::string, int64_t> predicted_bytes;
 };
 
-/// The trainable parameters a rank's step holds (RunResult::held, counted from the step's model):
-/// what its data-parallel reductions carry. `by_unit` empty: no ZeRO-3 prediction; `elements` 0:
-/// no data-parallel prediction at all.
-using HeldParameters = ch03::TrainableCounts;
+/// The trainable parameters a rank's step holds (rank_parameters, or RunResult::held): what its
+/// data-parallel reductions carry. `by_unit` empty: no ZeRO-3 prediction; `elements` 0: no
+/// data-parallel prediction at all.
+struct HeldParameters : ch03::TrainableCounts {
+  /// Of by_unit, the elements whose gradient on a tp rank is its share of the sum over tp
+  /// (chapter 10's partial_gradient_parameters: MLA's whole projections, and under sequence
+  /// parallelism every parameter tp does not split); empty: not known, and no tp prediction.
+  std::vector<int64_t> tp_partial_by_unit;
+};
+
+/// What world rank `world_rank` of `layout` (resolved) holds in a run of `run`, counted from its
+/// part of the model built here on one process (ch03's or `run.build_model`'s model, chapter 10's
+/// over tp, chapter 13's experts over ep, the pipeline stage's layers) over offline communicators
+/// (dist::offline_communicator). Throws fivefold::Error where building the part needs its peers:
+/// grouped-query attention with fewer key/value heads than tp ranks splits a replica group.
+HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
+                               int64_t world_rank);
 
 /// What the formulas say world rank `world_rank` of `layout` (resolved) hands each communicator
 /// in one training step of `run`, in payload bytes as comm_stats counts them:
@@ -86,11 +99,15 @@ using HeldParameters = ch03::TrainableCounts;
 ///   micro-batch after the first 4·(S_root + S_block0 + 3·S_later blocks) more (the root and
 ///   the first block stay gathered between them), or under pp 8·S (gathered once for the
 ///   step), plus the flags, the norm and the loss.
-/// - `tp` (chapter 10's tensor_parallel_traffic) for a Llama model (no extensions) without pp or
-///   cp: each micro-batch's activations through f and g (or their all-gather/reduce-scatter
-///   pairs under sequence parallelism) and the loss's per-token sums, plus per step the norm's
-///   8 bytes and, under sequence parallelism, the norms' partial gradients, 4·(2L + 1)·d (ZeRO-3
-///   reduces them unit by unit as it releases them: 4·(2(L − 1)·m + 3)·d).
+/// - `tp` (chapter 10), given which of the rank's parameters are partial sums over tp
+///   (held.tp_partial_by_unit): each micro-batch's crossings into and out of the split layers,
+///   one all-reduce of (B/(dp·m)) rows x its cp positions x d floats each (under sequence
+///   parallelism an all-gather and a reduce-scatter, both counted at that full size): per layer
+///   held two for attention (GQA or MLA) and two for the MLP (a MoE layer's shared experts; none
+///   without them), one out of the embedding on the first stage, one into the head on the last,
+///   which also sums the loss's three numbers per token; per step the partial gradients (4 bytes
+///   each; ZeRO-3 sums each unit's as it releases it: blocks 1 .. L-1 every micro-batch) and,
+///   without pp (which sums it over pp+tp), the norm's 8 bytes.
 /// - under expert parallelism (chapter 13), `edp` takes the place of `dp+cp`: the same formulas
 ///   over its N = dp·cp/ep ranks and the parameters the rank holds (its E/ep experts); and `ep`
 ///   carries, per MoE layer the rank holds and micro-batch, the counts' all-to-all (E int64) and
@@ -101,8 +118,6 @@ using HeldParameters = ch03::TrainableCounts;
 ///   them), the norm's squares and the loss (8 bytes each). What a rank receives follows the
 ///   routing, but every row sent is received: the mean over the ranks is exact, each rank's
 ///   share is the balanced expectation (measurement_json). Dropless routing only (no capacity).
-/// tp with MLA or across stages and sequence shards has no composed formula here, so it is
-/// absent.
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
                                                  int64_t world_rank,
                                                  const HeldParameters& held = {});

@@ -18,7 +18,14 @@
 
 namespace fivefold::dist {
 
-const char* backend_name(Backend backend) { return backend == Backend::Mpi ? "mpi" : "gloo"; }
+const char* backend_name(Backend backend) {
+  switch (backend) {
+    case Backend::Mpi: return "mpi";
+    case Backend::Gloo: return "gloo";
+    case Backend::Offline: return "offline";
+  }
+  return "?";
+}
 
 const char* op_name(Op op) {
   switch (op) {
@@ -582,6 +589,56 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, const std:
   std::vector<int> members;
   for (const auto& entry : group) members.push_back(std::get<1>(entry));
   return do_split(members, color, name);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Offline: a rank's place without the other ranks
+// ------------------------------------------------------------------------------------------------
+namespace {
+
+class OfflineCommunicator final : public Communicator {
+ public:
+  OfflineCommunicator(int rank, int size, std::string name)
+      : Communicator(rank, size, std::move(name), Backend::Offline) {}
+  ~OfflineCommunicator() override { drain_and_stop(); }
+
+ protected:
+  [[noreturn]] void refuse(const char* what) const {
+    throw Error(std::string(what) + " on '" + name() +
+                "': an offline communicator (rank " + std::to_string(rank()) + " of " +
+                std::to_string(size()) + ", no other processes) cannot communicate");
+  }
+  void do_all_reduce(torch::Tensor&, ReduceOp) override { refuse("all_reduce"); }
+  void do_all_gather(const torch::Tensor&, torch::Tensor&, const std::vector<int64_t>&) override {
+    refuse("all_gather");
+  }
+  void do_reduce_scatter(const torch::Tensor&, torch::Tensor&, const std::vector<int64_t>&,
+                         ReduceOp) override {
+    refuse("reduce_scatter");
+  }
+  void do_all_to_all(const torch::Tensor&, torch::Tensor&, const std::vector<int64_t>&,
+                     const std::vector<int64_t>&) override {
+    refuse("all_to_all");
+  }
+  void do_broadcast(torch::Tensor&, int) override { refuse("broadcast"); }
+  void do_send(const torch::Tensor&, int, int) override { refuse("send"); }
+  void do_recv(torch::Tensor&, int, int) override { refuse("recv"); }
+  void do_send_recv(const torch::Tensor&, int, torch::Tensor&, int, int) override {
+    refuse("send_recv");
+  }
+  void do_barrier() override { refuse("barrier"); }
+  std::shared_ptr<Communicator> do_split(const std::vector<int>&, int,
+                                         const std::string&) override {
+    refuse("split");
+  }
+};
+
+}  // namespace
+
+CommunicatorPtr offline_communicator(int rank, int size, const std::string& name) {
+  FIVEFOLD_CHECK(size >= 1 && rank >= 0 && rank < size, "offline_communicator: rank ", rank,
+                 " of ", size);
+  return std::make_shared<OfflineCommunicator>(rank, size, name);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -154,6 +154,11 @@ std::string resolve_checkpoint(const std::string& path) {
   return dir.string();
 }
 
+size_t parameter_unit(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  return name.rfind(prefix, 0) == 0 ? 1 + std::stoul(name.substr(prefix.size())) : 0;
+}
+
 TrainableCounts count_trainable(Transformer& model) {
   TrainableCounts counts;
   counts.by_unit.assign(static_cast<size_t>(model->config().n_layers + 1), 0);
@@ -162,9 +167,7 @@ TrainableCounts count_trainable(Transformer& model) {
     if (!p.requires_grad()) continue;
     counts.elements += p.numel();
     counts.tensors += 1;
-    const std::string prefix = "model.layers.";  // model.layers.{i}.*: block i's unit, 1 + i
-    const bool block = item.key().rfind(prefix, 0) == 0;
-    const size_t unit = block ? 1 + std::stoul(item.key().substr(prefix.size())) : 0;
+    const size_t unit = parameter_unit(item.key());
     counts.by_unit[unit] += p.numel();
     if (item.key().find(".experts.") != std::string::npos) {
       if (counts.routed_by_unit.empty()) counts.routed_by_unit.assign(counts.by_unit.size(), 0);

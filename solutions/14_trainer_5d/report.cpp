@@ -11,6 +11,7 @@
 
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
+#include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/plan.h"
@@ -202,6 +203,50 @@ RankMeasurement measure_rank(const dist::CommStats& stats) {
   return m;
 }
 
+HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
+                               int64_t world_rank) {
+  FIVEFOLD_CHECK(layout.dp >= 1, "rank_parameters: the layout is not resolved (dp 0)");
+  const int64_t tp_rank = world_rank % layout.tp, cp_rank = (world_rank / layout.tp) % layout.cp;
+  const int64_t dp_rank = (world_rank / (layout.tp * layout.cp)) % layout.dp;
+  const int64_t pp_rank = world_rank / (layout.tp * layout.cp * layout.dp);
+  const ch03::ModelPart part =
+      layout.pp > 1
+          ? ch11::stage_part(run.model.n_layers, layout.pp, layout.virtual_stages, pp_rank)
+          : ch03::ModelPart{};
+  // The groups' places, as layout.cpp's mesh gives them: ep groups of consecutive dp·cp ranks.
+  auto offline = [](int64_t rank, int64_t size, const char* name) {
+    return dist::offline_communicator(static_cast<int>(rank), static_cast<int>(size), name);
+  };
+  const int64_t data_rank = dp_rank * layout.cp + cp_rank;
+  ch13::ExpertParallel experts;
+  if (layout.ep > 1) {
+    experts.ep = offline(data_rank % layout.ep, layout.ep, "ep");
+    experts.edp = offline(data_rank / layout.ep, layout.dp * layout.cp / layout.ep, "edp");
+  }
+  ch03::Transformer model{nullptr};
+  std::shared_ptr<ch10::TensorParallel> tp;
+  if (layout.tp > 1) {
+    tp = std::make_shared<ch10::TensorParallel>(offline(tp_rank, layout.tp, "tp"),
+                                                layout.sequence_parallel);
+    model = ch10::make_model(run.model, tp, part);
+    if (layout.ep > 1) ch13::adapt_moe_layers(model, experts);
+  } else if (layout.ep > 1) {
+    model = ch13::make_model(run.model, experts, part);
+  } else {
+    model = (run.build_model ? run.build_model : ch07::make_model)(run.model, part);
+  }
+  HeldParameters held;
+  static_cast<ch03::TrainableCounts&>(held) = ch03::count_trainable(model);
+  held.tp_partial_by_unit.assign(held.by_unit.size(), 0);
+  if (tp) {
+    const auto parameters = model->named_parameters();
+    for (const auto& [name, group] : ch10::partial_gradient_parameters(model, *tp))
+      if (group == tp->comm)
+        held.tp_partial_by_unit[ch03::parameter_unit(name)] += parameters[name].numel();
+  }
+  return held;
+}
+
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
                                                  int64_t world_rank, const HeldParameters& held) {
   FIVEFOLD_CHECK(layout.dp >= 1, "predicted_traffic: the layout is not resolved (dp 0)");
@@ -220,9 +265,20 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
   if (layout.sequence_parallel)
     positions = split_sizes(positions, layout.tp)[static_cast<size_t>(tp_rank)];
 
-  // Chapter 11: virtual stage k·pp + r of pp·v; the first receives no activation, the last sends
-  // none (and the other way for gradients), each row's `positions`.
+  // The layers of this rank's virtual stages k·pp + r of pp·v; the first stage holds the
+  // embedding, the last the head.
   const int64_t v = layout.virtual_stages, stages = layout.pp * v;
+  std::vector<int64_t> layers;
+  const auto ranges = ch11::stage_layers(model.n_layers, stages);
+  for (int64_t k = 0; k < v; ++k) {
+    const auto [first, end] = ranges[static_cast<size_t>(k * layout.pp + pp_rank)];
+    for (int64_t layer = first; layer < end; ++layer) layers.push_back(layer);
+  }
+  const bool first_stage = pp_rank == 0, last_stage = pp_rank == layout.pp - 1;
+  const auto held_layers = static_cast<int64_t>(layers.size());
+
+  // Chapter 11: the first stage receives no activation, the last sends none (and the other way
+  // for gradients), each row's `positions`.
   if (layout.pp > 1) {
     const int64_t per_link = rows * positions * model.d_model * 4;
     int64_t links = 0;  // stage boundaries this rank is an end of, each way
@@ -249,48 +305,47 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
       heads = model.n_kv_heads;
       key_dim = value_dim = model.resolved_head_dim();
     }
-    int64_t layers = 0;
-    const auto ranges = ch11::stage_layers(model.n_layers, stages);
-    for (int64_t k = 0; k < v; ++k) {
-      const auto [first, end] = ranges[static_cast<size_t>(k * layout.pp + pp_rank)];
-      layers += end - first;
-    }
     const auto t = ch12::context_parallel_traffic(layout.cp, cp_rank, rows / m, run.seq_len,
                                                   heads / layout.tp, key_dim, value_dim,
                                                   layout.cp_layout, layout.cp_attention);
-    bytes["cp"] = layers * m *
+    bytes["cp"] = held_layers * m *
                   (t.all_gather.payload_bytes + t.send_recv.payload_bytes +
                    t.all_to_all.payload_bytes);
   }
 
-  // Chapter 10: each micro-batch's f/g all-reduces (under sequence parallelism their all-gather
-  // and reduce-scatter pairs) and the loss's per-token sums; per step the norm's one number and,
-  // under sequence parallelism, the norms' partial gradients (one all-reduce). The formula is for
-  // a Llama model whose layers the rank holds all of, on whole sequences.
-  if (layout.tp > 1 && model.extensions.is_null() && layout.pp == 1 && layout.cp == 1) {
-    const auto t = ch10::tensor_parallel_traffic(model.shape(), static_cast<int>(layout.tp),
-                                                 rows / m, run.seq_len, layout.sequence_parallel);
-    const int64_t micro_batch = t.all_reduce.payload_bytes + t.all_gather.payload_bytes +
-                                t.reduce_scatter.payload_bytes;
-    // The norms' partial gradients go once a step; ZeRO-3 reduces them with each unit's release,
-    // which for blocks 1 .. L-1 happens every micro-batch (block 0 and the root at the step).
-    const int64_t norm_sets = layout.zero == 3 ? 2 * (model.n_layers - 1) * m + 3
-                                               : 2 * model.n_layers + 1;
-    const int64_t norms = layout.sequence_parallel ? norm_sets * model.d_model : 0;
-    bytes["tp"] = m * micro_batch + 8 + 4 * norms;
+  // Chapter 10: each crossing into or out of the split layers, every micro-batch (f or g: one
+  // all-reduce; under sequence parallelism an all-gather and a reduce-scatter), the loss's
+  // per-token sums on the last stage; per step the partial gradients and the norm's number.
+  const bool routed = ch07::has_routed_experts(model);
+  const auto moe = routed ? ch07::MoeConfig::from_json(model.extensions) : ch07::MoeConfig{};
+  if (layout.tp > 1 && !held.tp_partial_by_unit.empty()) {
+    const int64_t cp_positions =  // before sequence parallelism splits them: what tp gathers
+        layout.cp_layout == ch12::CpLayout::Contiguous
+            ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(cp_rank)]
+            : run.seq_len / layout.cp;
+    const int64_t tokens = rows / m * cp_positions;
+    int64_t crossings = (first_stage ? 1 : 0) + (last_stage ? 1 : 0);  // embedding, head
+    for (const int64_t layer : layers) {
+      crossings += 2;  // attention
+      const bool experts_only = routed && moe.is_moe_layer(layer) && moe.n_shared_experts == 0;
+      crossings += experts_only ? 0 : 2;  // the MLP (of a MoE layer: its shared experts)
+    }
+    const int64_t activation = tokens * model.d_model * 4 * (layout.sequence_parallel ? 2 : 1);
+    const int64_t loss = last_stage ? 3 * tokens * 4 : 0;  // max, Σ exp, target logit
+    int64_t partial = 0;
+    for (size_t u = 0; u < held.tp_partial_by_unit.size(); ++u) {
+      const bool each_micro_batch = layout.zero == 3 && layout.pp == 1 && u >= 2;
+      partial += held.tp_partial_by_unit[u] * (each_micro_batch ? m : 1);
+    }
+    bytes["tp"] = m * (crossings * activation + loss) + 4 * partial + (layout.pp == 1 ? 8 : 0);
   }
 
   // Chapter 13: each MoE layer's all-to-alls, every micro-batch; then per step the shared
   // weights' partial gradients, the norm's squares and the loss, over the ep ranks.
   const bool experts = layout.ep > 1 && held.elements > 0;
   if (experts) {
-    const auto moe = ch07::MoeConfig::from_json(model.extensions);
-    const auto ranges = ch11::stage_layers(model.n_layers, stages);
     int64_t moe_layers = 0;
-    for (int64_t k = 0; k < v; ++k) {
-      const auto [first, end] = ranges[static_cast<size_t>(k * layout.pp + pp_rank)];
-      for (int64_t layer = first; layer < end; ++layer) moe_layers += moe.is_moe_layer(layer);
-    }
+    for (const int64_t layer : layers) moe_layers += moe.is_moe_layer(layer);
     // Each rank routes its own tokens (under sequence parallelism its tp part of them).
     const int64_t assignments = rows / m * positions * moe.num_experts_per_tok;
     const int64_t exchange = moe.n_routed_experts * 8 + 4 * assignments * model.d_model * 4;

@@ -26,11 +26,13 @@ set(short --model-config ${ROOT}/chapters/14_trainer_5d/presets/moe-mla.json --s
     --save-every 2 --peak-gflops 100 --no-progress)
 set(one_process --tp 1 --pp 1 --cp 1 --ep 1 --zero 0 --sequence-parallel=false)
 
-# --plan 16 on one process, no mpirun: each rank's row of the layout with the formulas' bytes,
-# which the 16-rank run below then measures (pp 4096 and cp 82,496 bytes a step, notes §3); a
-# layout the world cannot hold is refused as the run would be.
+# --plan 16 on one process, no mpirun: each rank's row of the layout, its part of the model built
+# here over offline communicators (its tp slice of stage 1 with 4 of each layer's 8 experts:
+# 85,504 parameters) with the formulas' bytes, which the 16-rank run below then measures (pp
+# 4096 and cp 82,496 bytes a step, notes §3); a layout the world cannot hold is refused as the
+# run would be.
 include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
-run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\|[^\n]*cp 82496, pp 8, pp\\+tp 8, pp-activations 4096, pp-gradients 4096"
+run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\| 85504 \\| 1026048 B \\| cp 82496, edp 684256, ep 211216, pp 8, pp\\+tp 8, pp-activations 4096, pp-gradients 4096, tp 387200 \\|"
     train --config ${preset} ${short} --plan 16)
 # Without tp the plan counts the parameters and predicts edp and ep too: each rank of the second
 # stage holds 111,232 of them (its 4 of each layer's 8 experts); a run of this layout measured
@@ -67,11 +69,10 @@ foreach(link pp-activations pp-gradients)
     endif()
   endforeach()
 endforeach()
-# The trainer's prediction (chapters 11 and 12's formulas, per rank) beside each measurement:
-# (this layout's tp is MLA's and its data-parallel group works under ep: no formula for either)
-# equal, on the mean and on the busiest rank, for the pipeline's links and for cp's keys and
-# values (chapter 12's context_parallel_traffic for MLA's heads).
-foreach(group pp-activations pp-gradients cp)
+# The trainer's prediction (chapters 09-13's formulas, per rank) beside each measurement, for
+# every group: equal on the mean and on the busiest rank (ep: on the mean; one rank's share
+# follows the routing).
+foreach(group pp-activations pp-gradients pp pp+tp cp tp ep edp)
   string(JSON predicted ERROR_VARIABLE none GET "${measured}" per_step_bytes ${group} predicted_mean)
   if(none)
     message(FATAL_ERROR "measured.json: no prediction for ${group}")

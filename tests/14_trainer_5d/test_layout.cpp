@@ -175,8 +175,9 @@ TEST(Report, PredictedTrafficFollowsTheStagesARankHolds) {
   interleaved = resolve_layout(interleaved, 2, run);
   for (int64_t rank : {0, 1})
     EXPECT_EQ(predicted_traffic(interleaved, run, rank).at("pp-activations"), 3 * per_link);
-  const auto tp_only = predicted_traffic(resolve_layout(sizes(0, 2, 1, 1), 2, run), run, 0);
-  EXPECT_EQ(tp_only.size(), 1u);  // tp's (the next tests), no pipeline or cp bytes
+  const Layout tp2 = resolve_layout(sizes(0, 2, 1, 1), 2, run);
+  const auto tp_only = predicted_traffic(tp2, run, 0, rank_parameters(tp2, run, 0));
+  EXPECT_EQ(tp_only.size(), 2u);  // tp's (the next tests) and dp+cp's, no pipeline or cp bytes
   EXPECT_EQ(tp_only.count("tp"), 1u);
   EXPECT_TRUE(throws_error_containing([&] { predicted_traffic(sizes(0, 1, 2, 1), run, 0); },
                                       "not resolved"));
@@ -250,30 +251,68 @@ TEST(Report, PredictedExpertParallelBytesFollowChapter13) {
             0u);
 }
 
-// tp 2 on the Llama model (d 32, L 2), 16 rows of 64 tokens, fp32: per layer g's and f's four
-// all-reduces of [16, 64, 32], the embedding's and the head's one each, the loss's three of one
-// number per token, and the norm's 8 bytes; under sequence parallelism each all-reduce is an
+// tp 2 on the Llama model (d 32, L 2), 16 rows of 64 tokens, fp32, each rank's part built here
+// (rank_parameters): per layer attention's and the MLP's crossings in and out (f and g: four
+// all-reduces of [16, 64, 32]), the embedding's and the head's one each, the loss's three of
+// one number per token, and the norm's 8 bytes; under sequence parallelism each all-reduce is an
 // all-gather and a reduce-scatter (both counted at the full size) and the norms' 2L + 1 = 5
 // partial gradients of 32 numbers are all-reduced once.
 TEST(Report, PredictedTensorParallelBytesFollowChapter10) {
   const auto run = run_with(ch10::testing::tp_config(false));
   const int64_t activation = 16 * 64 * 32 * 4, per_token = 16 * 64 * 4;
-  Layout plain = resolve_layout(sizes(0, 2, 1, 1), 2, run);
-  EXPECT_EQ(predicted_traffic(plain, run, 0).at("tp"),
-            (4 * 2 + 2) * activation + 3 * per_token + 8);
+  auto tp_bytes = [](Layout l, int64_t world, const ch03::RunConfig& r, int64_t rank) {
+    l = resolve_layout(l, world, r);
+    return predicted_traffic(l, r, rank, rank_parameters(l, r, rank)).at("tp");
+  };
+  EXPECT_EQ(tp_bytes(sizes(0, 2, 1, 1), 2, run, 0), (4 * 2 + 2) * activation + 3 * per_token + 8);
   Layout sp = sizes(0, 2, 1, 1);
   sp.sequence_parallel = true;
-  sp = resolve_layout(sp, 2, run);
-  EXPECT_EQ(predicted_traffic(sp, run, 1).at("tp"),
-            2 * (4 * 2 + 2) * activation + 3 * per_token + 8 + 4 * 5 * 32);
-  // ZeRO-3 reduces the norms' partial gradients as it releases each unit: blocks 1 .. L-1 every
-  // micro-batch (here 1 of them, 2 norms, m = 1), block 0's 2 and the final norm at the step.
-  Layout sp3 = sizes(0, 2, 1, 1);
-  sp3.sequence_parallel = true;
+  const int64_t sp_bytes = 2 * (4 * 2 + 2) * activation + 3 * per_token + 8;
+  EXPECT_EQ(tp_bytes(sp, 2, run, 1), sp_bytes + 4 * 5 * 32);
+  // ZeRO-3 reduces the partial gradients as it releases each unit: blocks 1 .. L-1 every
+  // micro-batch (here block 1's 2 norms, twice), block 0's 2 and the final norm at the step.
+  Layout sp3 = sp;
   sp3.zero = 3;
-  sp3 = resolve_layout(sp3, 2, run);
-  EXPECT_EQ(predicted_traffic(sp3, run, 0).at("tp"),
-            2 * (4 * 2 + 2) * activation + 3 * per_token + 8 + 4 * (2 + 3) * 32);
-  // No formula for tp across pipeline stages.
-  EXPECT_EQ(predicted_traffic(resolve_layout(sizes(0, 2, 2, 1), 4, run), run, 0).count("tp"), 0u);
+  auto two = run;
+  two.micro_batches = 2;
+  EXPECT_EQ(tp_bytes(sp3, 2, two, 0), sp_bytes + 4 * (2 * 2 + 3) * 32);
+  // Across two stages: the first holds the embedding and layer 0 (5 crossings), the second layer
+  // 1 and the head (5) and sums the loss; the norm goes over pp+tp.
+  EXPECT_EQ(tp_bytes(sizes(0, 2, 2, 1), 4, run, 0), 5 * activation);
+  EXPECT_EQ(tp_bytes(sizes(0, 2, 2, 1), 4, run, 3), 5 * activation + 3 * per_token);
+  // Over cp 2 each rank's rows are half the sequence.
+  EXPECT_EQ(tp_bytes(sizes(0, 2, 1, 2), 4, run, 2),
+            (4 * 2 + 2) * activation / 2 + 3 * per_token / 2 + 8);
+  // MLA (deepseek_config: d 32, latents 16, rope 4) holds its down-projections and their norms
+  // whole on every tp rank, each rank's gradient its heads' share: 32·(16 + 4) + 16 + 32·16 + 16
+  // = 1184 elements a layer summed once a step. Layer 1's experts: the shared ones cross twice.
+  const auto mla = run_with(ch10::testing::deepseek_config());
+  const Layout l = resolve_layout(sizes(0, 2, 1, 1), 2, mla);
+  const HeldParameters held = rank_parameters(l, mla, 1);
+  EXPECT_EQ(held.tp_partial_by_unit, (std::vector<int64_t>{0, 1184, 1184}));
+  EXPECT_EQ(predicted_traffic(l, mla, 1, held).at("tp"),
+            (4 * 2 + 2) * activation + 3 * per_token + 8 + 4 * 2 * 1184);
+  // Without the partial counts there is no prediction.
+  EXPECT_EQ(predicted_traffic(l, mla, 1).count("tp"), 0u);
+}
+
+// A rank's part built offline holds its tp slice, its stage's layers and its experts; a part
+// that needs its peers to be built (key/value heads shared by tp ranks: a replica group) is a
+// clear error.
+TEST(Report, RankParametersAreCountedFromTheRanksPart) {
+  const auto run = run_with(ch10::testing::deepseek_config());
+  const HeldParameters whole = rank_parameters(resolve_layout(Layout{}, 1, run), run, 0);
+  const HeldParameters experts = rank_parameters(resolve_layout(sizes(0, 1, 1, 1, 2), 2, run), run, 1);
+  ASSERT_FALSE(whole.routed_by_unit.empty());
+  EXPECT_EQ(experts.routed_by_unit[2] * 2, whole.routed_by_unit[2]);  // 4 of the 8 experts
+  EXPECT_EQ(whole.elements - experts.elements, whole.routed_by_unit[2] / 2);
+  const HeldParameters stage = rank_parameters(resolve_layout(sizes(0, 1, 2, 1), 2, run), run, 1);
+  EXPECT_EQ(stage.by_unit[1], 0);  // layer 0 is the first stage's
+  EXPECT_EQ(stage.by_unit[2], whole.by_unit[2]);
+  const HeldParameters slice = rank_parameters(resolve_layout(sizes(0, 2, 1, 1), 2, run), run, 0);
+  EXPECT_LT(slice.elements, whole.elements);
+  auto gqa = run_with(ch10::testing::tp_config(false));
+  gqa.model.n_kv_heads = 2;
+  EXPECT_TRUE(throws_error_containing(
+      [&] { rank_parameters(resolve_layout(sizes(0, 4, 1, 1), 4, gqa), gqa, 0); }, "offline"));
 }

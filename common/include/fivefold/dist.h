@@ -40,9 +40,9 @@ namespace fivefold::dist {
 enum class ReduceOp { Sum, Average, Max, Min };
 
 /// The transport under a communicator.
-enum class Backend { Mpi, Gloo };
+enum class Backend { Mpi, Gloo, Offline };
 
-/// "mpi" or "gloo".
+/// "mpi", "gloo" or "offline".
 const char* backend_name(Backend backend);
 
 /// The operations, as counted in the statistics.
@@ -220,6 +220,12 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 
 /// Shared handle to a communicator (communicators are shared by the mesh, layers and tests).
 using CommunicatorPtr = std::shared_ptr<Communicator>;
+
+/// A communicator that only knows its place: rank `rank` of `size`, named `name`. Every operation
+/// on it, split included, throws fivefold::Error. For building one rank's part of a model on one
+/// process (`fivefold train --plan`: the layers split over tp, the experts over ep) without the
+/// other processes: constructors ask the group for its size and rank, never for data.
+CommunicatorPtr offline_communicator(int rank, int size, const std::string& name);
 
 /// Ends every process of the job at once with `code` (MPI_Abort under MPI, otherwise _exit).
 /// Used by the watchdog and by the test harness when an assertion fails on one rank.
