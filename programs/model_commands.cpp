@@ -198,9 +198,7 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
     }
     std::string memory = "-", parameters = "-";
     if (held.elements > 0) {
-      const auto m = ch09::zero_memory_formula(held.elements, layout.dp * layout.cp / layout.ep,
-                                               layout.zero);
-      memory = std::to_string(m.parameters + m.gradients + m.optimizer) + " B";
+      memory = std::to_string(ch14::predicted_state_bytes(layout, held).total()) + " B";
       parameters = std::to_string(held.elements);
     }
     std::string bytes;
@@ -443,7 +441,9 @@ int train(int argc, char** argv) {
       world, r.training_comm,
       ch14::predicted_run_traffic(layout, c, static_cast<int64_t>(world->rank()), held,
                                   static_cast<int64_t>(r.losses.size()),
-                                  r.steps_after_whole_model));
+                                  r.steps_after_whole_model),
+      r.losses.empty() ? -1 : r.state.total(),
+      held.elements > 0 ? ch14::predicted_state_bytes(layout, held).total() : -1);
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " training steps (payload bytes handed to each "

@@ -1,7 +1,7 @@
 # Checks a run's measured.json: every communicator the trainer predicted (chapters 09-13's
 # formulas) carried exactly the predicted bytes per step, on the mean over its ranks and on the
-# busiest one (ep: on the mean; what one rank receives follows the routing). Prints the
-# communicators checked; fails naming the first that differs.
+# busiest one (ep: on the mean; what one rank receives follows the routing), and every rank's
+# model state its ZeRO formula. Prints what it checked; fails naming the first that differs.
 #   cmake -DMEASURED=runs/x/measured.json -P scripts/check-predicted.cmake
 if(NOT EXISTS "${MEASURED}")
   message(FATAL_ERROR "check-predicted: no ${MEASURED}")
@@ -37,5 +37,20 @@ if(groups GREATER 0)
     endforeach()
     list(APPEND checked ${group})
   endforeach()
+endif()
+# What each rank kept between steps (parameters, gradients, AdamW moments) against chapter 09's
+# ZeRO formulas on its part, rank by rank.
+string(JSON ranks ERROR_VARIABLE no_state LENGTH "${measured}" predicted_state_bytes)
+if(NOT no_state)
+  math(EXPR last "${ranks} - 1")
+  foreach(r RANGE ${last})
+    string(JSON got GET "${measured}" state_bytes ${r})
+    string(JSON want GET "${measured}" predicted_state_bytes ${r})
+    if(NOT got EQUAL want)
+      message(FATAL_ERROR "check-predicted: rank ${r} kept ${got} bytes of model state, "
+                          "predicted ${want} (${MEASURED})")
+    endif()
+  endforeach()
+  list(APPEND checked "model state")
 endif()
 message("predicted = measured: ${checked}")

@@ -93,6 +93,18 @@ struct StepResult {
 StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainConfig& config,
                       const std::vector<Batch>& micro_batches, int64_t step);
 
+/// Bytes a process keeps between steps, by kind: what chapter 09's ZeRO formulas count.
+struct StateBytes {
+  int64_t parameters = 0;  ///< the parameters' storage (frozen ones too)
+  int64_t gradients = 0;   ///< the gradients kept (whole, or a shard)
+  int64_t optimizer = 0;   ///< AdamW's moments (whole, or a shard)
+  int64_t total() const { return parameters + gradients + optimizer; }
+};
+
+/// Measured from the tensors: `model`'s parameters and their gradients, and `optimizer`'s
+/// moments (exp_avg, exp_avg_sq).
+StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer);
+
 /// The training step as an object: what the training run (trainer.h) calls, so that one loop
 /// serves every layout. Chapter 03's SingleProcessStep is train_step on one process; chapter 09
 /// implements it with data parallelism (DDP, ZeRO-1/2/3), later chapters with more.
@@ -118,6 +130,8 @@ class TrainingStep {
   /// gradient reached are absent). Collective for a sharded step. With clipping off they are
   /// the gradients before clipping, which is what the parity tests compare across layouts.
   virtual io::TensorMap gradients() = 0;
+  /// What this process keeps between steps, measured from its tensors (not collective).
+  virtual StateBytes state_bytes() = 0;
 };
 
 /// Chapter 03's step: AdamW from make_optimizer and train_step, on one process.
@@ -131,6 +145,7 @@ class SingleProcessStep : public TrainingStep {
   io::TensorMap optimizer_state() override;
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   io::TensorMap gradients() override;
+  StateBytes state_bytes() override { return ch03::state_bytes(model_, *optimizer_); }
 
  private:
   Transformer model_;

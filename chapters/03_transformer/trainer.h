@@ -108,6 +108,9 @@ struct TrainableCounts {
   /// (empty for a model without them).
   int64_t routed_tensors = 0;
   std::vector<int64_t> routed_by_unit;
+  /// Parameters that take no gradient (requires_grad false: MoE's balancing bias), in numbers:
+  /// stored like the others, but no gradient or optimizer state.
+  int64_t frozen = 0;
 };
 
 /// The ZeRO-3 unit (TrainableCounts::by_unit) a parameter of this name belongs to: 1 + i for
@@ -133,6 +136,8 @@ struct RunResult {
   /// Training steps that began right after the whole model was gathered for an evaluation or a
   /// checkpoint (ZeRO-3's first forward then finds every unit already gathered).
   int64_t steps_after_whole_model = 0;
+  /// What this rank's step kept right after its last training step (TrainingStep::state_bytes).
+  StateBytes state;
 };
 
 /// Runs training. With `resume`, continues from `out_dir`'s latest checkpoint with its saved

@@ -46,6 +46,8 @@ class DataParallelStep : public ch03::TrainingStep {
   ch03::Transformer& full_model() override;
   io::TensorMap optimizer_state() override;
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
+  /// DDP: the model's parameters, gradients and AdamW moments; ZeRO and FSDP: their memory().
+  ch03::StateBytes state_bytes() override;
   /// The gradients the last step applied (the mean over the ranks, after clipping), whole, by
   /// parameter name, on every rank (collective for stages 1-3, which hold them in shards).
   io::TensorMap gradients() override;

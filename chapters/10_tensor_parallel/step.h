@@ -67,6 +67,8 @@ class TensorParallelStep : public ch03::TrainingStep {
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The gradients the last step applied (after clipping), whole, by name (collective).
   io::TensorMap gradients() override;
+  /// The inner step's: this rank's slices.
+  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
 
  private:
   TensorParallelPtr tp_;

@@ -151,6 +151,8 @@ class PipelineParallelStep : public ch03::TrainingStep {
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The gradients the last step applied (after clipping), whole, by name (collective).
   io::TensorMap gradients() override;
+  /// The inner step's: this rank's part.
+  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
   /// The executor (its timeline and peak after a step).
   const PipelineExecutor& executor() const { return *executor_; }
 

@@ -121,6 +121,7 @@ class ContextParallelStep : public ch03::TrainingStep {
   }
   /// The inner step's: every rank's tokens reached them through its average over dp x cp.
   io::TensorMap gradients() override { return inner_->gradients(); }
+  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
   /// The step it wraps.
   ch03::TrainingStep& inner() { return *inner_; }
 

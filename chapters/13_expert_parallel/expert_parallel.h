@@ -142,6 +142,8 @@ class ExpertParallelStep : public ch03::TrainingStep {
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// The last step's gradients by name, whole (gathered over ep).
   io::TensorMap gradients() override;
+  /// The step it wraps' (this rank's experts).
+  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
   /// The step it wraps.
   ch03::TrainingStep& inner() { return *inner_; }
 

@@ -56,6 +56,10 @@ struct RankMeasurement {
   /// communicator name -> the bytes the formulas predict for this rank over the whole run
   /// (predicted_run_traffic); only the communicators they describe.
   std::map<std::string, int64_t> predicted_bytes;
+  /// The bytes of parameters, gradients and AdamW moments the rank's step kept after its last
+  /// training step (RunResult::state), and what predicted_state_bytes says; -1: not known.
+  int64_t state_bytes = -1;
+  int64_t predicted_state_bytes = -1;
 };
 
 /// The trainable parameters a rank's step holds (rank_parameters, or RunResult::held): what its
@@ -67,6 +71,12 @@ struct HeldParameters : ch03::TrainableCounts {
   /// parallelism every parameter tp does not split); empty: not known, and no tp prediction.
   std::vector<int64_t> tp_partial_by_unit;
 };
+
+/// What chapter 09's ZeRO formulas say the rank keeps between steps for its part `held` (fp32):
+/// parameters 4(P + frozen), or ZeRO-3 4·Σ_u ⌈P_u/N⌉ (each unit sharded on its own); gradients
+/// 4P, ZeRO-2 4⌈P/N⌉, ZeRO-3 4·Σ_u ⌈P_u/N⌉; AdamW's two moments 8P, ZeRO-1 and 2 8⌈P/N⌉, ZeRO-3
+/// 8·Σ_u ⌈P_u/N⌉; N = dp·cp (under ep dp·cp/ep, the ranks holding the same experts).
+ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held);
 
 /// What world rank `world_rank` of `layout` (resolved) holds in a run of `run`, counted from its
 /// part of the model built here on one process (ch03's or `run.build_model`'s model, chapter 10's
@@ -138,17 +148,21 @@ RankMeasurement measure_rank(const dist::CommStats& stats);
 /// rank on every rank.
 std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
                                                  const dist::CommStats& stats,
-                                                 const std::map<std::string, int64_t>& predicted = {});
+                                                 const std::map<std::string, int64_t>& predicted = {},
+                                                 int64_t state_bytes = -1,
+                                                 int64_t predicted_state_bytes = -1);
 
 /// A table of the gathered measurements: per communicator the bytes per step, mean and largest
 /// over the ranks that used it, beside the prediction's mean and largest where there is one;
-/// then the peak memory per rank (smallest, mean, largest).
+/// then the model state per rank (measured and predicted, where known) and the peak memory per
+/// rank (smallest, mean, largest).
 std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 /// The same as JSON: {"per_step_bytes": {name: {"mean", "max", "ranks", and where predicted
 /// "predicted_mean", "predicted_max" and "exact": the statistics the prediction is exact for,
 /// ["mean", "max"], or for `ep` ["mean"] (each rank's share follows the routing)}},
-/// "peak_resident_bytes": [per rank]}.
+/// "peak_resident_bytes": [per rank], and where known "state_bytes" and
+/// "predicted_state_bytes": [per rank]}.
 nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 }  // namespace fivefold::ch14

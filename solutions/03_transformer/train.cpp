@@ -127,6 +127,22 @@ StepResult SingleProcessStep::step(const std::vector<Batch>& micro_batches, int6
   return train_step(model_, *optimizer_, config_, micro_batches, step);
 }
 
+StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer) {
+  auto bytes = [](const torch::Tensor& t) {
+    return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : int64_t{0};
+  };
+  StateBytes b;
+  for (const auto& p : model->parameters()) {
+    b.parameters += bytes(p);
+    b.gradients += bytes(p.grad());
+  }
+  for (const auto& [key, state] : optimizer.state()) {
+    const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*state);
+    b.optimizer += bytes(adam.exp_avg()) + bytes(adam.exp_avg_sq());
+  }
+  return b;
+}
+
 io::TensorMap SingleProcessStep::gradients() {
   io::TensorMap out;
   for (const auto& item : model_->named_parameters()) {

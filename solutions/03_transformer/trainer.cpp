@@ -164,7 +164,10 @@ TrainableCounts count_trainable(Transformer& model) {
   counts.by_unit.assign(static_cast<size_t>(model->config().n_layers + 1), 0);
   for (const auto& item : model->named_parameters()) {
     const auto& p = item.value();
-    if (!p.requires_grad()) continue;
+    if (!p.requires_grad()) {
+      counts.frozen += p.numel();
+      continue;
+    }
     counts.elements += p.numel();
     counts.tensors += 1;
     const size_t unit = parameter_unit(item.key());
@@ -401,6 +404,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     }();
     const double seconds = timer.seconds();
     dist::accumulate_comm_stats(result.training_comm, dist::comm_stats_since(comm_before));
+    result.state = trainer->state_bytes();  // after the step, before any evaluation gathers
     const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     const double mfu = ch02::model_flops_utilization(tokens_per_s, flops_per_token, peak);
     result.losses.push_back(r.loss);

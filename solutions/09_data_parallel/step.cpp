@@ -101,6 +101,12 @@ void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const st
   ch03::load_optimizer_state(state, source, model_, *adam_);
 }
 
+ch03::StateBytes DataParallelStep::state_bytes() {
+  if (adam_) return ch03::state_bytes(model_, *adam_);
+  const ZeroMemory m = zero_ ? zero_->memory() : fsdp_->memory();
+  return {m.parameters, m.gradients, m.optimizer};
+}
+
 io::TensorMap DataParallelStep::gradients() {
   if (zero_) return zero_->gradients();
   if (fsdp_) return fsdp_->gradients();

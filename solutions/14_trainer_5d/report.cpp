@@ -203,6 +203,20 @@ RankMeasurement measure_rank(const dist::CommStats& stats) {
   return m;
 }
 
+ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held) {
+  const int64_t n = layout.dp * layout.cp / layout.ep, p = held.elements;
+  const int64_t shard = (p + n - 1) / n;
+  ch03::StateBytes b;
+  if (layout.zero == 3) {
+    const int64_t units = padded_units(held, n) / n;  // Σ ⌈P_u/N⌉
+    b = {4 * units, 4 * units, 8 * units};
+  } else {
+    b = {4 * (p + held.frozen), 4 * (layout.zero == 2 ? shard : p),
+         8 * (layout.zero >= 1 ? shard : p)};
+  }
+  return b;
+}
+
 HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
                                int64_t world_rank) {
   FIVEFOLD_CHECK(layout.dp >= 1, "rank_parameters: the layout is not resolved (dp 0)");
@@ -407,10 +421,15 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
 
 std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
                                                  const dist::CommStats& stats,
-                                                 const std::map<std::string, int64_t>& predicted) {
+                                                 const std::map<std::string, int64_t>& predicted,
+                                                 int64_t state_bytes,
+                                                 int64_t predicted_state_bytes) {
   const RankMeasurement mine = measure_rank(stats);
-  const nlohmann::json json = {
-      {"bytes", mine.payload_bytes}, {"peak", mine.peak_resident_bytes}, {"predicted", predicted}};
+  const nlohmann::json json = {{"bytes", mine.payload_bytes},
+                               {"peak", mine.peak_resident_bytes},
+                               {"predicted", predicted},
+                               {"state", state_bytes},
+                               {"predicted_state", predicted_state_bytes}};
   std::vector<RankMeasurement> all;
   for (const std::string& text : all_gather_strings(json.dump(), *world)) {
     const auto j = nlohmann::json::parse(text);
@@ -418,6 +437,8 @@ std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& wo
     m.payload_bytes = j["bytes"].get<std::map<std::string, int64_t>>();
     m.peak_resident_bytes = j["peak"].get<int64_t>();
     m.predicted_bytes = j["predicted"].get<std::map<std::string, int64_t>>();
+    m.state_bytes = j["state"].get<int64_t>();
+    m.predicted_state_bytes = j["predicted_state"].get<int64_t>();
     all.push_back(m);
   }
   return all;
@@ -458,7 +479,19 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
     if (!groups[name].contains("ranks"))
       groups[name].update({{"mean", 0.0}, {"max", 0.0}, {"ranks", 0}});
   }
-  return {{"per_step_bytes", groups}, {"peak_resident_bytes", peaks}};
+  nlohmann::json out = {{"per_step_bytes", groups}, {"peak_resident_bytes", peaks}};
+  auto all_known = [&](int64_t RankMeasurement::*field) {
+    nlohmann::json values = nlohmann::json::array();
+    for (const auto& r : ranks) {
+      if (r.*field < 0) return nlohmann::json();
+      values.push_back(r.*field);
+    }
+    return values;
+  };
+  if (auto v = all_known(&RankMeasurement::state_bytes); !v.is_null()) out["state_bytes"] = v;
+  if (auto v = all_known(&RankMeasurement::predicted_state_bytes); !v.is_null())
+    out["predicted_state_bytes"] = v;
+  return out;
 }
 
 std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t steps) {
@@ -484,6 +517,25 @@ std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t
                   static_cast<long long>(g["ranks"].get<int64_t>()), g["mean"].get<double>(),
                   g["max"].get<double>(), predicted.c_str());
     out << line;
+  }
+  // Smallest, mean and largest over the ranks, in MB.
+  auto spread = [](const std::vector<int64_t>& values) {
+    const auto [lo, hi] = std::minmax_element(values.begin(), values.end());
+    double mean = 0;
+    for (int64_t v : values) mean += static_cast<double>(v);
+    mean /= static_cast<double>(values.size());
+    char text[120];
+    std::snprintf(text, sizeof(text), "smallest %.3f MB, mean %.3f MB, largest %.3f MB",
+                  static_cast<double>(*lo) / 1e6, mean / 1e6, static_cast<double>(*hi) / 1e6);
+    return std::string(text);
+  };
+  if (j.contains("state_bytes") && !j["state_bytes"].empty()) {
+    out << "model state per rank (parameters, gradients and AdamW moments after the last step): "
+        << spread(j["state_bytes"].get<std::vector<int64_t>>());
+    if (j.contains("predicted_state_bytes"))
+      out << "; predicted (chapter 09's ZeRO formulas on the rank's part) "
+          << spread(j["predicted_state_bytes"].get<std::vector<int64_t>>());
+    out << "\n";
   }
   const auto peaks = j["peak_resident_bytes"].get<std::vector<int64_t>>();
   if (!peaks.empty()) {

@@ -153,6 +153,20 @@ TEST(Report, MeasurementsBecomeBytesPerStep) {
   EXPECT_NE(measurement_table({r0, r1}, 2).find("| ep | 2 | 300 | 350 | 300 | ~300 |"),
             std::string::npos)
       << measurement_table({r0, r1}, 2);
+  // The model state per rank, measured and predicted, when every rank knows both.
+  EXPECT_FALSE(measurement_json({r0, r1}, 2).contains("state_bytes"));
+  r0.state_bytes = 1'000'000;
+  r1.state_bytes = 3'000'000;
+  r0.predicted_state_bytes = 1'000'000;
+  r1.predicted_state_bytes = 3'000'000;
+  const auto state = measurement_json({r0, r1}, 2);
+  EXPECT_EQ(state["state_bytes"], nlohmann::json({1'000'000, 3'000'000}));
+  EXPECT_EQ(state["predicted_state_bytes"], nlohmann::json({1'000'000, 3'000'000}));
+  EXPECT_NE(measurement_table({r0, r1}, 2)
+                .find("AdamW moments after the last step): smallest 1.000 MB, mean 2.000 MB, "
+                      "largest 3.000 MB; predicted"),
+            std::string::npos)
+      << measurement_table({r0, r1}, 2);
   // This process's own peak is real and positive.
   EXPECT_GT(measure_rank({}).peak_resident_bytes, 1'000'000);
 }
@@ -294,6 +308,25 @@ TEST(Report, PredictedTensorParallelBytesFollowChapter10) {
             (4 * 2 + 2) * activation + 3 * per_token + 8 + 4 * 2 * 1184);
   // Without the partial counts there is no prediction.
   EXPECT_EQ(predicted_traffic(l, mla, 1).count("tp"), 0u);
+}
+
+// Chapter 09's formulas on the rank's part: P = 1001 trainable in 5 tensors (units 101, 300, 600)
+// and 24 frozen numbers, over N = 2: DDP 4(P + 24) + 4P + 8P; ZeRO-1 the moments' shard
+// 8·501; ZeRO-2 the gradients' too; ZeRO-3 every unit sharded on its own: 51 + 150 + 300.
+TEST(Report, PredictedStateFollowsTheZeroStage) {
+  HeldParameters held = held_of(1001, 5, {101, 300, 600});
+  held.frozen = 24;
+  Layout l = sizes(2, 1, 1, 1);
+  auto total = [&](int zero) {
+    l.zero = zero;
+    return predicted_state_bytes(l, held).total();
+  };
+  EXPECT_EQ(total(0), 4 * 1025 + 4 * 1001 + 8 * 1001);
+  EXPECT_EQ(total(1), 4 * 1025 + 4 * 1001 + 8 * 501);
+  EXPECT_EQ(total(2), 4 * 1025 + 4 * 501 + 8 * 501);
+  EXPECT_EQ(total(3), 16 * (51 + 150 + 300));
+  Layout experts = sizes(2, 1, 1, 1, 2, 1);  // ep 2 of dp 2: edp has 1 rank, ZeRO-1 shards nothing
+  EXPECT_EQ(predicted_state_bytes(experts, held).total(), 4 * 1025 + 4 * 1001 + 8 * 1001);
 }
 
 // A rank's part built offline holds its tp slice, its stage's layers and its experts; a part
