@@ -50,6 +50,7 @@ full=(
   "4|moe|--dp 4 --zero 2 --ep 4"
   "4|llama|--tp 2 --dp 2 --zero 1 --sequence-parallel"
   "4|moe|--tp 4"
+  "4|llama|--tp 4 --zero 3 --accum 2"
   "4|moe|--tp 2 --sequence-parallel --dp 2 --zero 3 --accum 2"
   "4|llama|--pp 4 --schedule 1f1b --accum 2"
   "4|llama|--cp 4 --cp-layout contiguous"

@@ -70,6 +70,10 @@ struct HeldParameters : ch03::TrainableCounts {
   /// (chapter 10's partial_gradient_parameters: MLA's whole projections, and under sequence
   /// parallelism every parameter tp does not split); empty: not known, and no tp prediction.
   std::vector<int64_t> tp_partial_by_unit;
+  /// Of by_unit, the key/value projections' elements that tp ranks sharing a key/value head sum
+  /// over their replica group `tp.replicas` (grouped-query attention with fewer key/value heads
+  /// than tp ranks); all zero otherwise.
+  std::vector<int64_t> tp_replica_partial_by_unit;
 };
 
 /// What chapter 09's ZeRO formulas say the rank keeps between steps for its part `held` (fp32):
@@ -81,8 +85,8 @@ ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameter
 /// What world rank `world_rank` of `layout` (resolved) holds in a run of `run`, counted from its
 /// part of the model built here on one process (ch03's or `run.build_model`'s model, chapter 10's
 /// over tp, chapter 13's experts over ep, the pipeline stage's layers) over offline communicators
-/// (dist::offline_communicator). Throws fivefold::Error where building the part needs its peers:
-/// grouped-query attention with fewer key/value heads than tp ranks splits a replica group.
+/// (dist::offline_communicator; a replica group of tp ranks sharing key/value heads made here
+/// the way TensorParallel::replica_group splits it).
 HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
                                int64_t world_rank);
 
@@ -117,7 +121,8 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
 ///   without them), one out of the embedding on the first stage, one into the head on the last,
 ///   which also sums the loss's three numbers per token; per step the partial gradients (4 bytes
 ///   each; ZeRO-3 sums each unit's as it releases it: blocks 1 .. L-1 every micro-batch) and,
-///   without pp (which sums it over pp+tp), the norm's 8 bytes.
+///   without pp (which sums it over pp+tp), the norm's 8 bytes; `tp.replicas` the shared
+///   key/value projections' partial gradients (4 bytes each, once a step; ZeRO-3 unit by unit).
 /// - under expert parallelism (chapter 13), `edp` takes the place of `dp+cp`: the same formulas
 ///   over its N = dp·cp/ep ranks and the parameters the rank holds (its E/ep experts); and `ep`
 ///   carries, per MoE layer the rank holds and micro-batch, the counts' all-to-all (E int64) and

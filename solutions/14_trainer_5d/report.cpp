@@ -61,6 +61,16 @@ int64_t padded_units(const HeldParameters& held, int64_t n) {
   return total;
 }
 
+// Partial gradients' elements (by ZeRO-3 unit) as the step hands them to their group: once a
+// step, but ZeRO-3 without pp sums each unit's as it releases it, which for blocks 1 .. L-1
+// happens every one of the m micro-batches (the root and block 0 at the step).
+int64_t reduced_elements(const std::vector<int64_t>& by_unit, const Layout& layout, int64_t m) {
+  int64_t total = 0;
+  for (size_t u = 0; u < by_unit.size(); ++u)
+    total += by_unit[u] * (layout.zero == 3 && layout.pp == 1 && u >= 2 ? m : 1);
+  return total;
+}
+
 double relative(double a, double reference) {
   return std::abs(a - reference) / std::max(std::abs(reference), 1e-30);
 }
@@ -242,6 +252,14 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
   if (layout.tp > 1) {
     tp = std::make_shared<ch10::TensorParallel>(offline(tp_rank, layout.tp, "tp"),
                                                 layout.sequence_parallel);
+    // Fewer key/value heads than ranks: the tp/K ranks reading the same head form a replica
+    // group (TensorParallel::replica_group's split: consecutive ranks).
+    const int64_t kv = run.model.n_kv_heads;
+    if (run.model.extensions.is_null() && kv % layout.tp != 0 && layout.tp % kv == 0) {
+      const int64_t share = layout.tp / kv;
+      tp->replica_groups[static_cast<int>(kv)] =
+          offline(tp_rank % share, share, "tp.replicas");
+    }
     model = ch10::make_model(run.model, tp, part);
     if (layout.ep > 1) ch13::adapt_moe_layers(model, experts);
   } else if (layout.ep > 1) {
@@ -252,11 +270,13 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
   HeldParameters held;
   static_cast<ch03::TrainableCounts&>(held) = ch03::count_trainable(model);
   held.tp_partial_by_unit.assign(held.by_unit.size(), 0);
+  held.tp_replica_partial_by_unit.assign(held.by_unit.size(), 0);
   if (tp) {
     const auto parameters = model->named_parameters();
-    for (const auto& [name, group] : ch10::partial_gradient_parameters(model, *tp))
-      if (group == tp->comm)
-        held.tp_partial_by_unit[ch03::parameter_unit(name)] += parameters[name].numel();
+    for (const auto& [name, group] : ch10::partial_gradient_parameters(model, *tp)) {
+      auto& by_unit = group == tp->comm ? held.tp_partial_by_unit : held.tp_replica_partial_by_unit;
+      by_unit[ch03::parameter_unit(name)] += parameters[name].numel();
+    }
   }
   return held;
 }
@@ -346,12 +366,11 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
     }
     const int64_t activation = tokens * model.d_model * 4 * (layout.sequence_parallel ? 2 : 1);
     const int64_t loss = last_stage ? 3 * tokens * 4 : 0;  // max, Σ exp, target logit
-    int64_t partial = 0;
-    for (size_t u = 0; u < held.tp_partial_by_unit.size(); ++u) {
-      const bool each_micro_batch = layout.zero == 3 && layout.pp == 1 && u >= 2;
-      partial += held.tp_partial_by_unit[u] * (each_micro_batch ? m : 1);
-    }
-    bytes["tp"] = m * (crossings * activation + loss) + 4 * partial + (layout.pp == 1 ? 8 : 0);
+    bytes["tp"] = m * (crossings * activation + loss) +
+                  4 * reduced_elements(held.tp_partial_by_unit, layout, m) +
+                  (layout.pp == 1 ? 8 : 0);
+    const int64_t replicas = reduced_elements(held.tp_replica_partial_by_unit, layout, m);
+    if (replicas > 0) bytes["tp.replicas"] = 4 * replicas;
   }
 
   // Chapter 13: each MoE layer's all-to-alls, every micro-batch; then per step the shared
@@ -363,16 +382,11 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
     // Each rank routes its own tokens (under sequence parallelism its tp part of them).
     const int64_t assignments = rows / m * positions * moe.num_experts_per_tok;
     const int64_t exchange = moe.n_routed_experts * 8 + 4 * assignments * model.d_model * 4;
-    int64_t shared = 0;  // the partial gradients' elements the step sums over ep
-    for (size_t u = 0; u < held.by_unit.size(); ++u) {
-      const int64_t mine = held.by_unit[u] - (held.routed_by_unit.empty() ? 0 : held.routed_by_unit[u]);
-      // ZeRO-3 sums each unit's as it releases it: blocks 1 .. L-1 every micro-batch (pp: once).
-      const bool each_micro_batch = layout.zero == 3 && layout.pp == 1 && u >= 2;
-      shared += mine * (each_micro_batch ? m : 1);
-    }
-    if (held.by_unit.empty()) shared = -1;  // unknown: no prediction
-    if (moe.capacity_factor <= 0 && shared >= 0)
-      bytes["ep"] = moe_layers * m * exchange + 4 * shared + 8 + 8;
+    std::vector<int64_t> shared = held.by_unit;  // the partial gradients the step sums over ep
+    for (size_t u = 0; u < held.routed_by_unit.size() && u < shared.size(); ++u)
+      shared[u] -= held.routed_by_unit[u];
+    if (moe.capacity_factor <= 0 && !held.by_unit.empty())
+      bytes["ep"] = moe_layers * m * exchange + 4 * reduced_elements(shared, layout, m) + 8 + 8;
   }
 
   // Chapter 09: the gradients' reduction over the dp x cp ranks (edp under expert parallelism:

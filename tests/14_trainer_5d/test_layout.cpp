@@ -329,9 +329,9 @@ TEST(Report, PredictedStateFollowsTheZeroStage) {
   EXPECT_EQ(predicted_state_bytes(experts, held).total(), 4 * 1025 + 4 * 1001 + 8 * 1001);
 }
 
-// A rank's part built offline holds its tp slice, its stage's layers and its experts; a part
-// that needs its peers to be built (key/value heads shared by tp ranks: a replica group) is a
-// clear error.
+// A rank's part built offline holds its tp slice, its stage's layers and its experts; with
+// fewer key/value heads than tp ranks, the ranks sharing a head get their replica group, over
+// which the shared heads' projections sum their gradients.
 TEST(Report, RankParametersAreCountedFromTheRanksPart) {
   const auto run = run_with(ch10::testing::deepseek_config());
   const HeldParameters whole = rank_parameters(resolve_layout(Layout{}, 1, run), run, 0);
@@ -344,8 +344,11 @@ TEST(Report, RankParametersAreCountedFromTheRanksPart) {
   EXPECT_EQ(stage.by_unit[2], whole.by_unit[2]);
   const HeldParameters slice = rank_parameters(resolve_layout(sizes(0, 2, 1, 1), 2, run), run, 0);
   EXPECT_LT(slice.elements, whole.elements);
-  auto gqa = run_with(ch10::testing::tp_config(false));
-  gqa.model.n_kv_heads = 2;
-  EXPECT_TRUE(throws_error_containing(
-      [&] { rank_parameters(resolve_layout(sizes(0, 4, 1, 1), 4, gqa), gqa, 0); }, "offline"));
+  // tp_config: 8 heads of 4 numbers, 4 key/value heads; over tp 8 each pair of ranks shares one:
+  // k_proj and v_proj of [4, 32] each, a layer.
+  const auto gqa = run_with(ch10::testing::tp_config(false));
+  const Layout tp8 = resolve_layout(sizes(0, 8, 1, 1), 8, gqa);
+  const HeldParameters shared = rank_parameters(tp8, gqa, 5);
+  EXPECT_EQ(shared.tp_replica_partial_by_unit, (std::vector<int64_t>{0, 256, 256}));
+  EXPECT_EQ(predicted_traffic(tp8, gqa, 5, shared).at("tp.replicas"), 4 * 512);
 }
