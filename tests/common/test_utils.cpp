@@ -7,6 +7,7 @@
 
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
+#include "fivefold/dist.h"
 #include "fivefold/error.h"
 #include "fivefold/memory.h"
 #include "fivefold/runtime.h"
@@ -282,6 +283,28 @@ TEST(LaunchEnvironment, InconsistentValuesAreErrors) {
     ScopedEnv env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}});
     EXPECT_THROW(fivefold::read_launch_environment(), Error);
   }
+}
+
+// An offline communicator knows its place and refuses every operation, split included, with an
+// error naming the group; a rank outside the group is refused when it is made.
+TEST(OfflineCommunicator, KnowsItsPlaceAndRefusesToCommunicate) {
+  namespace dist = fivefold::dist;
+  const auto comm = dist::offline_communicator(2, 4, "tp");
+  EXPECT_EQ(comm->rank(), 2);
+  EXPECT_EQ(comm->size(), 4);
+  EXPECT_EQ(comm->name(), "tp");
+  EXPECT_STREQ(dist::backend_name(comm->backend()), "offline");
+  auto t = torch::ones({3});
+  EXPECT_TRUE(fivefold::testing::throws_error_containing([&] { comm->all_reduce(t); },
+                                                         "all_reduce on 'tp': an offline"));
+  EXPECT_TRUE(fivefold::testing::throws_error_containing([&] { comm->all_gather(t); },
+                                                         "cannot communicate"));
+  EXPECT_TRUE(fivefold::testing::throws_error_containing([&] { comm->split(0, 0, "x"); },
+                                                         "offline communicator (rank 2 of 4"));
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] { comm->all_reduce_async(t).wait(); }, "cannot communicate"));
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [] { dist::offline_communicator(4, 4, "tp"); }, "rank 4 of 4"));
 }
 
 TEST(Blas, OpenBlasIsInUse) {
