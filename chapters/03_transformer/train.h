@@ -98,6 +98,7 @@ struct StateBytes {
   int64_t parameters = 0;  ///< the parameters' storage (frozen ones too)
   int64_t gradients = 0;   ///< the gradients kept (whole, or a shard)
   int64_t optimizer = 0;   ///< AdamW's moments (whole, or a shard)
+  /// All three.
   int64_t total() const { return parameters + gradients + optimizer; }
 };
 

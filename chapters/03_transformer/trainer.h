@@ -103,10 +103,10 @@ struct TrainableCounts {
   /// The elements by ZeRO-3's units (chapter 09): [0] everything outside the blocks (the root),
   /// then block 0, 1, ... of the whole model, n_layers + 1 entries (0 for a block not held).
   std::vector<int64_t> by_unit;
-  /// Of those, the routed experts' (chapter 07: names with ".experts."), which expert
-  /// parallelism splits over its ranks and no group of it sums: tensors, and elements by unit
-  /// (empty for a model without them).
+  /// Of the tensors, the routed experts' (chapter 07: names with ".experts."), which expert
+  /// parallelism splits over its ranks and no group of it sums.
   int64_t routed_tensors = 0;
+  /// Of by_unit, the routed experts' elements (empty for a model without them).
   std::vector<int64_t> routed_by_unit;
   /// Parameters that take no gradient (requires_grad false: MoE's balancing bias), in numbers:
   /// stored like the others, but no gradient or optimizer state.

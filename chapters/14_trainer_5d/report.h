@@ -57,8 +57,9 @@ struct RankMeasurement {
   /// (predicted_run_traffic); only the communicators they describe.
   std::map<std::string, int64_t> predicted_bytes;
   /// The bytes of parameters, gradients and AdamW moments the rank's step kept after its last
-  /// training step (RunResult::state), and what predicted_state_bytes says; -1: not known.
+  /// training step (RunResult::state); -1: not known.
   int64_t state_bytes = -1;
+  /// What predicted_state_bytes says the rank keeps; -1: not known.
   int64_t predicted_state_bytes = -1;
 };
 
