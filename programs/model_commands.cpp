@@ -181,11 +181,9 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
               "(chapter 09) | bytes per step, by group (predicted) |\n|---:|---|---|---:|---:|---|\n");
   std::string unbuilt;  // why a rank's part could not be built here, if one could not
   for (int64_t r = 0; r < world_size; ++r) {
-    const int64_t tp_rank = r % layout.tp, cp_rank = (r / layout.tp) % layout.cp;
-    const int64_t dp_rank = (r / (layout.tp * layout.cp)) % layout.dp;
-    const int64_t pp_rank = r / (layout.tp * layout.cp * layout.dp);
+    const ch14::Layout::Place at = layout.place(r);
     const ModelPart part = layout.pp > 1 ? ch11::stage_part(c.model.n_layers, layout.pp,
-                                                            layout.virtual_stages, pp_rank)
+                                                            layout.virtual_stages, at.pp)
                                          : ModelPart{};
     std::string layers;
     for (const auto layer : part.layers(c.model.n_layers))
@@ -205,8 +203,8 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
     for (const auto& [group, b] : ch14::predicted_traffic(layout, c, r, held))
       bytes += (bytes.empty() ? "" : ", ") + group + " " + std::to_string(b);
     std::printf("| %lld | %lld, %lld, %lld, %lld | %s | %s | %s | %s |\n", static_cast<long long>(r),
-                static_cast<long long>(pp_rank), static_cast<long long>(dp_rank),
-                static_cast<long long>(cp_rank), static_cast<long long>(tp_rank), layers.c_str(),
+                static_cast<long long>(at.pp), static_cast<long long>(at.dp),
+                static_cast<long long>(at.cp), static_cast<long long>(at.tp), layers.c_str(),
                 parameters.c_str(), memory.c_str(), bytes.empty() ? "-" : bytes.c_str());
   }
   if (!unbuilt.empty())
@@ -431,7 +429,7 @@ int train(int argc, char** argv) {
   try {
     held = ch14::rank_parameters(layout, c, static_cast<int64_t>(world->rank()));
   } catch (const Error&) {
-    // built only over its peers (a replica group): no tp prediction, the run's own counts
+    // a part that cannot be built offline: the run's own counts, and no tp prediction
   }
   if (held.elements != r.held.elements || held.tensors != r.held.tensors)
     log(LogLevel::Warn) << "the plan's part of the model holds " << held.elements << " parameters in "

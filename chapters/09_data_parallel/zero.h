@@ -23,12 +23,11 @@
 
 namespace fivefold::ch09 {
 
-/// Bytes this rank keeps between steps, by kind (what the ZeRO formulas count).
-struct ZeroMemory {
-  int64_t parameters = 0;  ///< the model's parameters (all of them in stages 1 and 2)
-  int64_t gradients = 0;   ///< gradients kept: the full ones (stage 1) or this rank's shard (2)
-  int64_t optimizer = 0;   ///< AdamW's two moments for this rank's shard
-};
+/// Bytes this rank keeps between steps, by kind (what the ZeRO formulas count): the parameters
+/// (all of them in stages 1 and 2), the gradients kept (the full ones in stage 1, this rank's
+/// shard in 2), AdamW's two moments for this rank's shard. Chapter 03's StateBytes, which every
+/// training step reports.
+using ZeroMemory = ch03::StateBytes;
 
 /// The ZeRO formulas, fp32 AdamW, per rank, for Ψ trainable numbers over N ranks (s = ⌈Ψ/N⌉):
 /// stage 0 (DDP) 4Ψ + 4Ψ + 8Ψ; 1: 4Ψ + 4Ψ + 8s; 2: 4Ψ + 4s + 8s; 3: 4s + 4s + 8s.

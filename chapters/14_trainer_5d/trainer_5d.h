@@ -43,6 +43,14 @@ struct Layout {
 
   /// dp·tp·pp·cp: the processes the layout needs.
   int64_t ranks() const { return dp * tp * pp * cp; }
+  /// A world rank's coordinates in the mesh (pp slowest, then dp, cp, tp fastest).
+  struct Place {
+    int64_t pp = 0, dp = 0, cp = 0, tp = 0;
+  };
+  /// Where world rank `rank` sits (dp resolved).
+  Place place(int64_t rank) const {
+    return {rank / (tp * cp * dp), (rank / (tp * cp)) % dp, (rank / tp) % cp, rank % tp};
+  }
   /// One line, e.g. "dp 2 x tp 2 x pp 2 (1f1b) x cp 2 (zigzag, ring), ep 2, ZeRO-1".
   std::string describe() const;
 };

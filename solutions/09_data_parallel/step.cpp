@@ -103,8 +103,7 @@ void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const st
 
 ch03::StateBytes DataParallelStep::state_bytes() {
   if (adam_) return ch03::state_bytes(model_, *adam_);
-  const ZeroMemory m = zero_ ? zero_->memory() : fsdp_->memory();
-  return {m.parameters, m.gradients, m.optimizer};
+  return zero_ ? zero_->memory() : fsdp_->memory();
 }
 
 io::TensorMap DataParallelStep::gradients() {

@@ -11,6 +11,7 @@
 
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
+#include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/pipeline.h"
@@ -214,34 +215,35 @@ RankMeasurement measure_rank(const dist::CommStats& stats) {
 }
 
 ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held) {
-  const int64_t n = layout.dp * layout.cp / layout.ep, p = held.elements;
-  const int64_t shard = (p + n - 1) / n;
-  ch03::StateBytes b;
-  if (layout.zero == 3) {
-    const int64_t units = padded_units(held, n) / n;  // Σ ⌈P_u/N⌉
-    b = {4 * units, 4 * units, 8 * units};
-  } else {
-    b = {4 * (p + held.frozen), 4 * (layout.zero == 2 ? shard : p),
-         8 * (layout.zero >= 1 ? shard : p)};
+  const int64_t n = layout.dp * layout.cp / layout.ep;
+  if (layout.zero == 3) {  // FSDP shards each unit on its own: the formula unit by unit
+    ch03::StateBytes b;
+    for (const int64_t unit : held.by_unit) {
+      const auto u = ch09::zero_memory_formula(unit, n, 3);
+      b.parameters += u.parameters;
+      b.gradients += u.gradients;
+      b.optimizer += u.optimizer;
+    }
+    return b;
   }
+  auto b = ch09::zero_memory_formula(held.elements, n, layout.zero);
+  b.parameters += 4 * held.frozen;  // stored whole, with no gradient or moments
   return b;
 }
 
 HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
                                int64_t world_rank) {
   FIVEFOLD_CHECK(layout.dp >= 1, "rank_parameters: the layout is not resolved (dp 0)");
-  const int64_t tp_rank = world_rank % layout.tp, cp_rank = (world_rank / layout.tp) % layout.cp;
-  const int64_t dp_rank = (world_rank / (layout.tp * layout.cp)) % layout.dp;
-  const int64_t pp_rank = world_rank / (layout.tp * layout.cp * layout.dp);
+  const Layout::Place at = layout.place(world_rank);
   const ch03::ModelPart part =
       layout.pp > 1
-          ? ch11::stage_part(run.model.n_layers, layout.pp, layout.virtual_stages, pp_rank)
+          ? ch11::stage_part(run.model.n_layers, layout.pp, layout.virtual_stages, at.pp)
           : ch03::ModelPart{};
   // The groups' places, as layout.cpp's mesh gives them: ep groups of consecutive dp·cp ranks.
   auto offline = [](int64_t rank, int64_t size, const char* name) {
     return dist::offline_communicator(static_cast<int>(rank), static_cast<int>(size), name);
   };
-  const int64_t data_rank = dp_rank * layout.cp + cp_rank;
+  const int64_t data_rank = at.dp * layout.cp + at.cp;
   ch13::ExpertParallel experts;
   if (layout.ep > 1) {
     experts.ep = offline(data_rank % layout.ep, layout.ep, "ep");
@@ -250,7 +252,7 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
   ch03::Transformer model{nullptr};
   std::shared_ptr<ch10::TensorParallel> tp;
   if (layout.tp > 1) {
-    tp = std::make_shared<ch10::TensorParallel>(offline(tp_rank, layout.tp, "tp"),
+    tp = std::make_shared<ch10::TensorParallel>(offline(at.tp, layout.tp, "tp"),
                                                 layout.sequence_parallel);
     // Fewer key/value heads than ranks: the tp/K ranks reading the same head form a replica
     // group (TensorParallel::replica_group's split: consecutive ranks).
@@ -258,7 +260,7 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
     if (run.model.extensions.is_null() && kv % layout.tp != 0 && layout.tp % kv == 0) {
       const int64_t share = layout.tp / kv;
       tp->replica_groups[static_cast<int>(kv)] =
-          offline(tp_rank % share, share, "tp.replicas");
+          offline(at.tp % share, share, "tp.replicas");
     }
     model = ch10::make_model(run.model, tp, part);
     if (layout.ep > 1) ch13::adapt_moe_layers(model, experts);
@@ -285,19 +287,21 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
                                                  int64_t world_rank, const HeldParameters& held) {
   FIVEFOLD_CHECK(layout.dp >= 1, "predicted_traffic: the layout is not resolved (dp 0)");
   const ch03::ModelConfig& model = run.model;
-  // The mesh's coordinates of this rank: pp slowest, then dp, cp, tp fastest.
-  const int64_t tp_rank = world_rank % layout.tp, cp_rank = (world_rank / layout.tp) % layout.cp;
-  const int64_t pp_rank = world_rank / (layout.tp * layout.cp * layout.dp);
+  const Layout::Place at = layout.place(world_rank);
+  const int64_t cp_rank = at.cp, pp_rank = at.pp;
   const int64_t rows = run.batch / layout.dp;  // this data-parallel rank's rows, all micro-batches
   const int64_t m = run.micro_batches;
   std::map<std::string, int64_t> bytes;
   // The positions of each row this rank computes on: its slice of the sequence (contiguous
-  // slices may differ by one), under sequence parallelism its tp part of that (the same way).
-  int64_t positions = layout.cp_layout == ch12::CpLayout::Contiguous
-                          ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(cp_rank)]
-                          : run.seq_len / layout.cp;
-  if (layout.sequence_parallel)
-    positions = split_sizes(positions, layout.tp)[static_cast<size_t>(tp_rank)];
+  // slices may differ by one), what tp gathers; under sequence parallelism its tp part of that
+  // (the same way) outside the split layers.
+  const int64_t cp_positions =
+      layout.cp_layout == ch12::CpLayout::Contiguous
+          ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(cp_rank)]
+          : run.seq_len / layout.cp;
+  const int64_t positions =
+      layout.sequence_parallel ? split_sizes(cp_positions, layout.tp)[static_cast<size_t>(at.tp)]
+                               : cp_positions;
 
   // The layers of this rank's virtual stages k·pp + r of pp·v; the first stage holds the
   // embedding, the last the head.
@@ -353,10 +357,6 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
   const bool routed = ch07::has_routed_experts(model);
   const auto moe = routed ? ch07::MoeConfig::from_json(model.extensions) : ch07::MoeConfig{};
   if (layout.tp > 1 && !held.tp_partial_by_unit.empty()) {
-    const int64_t cp_positions =  // before sequence parallelism splits them: what tp gathers
-        layout.cp_layout == ch12::CpLayout::Contiguous
-            ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(cp_rank)]
-            : run.seq_len / layout.cp;
     const int64_t tokens = rows / m * cp_positions;
     int64_t crossings = (first_stage ? 1 : 0) + (last_stage ? 1 : 0);  // embedding, head
     for (const int64_t layer : layers) {
