@@ -45,7 +45,10 @@ struct Layout {
   int64_t ranks() const { return dp * tp * pp * cp; }
   /// A world rank's coordinates in the mesh (pp slowest, then dp, cp, tp fastest).
   struct Place {
-    int64_t pp = 0, dp = 0, cp = 0, tp = 0;
+    int64_t pp = 0;  ///< pipeline stage
+    int64_t dp = 0;  ///< data-parallel index
+    int64_t cp = 0;  ///< context-parallel index
+    int64_t tp = 0;  ///< tensor-parallel index
   };
   /// Where world rank `rank` sits (dp resolved).
   Place place(int64_t rank) const {
