@@ -178,7 +178,8 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
               static_cast<long long>(c.batch), static_cast<long long>(c.seq_len),
               static_cast<long long>(c.micro_batches));
   std::printf("| rank | pp, dp, cp, tp | layers | parameters | parameters + gradients + AdamW "
-              "(chapter 09) | bytes per step, by group (predicted) |\n|---:|---|---|---:|---:|---|\n");
+              "(chapter 09) | matmul FLOPs per step | bytes per step, by group (predicted) "
+              "|\n|---:|---|---|---:|---:|---:|---|\n");
   std::string unbuilt;  // why a rank's part could not be built here, if one could not
   for (int64_t r = 0; r < world_size; ++r) {
     const ch14::Layout::Place at = layout.place(r);
@@ -194,26 +195,34 @@ int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_siz
     } catch (const Error& e) {
       unbuilt = e.what();
     }
-    std::string memory = "-", parameters = "-";
+    std::string memory = "-", parameters = "-", flops = "-";
     if (held.elements > 0) {
       memory = std::to_string(ch14::predicted_state_bytes(layout, held).total()) + " B";
       parameters = std::to_string(held.elements);
+      try {
+        flops = std::to_string(ch14::predicted_flops(layout, c, r, held).total());
+        if (layout.ep > 1) flops = "~" + flops;  // what the router sends this rank's experts
+      } catch (const Error&) {
+        // experts with a capacity: what they compute follows the routing
+      }
     }
     std::string bytes;
     for (const auto& [group, b] : ch14::predicted_traffic(layout, c, r, held))
       bytes += (bytes.empty() ? "" : ", ") + group + " " + std::to_string(b);
-    std::printf("| %lld | %lld, %lld, %lld, %lld | %s | %s | %s | %s |\n", static_cast<long long>(r),
-                static_cast<long long>(at.pp), static_cast<long long>(at.dp),
-                static_cast<long long>(at.cp), static_cast<long long>(at.tp), layers.c_str(),
-                parameters.c_str(), memory.c_str(), bytes.empty() ? "-" : bytes.c_str());
+    std::printf("| %lld | %lld, %lld, %lld, %lld | %s | %s | %s | %s | %s |\n",
+                static_cast<long long>(r), static_cast<long long>(at.pp),
+                static_cast<long long>(at.dp), static_cast<long long>(at.cp),
+                static_cast<long long>(at.tp), layers.c_str(), parameters.c_str(), memory.c_str(),
+                flops.c_str(), bytes.empty() ? "-" : bytes.c_str());
   }
   if (!unbuilt.empty())
     std::printf("\nParameters, memory and the groups that follow from them are not predicted "
                 "here: %s\n", unbuilt.c_str());
-  std::printf("\nBytes are what each rank hands its communicators in one training step (the "
-              "trainer prints the measured ones beside them at the end of a run); ep's assume "
-              "the router spreads every rank's tokens evenly (what one rank receives follows "
-              "the routing; the mean over the ranks does not).\n");
+  std::printf("\nBytes are what each rank hands its communicators in one training step, FLOPs "
+              "what it multiplies in its matmuls, forward and backward (the trainer prints the "
+              "measured ones beside them at the end of a run); under ep both assume the router "
+              "spreads every rank's tokens evenly ('~': what one rank receives follows the "
+              "routing; the mean over the ranks does not).\n");
   return 0;
 }
 
@@ -435,14 +444,23 @@ int train(int argc, char** argv) {
     log(LogLevel::Warn) << "the plan's part of the model holds " << held.elements << " parameters in "
                         << held.tensors << " tensors, the run's " << r.held.elements << " in "
                         << r.held.tensors << ": the predictions below follow the plan's";
-  const auto measured = ch14::gather_measurements(
-      world, r.training_comm,
-      ch14::predicted_run_traffic(layout, c, static_cast<int64_t>(world->rank()), held,
-                                  static_cast<int64_t>(r.losses.size()),
-                                  r.steps_after_whole_model),
-      r.losses.empty() ? -1 : r.state.total(),
-      held.elements > 0 ? ch14::predicted_state_bytes(layout, held).total() : -1);
   const int64_t steps = static_cast<int64_t>(r.losses.size());
+  const auto rank = static_cast<int64_t>(world->rank());
+  ch14::RankMeasurement mine = ch14::measure_rank(r.training_comm);
+  mine.predicted_bytes =
+      ch14::predicted_run_traffic(layout, c, rank, held, steps, r.steps_after_whole_model);
+  if (steps > 0) {
+    mine.state_bytes = r.state.total();
+    mine.matmul_flops = r.step_flops;
+  }
+  if (held.elements > 0) mine.predicted_state_bytes = ch14::predicted_state_bytes(layout, held).total();
+  try {
+    mine.predicted_matmul_flops = ch14::predicted_flops(layout, c, rank, held).total();
+  } catch (const Error&) {
+    // no matrices known (a part not built offline) or experts with a capacity: not predicted
+  }
+  mine.flops_exact_per_rank = layout.ep == 1;  // under ep each rank computes what it was sent
+  const auto measured = ch14::gather_measurements(world, mine);
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " training steps (payload bytes handed to each "
            << "communicator; evaluation and checkpoints not counted), beside chapters 09-13's "

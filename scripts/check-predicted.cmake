@@ -1,7 +1,8 @@
 # Checks a run's measured.json: every communicator the trainer predicted (chapters 09-13's
 # formulas) carried exactly the predicted bytes per step, on the mean over its ranks and on the
-# busiest one (ep: on the mean; what one rank receives follows the routing), and every rank's
-# model state its ZeRO formula. Prints what it checked; fails naming the first that differs.
+# busiest one (ep: on the mean; what one rank receives follows the routing), every rank's
+# model state its ZeRO formula, and every rank's matmul FLOPs (ep: their sum) the formulas of
+# predicted_flops. Prints what it checked; fails naming the first that differs.
 #   cmake -DMEASURED=runs/x/measured.json -P scripts/check-predicted.cmake
 if(NOT EXISTS "${MEASURED}")
   message(FATAL_ERROR "check-predicted: no ${MEASURED}")
@@ -52,5 +53,30 @@ if(NOT no_state)
     endif()
   endforeach()
   list(APPEND checked "model state")
+endif()
+# The matmul FLOPs of the first training step (chapter 02's counter) against predicted_flops,
+# rank by rank, or under expert parallelism summed over the ranks (each computes what it was
+# sent).
+string(JSON ranks ERROR_VARIABLE no_flops LENGTH "${measured}" predicted_matmul_flops)
+if(NOT no_flops)
+  string(JSON exact GET "${measured}" matmul_flops_exact)
+  math(EXPR last "${ranks} - 1")
+  set(got_sum 0)
+  set(want_sum 0)
+  foreach(r RANGE ${last})
+    string(JSON got GET "${measured}" matmul_flops ${r})
+    string(JSON want GET "${measured}" predicted_matmul_flops ${r})
+    if(exact STREQUAL "each" AND NOT got EQUAL want)
+      message(FATAL_ERROR "check-predicted: rank ${r} executed ${got} matmul FLOPs, predicted "
+                          "${want} (${MEASURED})")
+    endif()
+    math(EXPR got_sum "${got_sum} + ${got}")
+    math(EXPR want_sum "${want_sum} + ${want}")
+  endforeach()
+  if(NOT got_sum EQUAL want_sum)
+    message(FATAL_ERROR "check-predicted: the ranks executed ${got_sum} matmul FLOPs, predicted "
+                        "${want_sum} (${MEASURED})")
+  endif()
+  list(APPEND checked "matmul FLOPs (${exact})")
 endif()
 message("predicted = measured: ${checked}")

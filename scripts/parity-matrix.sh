@@ -4,9 +4,9 @@
 # micro-batch counts, a sequence that splits unevenly, MLA + MoE and a dense Llama model), each
 # compared over its first 4 steps with the single process's run of the same settings: loss and
 # gradient norm within 1e-4 (relative), and the bytes its pipeline links, cp, tp, ep and
-# data-parallel groups carried per step equal chapters 09-13's formulas where they apply
-# (scripts/check-predicted.cmake). Writes a Markdown table to OUT/RESULTS.md; exits 1 if any
-# layout is outside.
+# data-parallel groups carried per step, each rank's model state and its matmul FLOPs equal
+# chapters 09-13's formulas where they apply (scripts/check-predicted.cmake). Writes a Markdown
+# table to OUT/RESULTS.md; exits 1 if any layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [BUILD_DIR] [OUT_DIR]
 # --reduced runs five of them (what ctest runs: ch14_parity_matrix); the README has the full
 # matrix's last results.

@@ -27,6 +27,10 @@ class TiledCausalAttentionKernel : public AttentionKernel {
  public:
   /// Queries per tile (> 0).
   explicit TiledCausalAttentionKernel(int64_t tile = 128);
+  /// The scores it computes per row and query head for `seq` queries over as many keys (backward
+  /// computes each once more): each tile of t queries ending at position e against keys 0 .. e,
+  /// Σ t·(e + 1). One tile (seq <= tile) is the whole seq x seq square.
+  int64_t scores(int64_t seq) const;
   AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& q_positions, const torch::Tensor& k_positions,
                          double scale) const override;

@@ -138,6 +138,10 @@ struct RunResult {
   int64_t steps_after_whole_model = 0;
   /// What this rank's step kept right after its last training step (TrainingStep::state_bytes).
   StateBytes state;
+  /// The matmul FLOPs this rank executed in this run's first training step, forward, backward
+  /// and update (chapter 02's FlopCounter, alive for that step only: it slows every operation a
+  /// little); -1 before any step.
+  int64_t step_flops = -1;
 };
 
 /// Runs training. With `resume`, continues from `out_dir`'s latest checkpoint with its saved

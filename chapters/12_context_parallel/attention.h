@@ -49,6 +49,13 @@ bool block_visible(const torch::Tensor& q_positions, const torch::Tensor& k_posi
 std::vector<std::pair<int64_t, int64_t>> position_runs(const torch::Tensor& positions,
                                                        int64_t tile);
 
+/// The scores a block of keys at `k_positions` costs queries at `q_positions`, both cut into tiles
+/// of `tile` (position_runs) as RunAccumulator::add and add_block_gradients cut them: over the pairs
+/// of tiles where some query sees some key, the product of their lengths. Forward computes each of
+/// them once, backward once again.
+int64_t visible_scores(const torch::Tensor& q_positions, const torch::Tensor& k_positions,
+                       int64_t tile);
+
 /// Partial results of the queries, one per tile of their positions (position_runs), merged as
 /// blocks of keys come: add() computes only the (query tile, key tile) pairs where some query sees
 /// some key, so a zig-zag shard skips its early chunk's future like a contiguous one.

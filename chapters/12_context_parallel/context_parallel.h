@@ -61,6 +61,11 @@ torch::Tensor shard_positions(int64_t seq, int64_t cp, int64_t rank, CpLayout la
 /// weight cp·n_r/seq that makes the ranks' mean losses average to the batch's (ch03::Batch).
 ch03::Batch shard_batch(const ch03::Batch& batch, int64_t cp, int64_t rank, CpLayout layout);
 
+/// The tiles ring attention cuts a rank's `tokens` queries and each block of keys into (at most this
+/// many consecutive positions each): half a shard, so a zig-zag shard's two chunks and a contiguous
+/// shard's two halves (notes/12_context_parallel.md §5).
+int64_t ring_tile(int64_t tokens);
+
 /// Ring attention over the ranks of `cp`: q, k, v and positions are this rank's tokens' (any
 /// layout); returns this rank's queries' attention over every rank's keys, and its LSE. Each of
 /// cp steps computes one block (attend_block; blocks no query sees are skipped but still passed
@@ -73,13 +78,17 @@ ch03::AttentionOutput ring_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& k_positions, double scale,
                                      const dist::CommunicatorPtr& cp, bool overlap = true);
 
+/// The keys per block of all-gather attention (ContextParallelKernel's).
+constexpr int64_t kAllGatherBlock = 128;
+
 /// All-gather attention: every rank's keys and values gathered (all_gather, uneven parts allowed),
 /// then blockwise_attention over them with blocks of `block` keys; in backward their gradients are
 /// summed back to their owners (an all-to-all and a sum: a reduce-scatter with uneven parts).
 ch03::AttentionOutput all_gather_attention(const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& v, const torch::Tensor& q_positions,
                                            const torch::Tensor& k_positions, double scale,
-                                           const dist::CommunicatorPtr& cp, int64_t block = 128);
+                                           const dist::CommunicatorPtr& cp,
+                                           int64_t block = kAllGatherBlock);
 
 /// A context-parallel group: its communicator and how it splits and attends.
 struct ContextParallel {

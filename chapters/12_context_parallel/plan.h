@@ -38,6 +38,22 @@ CpTraffic context_parallel_traffic(int64_t cp, int64_t rank, int64_t rows, int64
                                    int64_t kv_heads, int64_t key_dim, int64_t value_dim,
                                    CpLayout layout, CpAttention attention);
 
+/// The attention scores rank `rank` of `cp` computes per row and query head in one forward over a
+/// sequence of `seq` tokens split by `layout` (backward computes each once more): the ring, its
+/// queries against every rank's block, both in tiles of ring_tile(its tokens); all-gather, against
+/// the gathered keys in blocks and tiles of kAllGatherBlock. Only the pairs of tiles where some
+/// query sees some key count (visible_scores).
+int64_t attention_scores(int64_t cp, int64_t rank, int64_t seq, CpLayout layout,
+                         CpAttention attention);
+
+/// The matmul FLOPs of one score of blockwise attention (the ring's, all-gather's and chapter 03's
+/// tiled kernel), forward and backward, with queries and keys of `key_dim` and values of
+/// `value_dim`: forward q·kᵀ and p·v (2·key_dim + 2·value_dim); backward, which keeps no
+/// probabilities, q·kᵀ again, pᵀ·dO, dO·vᵀ, dS·k and dSᵀ·q (6·key_dim + 4·value_dim).
+constexpr int64_t blockwise_flops_per_score(int64_t key_dim, int64_t value_dim) {
+  return 8 * key_dim + 6 * value_dim;
+}
+
 /// The bytes of fp32 activations one micro-batch of `rows` sequences of `seq` tokens leaves alive
 /// for backward on rank `rank` of `cp`, through the whole model (Llama-shaped: RMSNorm, SwiGLU,
 /// RoPE, no biases). With n = rows·n_r the rank's tokens, per layer: chapter 11's per-token terms

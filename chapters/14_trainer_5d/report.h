@@ -61,6 +61,26 @@ struct RankMeasurement {
   int64_t state_bytes = -1;
   /// What predicted_state_bytes says the rank keeps; -1: not known.
   int64_t predicted_state_bytes = -1;
+  /// The matmul FLOPs the rank executed in one training step (RunResult::step_flops, chapter
+  /// 02's counter); -1: not known.
+  int64_t matmul_flops = -1;
+  /// What predicted_flops says for a step; -1: not predicted.
+  int64_t predicted_matmul_flops = -1;
+  /// Whether the prediction holds for each rank (else for the mean over the ranks only: routed
+  /// experts under expert parallelism compute what the router sent them).
+  bool flops_exact_per_rank = true;
+};
+
+/// The matrices of a rank's part by the tokens they multiply (rank_parameters), in elements.
+struct MatmulWeights {
+  /// Every token the rank computes on passes through them: attention's projections, the MLPs,
+  /// shared experts (not the LM head: predicted_flops counts it from the vocabulary).
+  int64_t dense = 0;
+  /// The routers: the tokens the rank routes.
+  int64_t router = 0;
+  /// One routed expert's matrices, summed over the MoE layers held: each assignment of a token to
+  /// an expert passes through one expert's.
+  int64_t per_assignment = 0;
 };
 
 /// The trainable parameters a rank's step holds (rank_parameters, or RunResult::held): what its
@@ -75,6 +95,8 @@ struct HeldParameters : ch03::TrainableCounts {
   /// over their replica group `tp.replicas` (grouped-query attention with fewer key/value heads
   /// than tp ranks); all zero otherwise.
   std::vector<int64_t> tp_replica_partial_by_unit;
+  /// The matrices, for predicted_flops (all zero: not known).
+  MatmulWeights matmul;
 };
 
 /// What chapter 09's ZeRO formulas say the rank keeps between steps for its part `held` (fp32):
@@ -146,29 +168,53 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
                                                      const HeldParameters& held, int64_t steps,
                                                      int64_t after_whole_model);
 
+/// One training step's matmul FLOPs on a rank (forward and backward, as chapter 02's counter
+/// counts them).
+struct StepFlops {
+  /// The layers' linear maps (dense, routers, routed experts): 6 per weight and token.
+  int64_t matrices = 0;
+  /// Scores and weighted values, as the rank's attention kernel computes them.
+  int64_t attention = 0;
+  /// The LM head (last stage): 6·d·(its vocabulary rows) per token.
+  int64_t head = 0;
+  /// The sum of the three.
+  int64_t total() const { return matrices + attention + head; }
+};
+
+/// What the formulas say world rank `world_rank` of `layout` (resolved) executes in matmuls in one
+/// training step of `run`, for its part `held` (rank_parameters): with T the rank's tokens (B/dp
+/// rows x its cp positions) and T_r those it routes (under sequence parallelism its tp part of T),
+/// 6·dense·T + 6·router·T_r + 6·per_assignment·k·T_r (k experts per token: exact on each rank
+/// without ep; under ep the mean over the ranks, each rank computing what the router sent it),
+/// 6·d·V_r·T for the head's V_r vocabulary rows on the last stage, and per attention layer held
+/// rows·(H/tp)·scores·c: the scores its kernel computes (chapter 03's lesson kernel the whole
+/// s x s square, c = 6·(d_k + d_v); the tiled kernel, ring and all-gather attention only the
+/// visible tiles, c = 8·d_k + 6·d_v: backward recomputes the scores). Throws fivefold::Error when
+/// the part's matrices are not known (held.matmul all zero) or experts have a capacity.
+StepFlops predicted_flops(const Layout& layout, const ch03::RunConfig& run, int64_t world_rank,
+                          const HeldParameters& held);
+
 /// This rank's measurement: the bytes of `stats` (a run's training_comm: the training steps
 /// alone) and its peak memory so far.
 RankMeasurement measure_rank(const dist::CommStats& stats);
 
-/// Every rank's measurement of its `stats`, gathered on `world` (collective). Returns them by
-/// rank on every rank.
+/// Every rank's measurement (`mine` on this rank), gathered on `world` (collective). Returns them
+/// by rank on every rank.
 std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
-                                                 const dist::CommStats& stats,
-                                                 const std::map<std::string, int64_t>& predicted = {},
-                                                 int64_t state_bytes = -1,
-                                                 int64_t predicted_state_bytes = -1);
+                                                 const RankMeasurement& mine);
 
 /// A table of the gathered measurements: per communicator the bytes per step, mean and largest
 /// over the ranks that used it, beside the prediction's mean and largest where there is one;
-/// then the model state per rank (measured and predicted, where known) and the peak memory per
-/// rank (smallest, mean, largest).
+/// then the model state and the matmul FLOPs per step per rank (measured and predicted, where
+/// known) and the peak memory per rank (smallest, mean, largest).
 std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 /// The same as JSON: {"per_step_bytes": {name: {"mean", "max", "ranks", and where predicted
 /// "predicted_mean", "predicted_max" and "exact": the statistics the prediction is exact for,
 /// ["mean", "max"], or for `ep` ["mean"] (each rank's share follows the routing)}},
-/// "peak_resident_bytes": [per rank], and where known "state_bytes" and
-/// "predicted_state_bytes": [per rank]}.
+/// "peak_resident_bytes": [per rank], and where known "state_bytes", "predicted_state_bytes",
+/// "matmul_flops" and "predicted_matmul_flops" (one step's): [per rank], with
+/// "matmul_flops_exact": "each" (every rank's) or "mean" (the ranks' sum only)}.
 nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 }  // namespace fivefold::ch14

@@ -189,6 +189,15 @@ TiledCausalAttentionKernel::TiledCausalAttentionKernel(int64_t tile) : tile_(til
                  tile);
 }
 
+int64_t TiledCausalAttentionKernel::scores(int64_t seq) const {
+  int64_t total = 0;
+  for (int64_t first = 0; first < seq; first += tile_) {
+    const int64_t t = std::min(tile_, seq - first);
+    total += t * (first + t);  // the forward loop's tile against keys 0 .. end
+  }
+  return total;
+}
+
 AttentionOutput TiledCausalAttentionKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
                                                    const torch::Tensor& v,
                                                    const torch::Tensor& q_positions,

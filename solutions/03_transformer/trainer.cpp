@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include "02_flops_6np/flops.h"
@@ -298,7 +299,6 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   const ModelBuilder build = requested.build_model ? requested.build_model : build_model;
   Transformer model = resume ? load_model(start, build) : build(c.model, ModelPart{});
   c.model = model->config();
-  if (c.train.fast) install_fast_paths(model);  // fast.h: the same mathematics, fewer passes
   const BatchSampler train_batches(train_data, c.seq_len, c.batch, c.data.seed);
   const BatchSampler eval_batches(val_data, c.seq_len, c.batch, c.data.seed + 1);
   const int64_t tokens_per_step = c.batch * c.seq_len;
@@ -320,6 +320,9 @@ RunResult run_training(const RunConfig& requested, bool resume) {
         return std::unique_ptr<TrainingStep>(new SingleProcessStep(std::move(m), t));
       };
   std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
+  // fast.h: the same mathematics, fewer passes; in the model the step trains, which a parallel
+  // step builds itself (its tp slice, its stage, its experts).
+  if (c.train.fast) install_fast_paths(trainer->model());
   result.held = count_trainable(trainer->model());
   bool whole_model = false;  // gathered by full_model() since the last step
   if (resume) {
@@ -398,11 +401,16 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     if (whole_model) ++result.steps_after_whole_model;
     whole_model = false;
     const dist::CommStats comm_before = dist::comm_stats();
+    // The first step's matmuls, counted (chapter 02): the counter slows every operation a little.
+    std::optional<ch02::FlopCounter> flops;
+    if (step == result.first_step) flops.emplace();
     const StepResult r = [&] {
       trace::Span span("step " + std::to_string(step + 1), "train");  // --trace's timeline
       return trainer->step(micro, step);
     }();
     const double seconds = timer.seconds();
+    if (flops) result.step_flops = std::llround(flops->flops());
+    flops.reset();
     dist::accumulate_comm_stats(result.training_comm, dist::comm_stats_since(comm_before));
     result.state = trainer->state_bytes();  // after the step, before any evaluation gathers
     const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;

@@ -78,6 +78,20 @@ std::vector<std::pair<int64_t, int64_t>> position_runs(const torch::Tensor& posi
   return runs;
 }
 
+int64_t visible_scores(const torch::Tensor& q_positions, const torch::Tensor& k_positions,
+                       int64_t tile) {
+  int64_t scores = 0;
+  const auto q_runs = position_runs(q_positions, tile);
+  for (const auto& [k_first, k_length] : position_runs(k_positions, tile)) {
+    const auto keys = k_positions.narrow(0, k_first, k_length);
+    for (const auto& [q_first, q_length] : q_runs) {
+      if (block_visible(q_positions.narrow(0, q_first, q_length), keys))
+        scores += q_length * k_length;
+    }
+  }
+  return scores;
+}
+
 RunAccumulator::RunAccumulator(const torch::Tensor& q, const torch::Tensor& q_positions,
                                double scale, int64_t tile)
     : q_(q),

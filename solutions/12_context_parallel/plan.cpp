@@ -2,6 +2,8 @@
 
 #include "12_context_parallel/plan.h"
 
+#include <algorithm>
+
 #include "fivefold/error.h"
 
 namespace fivefold::ch12 {
@@ -25,6 +27,25 @@ CpTraffic context_parallel_traffic(int64_t cp, int64_t rank, int64_t rows, int64
   // backward passes every block's gradient, one hop each, cp hops in all.
   t.send_recv = {2 * (cp - 1) + cp, per_token * (2 * (seq - next) + seq)};
   return t;
+}
+
+int64_t attention_scores(int64_t cp, int64_t rank, int64_t seq, CpLayout layout,
+                         CpAttention attention) {
+  const auto queries = shard_positions(seq, cp, rank, layout);
+  int64_t scores = 0;
+  if (attention == CpAttention::Ring) {
+    const int64_t tile = ring_tile(queries.size(0));
+    for (int64_t holder = 0; holder < cp; ++holder)
+      scores += visible_scores(queries, shard_positions(seq, cp, holder, layout), tile);
+    return scores;
+  }
+  std::vector<torch::Tensor> every;  // the gathered keys' positions, rank 0's first
+  for (int64_t j = 0; j < cp; ++j) every.push_back(shard_positions(seq, cp, j, layout));
+  const auto keys = torch::cat(every);
+  const int64_t block = kAllGatherBlock;
+  for (int64_t first = 0; first < seq; first += block)
+    scores += visible_scores(queries, keys.narrow(0, first, std::min(block, seq - first)), block);
+  return scores;
 }
 
 int64_t cp_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int64_t rank,

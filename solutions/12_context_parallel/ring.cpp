@@ -34,9 +34,6 @@ KeyPositions gather_key_positions(const torch::Tensor& k_positions, dist::Commun
   return p;
 }
 
-// Tiles of half a shard: a zig-zag shard's two chunks, a contiguous shard's two halves (notes §5).
-int64_t ring_tile(int64_t tokens) { return std::max<int64_t>(1, (tokens + 1) / 2); }
-
 KeyPositions saved_key_positions(AutogradContext* ctx, const torch::Tensor& all) {
   KeyPositions p;
   p.all = all;
@@ -165,6 +162,8 @@ class GatherSequence : public torch::autograd::Function<GatherSequence> {
 };
 
 }  // namespace
+
+int64_t ring_tile(int64_t tokens) { return std::max<int64_t>(1, (tokens + 1) / 2); }
 
 ch03::AttentionOutput ring_attention(const torch::Tensor& q, const torch::Tensor& k,
                                      const torch::Tensor& v, const torch::Tensor& q_positions,

@@ -7,8 +7,10 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 
+#include "03_transformer/fast.h"
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
@@ -231,6 +233,74 @@ ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameter
   return b;
 }
 
+namespace {
+
+// What one rank of a layout computes on in a step of `run`.
+struct RankWork {
+  Layout::Place at;
+  int64_t rows = 0;             // its data-parallel rank's rows, all micro-batches
+  int64_t cp_positions = 0;     // the positions of each row: its cp slice, what tp gathers
+  int64_t positions = 0;        // of those, under sequence parallelism its tp part (else all)
+  std::vector<int64_t> layers;  // the layers of its virtual stages
+  bool first_stage = false;     // holds the embedding
+  bool last_stage = false;      // holds the head
+};
+
+RankWork work_of(const Layout& layout, const ch03::RunConfig& run, int64_t world_rank) {
+  RankWork w;
+  w.at = layout.place(world_rank);
+  w.rows = run.batch / layout.dp;
+  // Contiguous CP's slices, and sequence parallelism's parts of them, may differ by one.
+  w.cp_positions = layout.cp_layout == ch12::CpLayout::Contiguous
+                       ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(w.at.cp)]
+                       : run.seq_len / layout.cp;
+  w.positions = layout.sequence_parallel
+                    ? split_sizes(w.cp_positions, layout.tp)[static_cast<size_t>(w.at.tp)]
+                    : w.cp_positions;
+  // Virtual stage k·pp + r of pp·v for k < v; the first stage holds the embedding, the last the
+  // head.
+  const int64_t stages = layout.pp * layout.virtual_stages;
+  const auto ranges = ch11::stage_layers(run.model.n_layers, stages);
+  for (int64_t k = 0; k < layout.virtual_stages; ++k) {
+    const auto [first, end] = ranges[static_cast<size_t>(k * layout.pp + w.at.pp)];
+    for (int64_t layer = first; layer < end; ++layer) w.layers.push_back(layer);
+  }
+  w.first_stage = w.at.pp == 0;
+  w.last_stage = w.at.pp == layout.pp - 1;
+  return w;
+}
+
+// The part's matrices by the tokens they multiply, from their Hugging Face names: the routers
+// (mlp.gate), the routed experts (mlp.experts.j: one expert's per layer), the rest but the
+// embedding and the head.
+MatmulWeights matmul_weights(ch03::Transformer& model) {
+  MatmulWeights w;
+  std::map<std::string, std::pair<int64_t, std::set<std::string>>> routed;  // layer -> experts
+  for (const auto& item : model->named_parameters()) {
+    const std::string& name = item.key();
+    if (item.value().dim() != 2 || name.find("embed_tokens") != std::string::npos ||
+        name.find("lm_head") != std::string::npos)
+      continue;
+    const int64_t n = item.value().numel();
+    const auto experts = name.find(".mlp.experts.");
+    if (experts != std::string::npos) {
+      const auto id = name.substr(experts + 13, name.find('.', experts + 13) - experts - 13);
+      auto& layer = routed[name.substr(0, experts)];
+      layer.first += n;
+      layer.second.insert(id);
+    } else if (name.size() > 16 && name.compare(name.size() - 16, 16, ".mlp.gate.weight") == 0) {
+      w.router += n;
+    } else {
+      w.dense += n;
+    }
+  }
+  for (const auto& [layer, held] : routed)
+    w.per_assignment += held.first / static_cast<int64_t>(held.second.size());
+  return w;
+}
+
+}  // namespace
+
 HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
                                int64_t world_rank) {
   FIVEFOLD_CHECK(layout.dp >= 1, "rank_parameters: the layout is not resolved (dp 0)");
@@ -280,6 +350,7 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
       by_unit[ch03::parameter_unit(name)] += parameters[name].numel();
     }
   }
+  held.matmul = matmul_weights(model);
   return held;
 }
 
@@ -287,33 +358,15 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
                                                  int64_t world_rank, const HeldParameters& held) {
   FIVEFOLD_CHECK(layout.dp >= 1, "predicted_traffic: the layout is not resolved (dp 0)");
   const ch03::ModelConfig& model = run.model;
-  const Layout::Place at = layout.place(world_rank);
-  const int64_t cp_rank = at.cp, pp_rank = at.pp;
-  const int64_t rows = run.batch / layout.dp;  // this data-parallel rank's rows, all micro-batches
-  const int64_t m = run.micro_batches;
-  std::map<std::string, int64_t> bytes;
-  // The positions of each row this rank computes on: its slice of the sequence (contiguous
-  // slices may differ by one), what tp gathers; under sequence parallelism its tp part of that
-  // (the same way) outside the split layers.
-  const int64_t cp_positions =
-      layout.cp_layout == ch12::CpLayout::Contiguous
-          ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(cp_rank)]
-          : run.seq_len / layout.cp;
-  const int64_t positions =
-      layout.sequence_parallel ? split_sizes(cp_positions, layout.tp)[static_cast<size_t>(at.tp)]
-                               : cp_positions;
-
-  // The layers of this rank's virtual stages k·pp + r of pp·v; the first stage holds the
-  // embedding, the last the head.
+  const RankWork work = work_of(layout, run, world_rank);
+  const int64_t cp_rank = work.at.cp, pp_rank = work.at.pp;
+  const int64_t rows = work.rows, m = run.micro_batches;
+  const int64_t cp_positions = work.cp_positions, positions = work.positions;
+  const std::vector<int64_t>& layers = work.layers;
   const int64_t v = layout.virtual_stages, stages = layout.pp * v;
-  std::vector<int64_t> layers;
-  const auto ranges = ch11::stage_layers(model.n_layers, stages);
-  for (int64_t k = 0; k < v; ++k) {
-    const auto [first, end] = ranges[static_cast<size_t>(k * layout.pp + pp_rank)];
-    for (int64_t layer = first; layer < end; ++layer) layers.push_back(layer);
-  }
-  const bool first_stage = pp_rank == 0, last_stage = pp_rank == layout.pp - 1;
+  const bool first_stage = work.first_stage, last_stage = work.last_stage;
   const auto held_layers = static_cast<int64_t>(layers.size());
+  std::map<std::string, int64_t> bytes;
 
   // Chapter 11: the first stage receives no activation, the last sends none (and the other way
   // for gradients), each row's `positions`.
@@ -419,6 +472,50 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
   return bytes;
 }
 
+StepFlops predicted_flops(const Layout& layout, const ch03::RunConfig& run, int64_t world_rank,
+                          const HeldParameters& held) {
+  FIVEFOLD_CHECK(layout.dp >= 1, "predicted_flops: the layout is not resolved (dp 0)");
+  const MatmulWeights& w = held.matmul;
+  FIVEFOLD_CHECK(w.dense + w.router + w.per_assignment > 0,
+                 "predicted_flops: the rank's matrices are not known (rank_parameters)");
+  const ch03::ModelConfig& model = run.model;
+  const RankWork work = work_of(layout, run, world_rank);
+  const int64_t tokens = work.rows * work.cp_positions, routed = work.rows * work.positions;
+  StepFlops f;
+  int64_t k = 0;  // experts per token
+  if (ch07::has_routed_experts(model)) {
+    const auto moe = ch07::MoeConfig::from_json(model.extensions);
+    FIVEFOLD_CHECK(moe.capacity_factor <= 0,
+                   "predicted_flops: experts with a capacity drop what the routing decides");
+    k = moe.num_experts_per_tok;
+  }
+  f.matrices = 6 * (w.dense * tokens + w.router * routed + w.per_assignment * k * routed);
+  if (work.last_stage)
+    f.head = 6 * model.d_model *
+             split_sizes(model.vocab_size, layout.tp)[static_cast<size_t>(work.at.tp)] * tokens;
+
+  // Attention: per row and query head the scores the kernel computes, each costing c FLOPs.
+  int64_t key_dim = model.resolved_head_dim(), value_dim = key_dim;
+  if (!model.extensions.is_null()) {  // MLA (chapter 06's recipe)
+    const auto dims = ch06::MlaConfig::from_json(model.extensions);
+    key_dim = dims.qk_nope_head_dim + dims.qk_rope_head_dim;
+    value_dim = dims.v_head_dim;
+  }
+  int64_t scores = 0, per_score = ch12::blockwise_flops_per_score(key_dim, value_dim);
+  if (layout.cp > 1) {
+    scores = ch12::attention_scores(layout.cp, work.at.cp, run.seq_len, layout.cp_layout,
+                                    layout.cp_attention);
+  } else if (run.train.fast) {
+    scores = ch03::TiledCausalAttentionKernel().scores(run.seq_len);
+  } else {  // chapter 03's kernel: the whole square, and backward keeps the probabilities
+    scores = run.seq_len * run.seq_len;
+    per_score = 6 * (key_dim + value_dim);
+  }
+  f.attention = static_cast<int64_t>(work.layers.size()) * work.rows *
+                (model.n_heads / layout.tp) * scores * per_score;
+  return f;
+}
+
 std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
                                                      const ch03::RunConfig& run, int64_t world_rank,
                                                      const HeldParameters& held, int64_t steps,
@@ -434,16 +531,15 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
 }
 
 std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
-                                                 const dist::CommStats& stats,
-                                                 const std::map<std::string, int64_t>& predicted,
-                                                 int64_t state_bytes,
-                                                 int64_t predicted_state_bytes) {
-  const RankMeasurement mine = measure_rank(stats);
+                                                 const RankMeasurement& mine) {
   const nlohmann::json json = {{"bytes", mine.payload_bytes},
                                {"peak", mine.peak_resident_bytes},
-                               {"predicted", predicted},
-                               {"state", state_bytes},
-                               {"predicted_state", predicted_state_bytes}};
+                               {"predicted", mine.predicted_bytes},
+                               {"state", mine.state_bytes},
+                               {"predicted_state", mine.predicted_state_bytes},
+                               {"flops", mine.matmul_flops},
+                               {"predicted_flops", mine.predicted_matmul_flops},
+                               {"flops_exact", mine.flops_exact_per_rank}};
   std::vector<RankMeasurement> all;
   for (const std::string& text : all_gather_strings(json.dump(), *world)) {
     const auto j = nlohmann::json::parse(text);
@@ -453,6 +549,9 @@ std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& wo
     m.predicted_bytes = j["predicted"].get<std::map<std::string, int64_t>>();
     m.state_bytes = j["state"].get<int64_t>();
     m.predicted_state_bytes = j["predicted_state"].get<int64_t>();
+    m.matmul_flops = j["flops"].get<int64_t>();
+    m.predicted_matmul_flops = j["predicted_flops"].get<int64_t>();
+    m.flops_exact_per_rank = j["flops_exact"].get<bool>();
     all.push_back(m);
   }
   return all;
@@ -505,6 +604,13 @@ nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64
   if (auto v = all_known(&RankMeasurement::state_bytes); !v.is_null()) out["state_bytes"] = v;
   if (auto v = all_known(&RankMeasurement::predicted_state_bytes); !v.is_null())
     out["predicted_state_bytes"] = v;
+  if (auto v = all_known(&RankMeasurement::matmul_flops); !v.is_null()) out["matmul_flops"] = v;
+  if (auto v = all_known(&RankMeasurement::predicted_matmul_flops); !v.is_null()) {
+    out["predicted_matmul_flops"] = v;
+    bool each = true;
+    for (const auto& r : ranks) each = each && r.flops_exact_per_rank;
+    out["matmul_flops_exact"] = each ? "each" : "mean";
+  }
   return out;
 }
 
@@ -549,6 +655,29 @@ std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t
     if (j.contains("predicted_state_bytes"))
       out << "; predicted (chapter 09's ZeRO formulas on the rank's part) "
           << spread(j["predicted_state_bytes"].get<std::vector<int64_t>>());
+    out << "\n";
+  }
+  if (j.contains("matmul_flops")) {
+    // One step's, in GFLOP: smallest, mean and largest over the ranks.
+    auto per_step = [](const nlohmann::json& flops) {
+      std::vector<double> v;
+      for (const auto& f : flops) v.push_back(f.get<double>());
+      const auto [lo, hi] = std::minmax_element(v.begin(), v.end());
+      double mean = 0;
+      for (double x : v) mean += x;
+      char text[120];
+      std::snprintf(text, sizeof(text), "smallest %.4f, mean %.4f, largest %.4f GFLOP", *lo / 1e9,
+                    mean / static_cast<double>(v.size()) / 1e9, *hi / 1e9);
+      return std::string(text);
+    };
+    out << "matmul FLOPs per rank in the first step (chapter 02's counter, forward and "
+           "backward): "
+        << per_step(j["matmul_flops"]);
+    if (j.contains("predicted_matmul_flops")) {
+      out << "; predicted " << (j["matmul_flops_exact"] == "each" ? "" : "(routed experts: "
+                                                                          "balanced routing) ")
+          << per_step(j["predicted_matmul_flops"]);
+    }
     out << "\n";
   }
   const auto peaks = j["peak_resident_bytes"].get<std::vector<int64_t>>();

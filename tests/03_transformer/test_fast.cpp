@@ -6,6 +6,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "02_flops_6np/flops.h"
 #include "03_transformer/fast.h"
 #include "03_transformer/train.h"
 #include "fivefold/error.h"
@@ -55,6 +56,32 @@ TEST(TiledCausalAttention, EqualsTheLessonKernelWithItsGradients) {
       EXPECT_TENSOR_CLOSE(got[i], want[i], 1e-12, 1e-12);
     }
   }
+}
+
+TEST(TiledCausalAttention, ExecutesTheFlopsItsCountSays) {
+  // scores(seq) x (8 d + 6 d_v) per row and query head, the figure `fivefold plan` uses, against
+  // chapter 02's counter over forward and backward; and the lesson kernel's whole square at
+  // 6 (d + d_v). Seq 11 in tiles of 4 (a shorter last tile), of 64 (one tile), of 1.
+  for (const int64_t tile : {4, 64, 1}) {
+    SCOPED_TRACE(::testing::Message() << "tile " << tile);
+    const int64_t seq = 11, rows = 2, heads = 4, d = 8, dv = 6;
+    auto q = draw({rows, heads, seq, d}, "q", torch::kFloat);
+    auto k = draw({rows, 2, seq, d}, "k", torch::kFloat);
+    auto v = draw({rows, 2, seq, dv}, "v", torch::kFloat);
+    const TiledCausalAttentionKernel kernel(tile);
+    double tiled = 0, lesson = 0;
+    {
+      fivefold::ch02::FlopCounter counter;
+      run_kernel(kernel, q, k, v, seq);
+      tiled = counter.flops();
+      counter.reset();
+      run_kernel(CausalAttentionKernel(), q, k, v, seq);
+      lesson = counter.flops();
+    }
+    EXPECT_EQ(tiled, static_cast<double>(rows * heads * kernel.scores(seq) * (8 * d + 6 * dv)));
+    EXPECT_EQ(lesson, static_cast<double>(rows * heads * seq * seq * 6 * (d + dv)));
+  }
+  EXPECT_EQ(TiledCausalAttentionKernel(4).scores(11), 4 * 4 + 4 * 8 + 3 * 11);
 }
 
 TEST(TiledCausalAttention, RefusesALayoutItCannotAttend) {

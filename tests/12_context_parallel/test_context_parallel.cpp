@@ -284,6 +284,11 @@ TEST(ContextParallel, ZigzagBalancesTheCausalWork) {
       out.output.sum().backward();
       counted = counter.flops();
     }
+    // The plan's count: 1 row x 2 heads x the visible tiles' scores x (8 d_k + 6 d_v).
+    EXPECT_EQ(counted, 2.0 * static_cast<double>(attention_scores(n, cp->rank(), seq, split,
+                                                                  CpAttention::Ring) *
+                                                 blockwise_flops_per_score(8, 8)))
+        << (split == CpLayout::Zigzag ? "zigzag" : "contiguous");
     auto all = cp->all_gather(torch::tensor({counted}, torch::kDouble));
     flops[split].assign(all.data_ptr<double>(), all.data_ptr<double>() + n);
   }
@@ -298,6 +303,41 @@ TEST(ContextParallel, ZigzagBalancesTheCausalWork) {
   EXPECT_LE(std::accumulate(zigzag.begin(), zigzag.end(), 0.0), whole);
   if (n > 1) {
     EXPECT_LT(*std::max_element(zigzag.begin(), zigzag.end()), contiguous.back());
+  }
+}
+
+TEST(ContextParallel, AttentionFlopsEqualThePlan) {
+  // attention_scores x blockwise_flops_per_score, what `fivefold plan` predicts, against chapter
+  // 02's counter over forward and backward: both kernels, both layouts, 16 tokens and 13 (uneven
+  // contiguous parts), grouped-query heads and keys wider than values (as MLA's).
+  auto cp = world();
+  const int n = cp->size();
+  const int64_t key_dim = 6, value_dim = 4;
+  for (const int64_t seq : {16, 13})
+  for (auto split : {CpLayout::Zigzag, CpLayout::Contiguous}) {
+    if (split == CpLayout::Zigzag && seq % (2 * n) != 0) continue;  // zig-zag needs 2·cp | seq
+    auto q = draw({2, 4, seq, key_dim}, "q"), k = draw({2, 2, seq, key_dim}, "k"),
+         v = draw({2, 2, seq, value_dim}, "v");
+    for (auto attention : {CpAttention::Ring, CpAttention::AllGather}) {
+      const auto mine = shard_positions(seq, n, cp->rank(), split);
+      auto part = [&](const torch::Tensor& t) {
+        return t.index_select(2, mine).requires_grad_(true);
+      };
+      const ContextParallelKernel kernel({cp, split, attention});
+      double counted = 0;
+      {
+        ch02::FlopCounter counter;
+        auto out = kernel.attend(part(q), part(k), part(v), mine, mine, 0.5);
+        out.output.sum().backward();
+        counted = counter.flops();
+      }
+      EXPECT_EQ(counted, 2.0 * 4.0 *
+                             static_cast<double>(attention_scores(n, cp->rank(), seq, split,
+                                                                  attention) *
+                                                 blockwise_flops_per_score(key_dim, value_dim)))
+          << (attention == CpAttention::Ring ? "ring" : "all-gather") << ", "
+          << (split == CpLayout::Zigzag ? "zigzag" : "contiguous") << ", seq " << seq;
+    }
   }
 }
 

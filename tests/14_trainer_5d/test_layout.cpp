@@ -5,6 +5,7 @@
 #include <fstream>
 
 #include "../10_tensor_parallel/fixtures.h"
+#include "07_moe/moe.h"
 #include "14_trainer_5d/report.h"
 #include "fixtures.h"
 #include "14_trainer_5d/trainer_5d.h"
@@ -167,6 +168,20 @@ TEST(Report, MeasurementsBecomeBytesPerStep) {
                       "largest 3.000 MB; predicted"),
             std::string::npos)
       << measurement_table({r0, r1}, 2);
+  // The matmul FLOPs per rank, exact on each rank or (ep) on their sum.
+  r0.matmul_flops = 1'000'000'000;
+  r1.matmul_flops = 3'000'000'000;
+  r0.predicted_matmul_flops = 1'000'000'000;
+  r1.predicted_matmul_flops = 3'000'000'000;
+  EXPECT_EQ(measurement_json({r0, r1}, 2)["matmul_flops_exact"], "each");
+  EXPECT_NE(measurement_table({r0, r1}, 2)
+                .find("smallest 1.0000, mean 2.0000, largest 3.0000 GFLOP; predicted smallest"),
+            std::string::npos)
+      << measurement_table({r0, r1}, 2);
+  r1.flops_exact_per_rank = false;
+  const auto flops = measurement_json({r0, r1}, 2);
+  EXPECT_EQ(flops["matmul_flops_exact"], "mean");
+  EXPECT_EQ(flops["predicted_matmul_flops"], nlohmann::json({1'000'000'000, 3'000'000'000}));
   // This process's own peak is real and positive.
   EXPECT_GT(measure_rank({}).peak_resident_bytes, 1'000'000);
 }
@@ -351,4 +366,42 @@ TEST(Report, RankParametersAreCountedFromTheRanksPart) {
   const HeldParameters shared = rank_parameters(tp8, gqa, 5);
   EXPECT_EQ(shared.tp_replica_partial_by_unit, (std::vector<int64_t>{0, 256, 256}));
   EXPECT_EQ(predicted_traffic(tp8, gqa, 5, shared).at("tp.replicas"), 4 * 512);
+}
+
+// predicted_flops on one process against what a training step executes (chapter 02's counter in
+// run_training): MLA with routed and shared experts (8 experts, 2 a token: every assignment is
+// computed here, so the count is exact), grouped-query attention with the tiled kernel and with
+// the lesson's, and a 15-token sequence (a shorter last tile would need seq > 128: one tile).
+TEST(Report, PredictedFlopsEqualWhatOneProcessExecutes) {
+  for (const bool mla : {true, false}) {
+    for (const bool fast : {true, false}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (mla ? "MLA + MoE" : "GQA") << (fast ? ", tiled" : ", lesson kernel"));
+      auto run =
+          run_with(mla ? ch10::testing::deepseek_config() : ch10::testing::tp_config(false));
+      run.seq_len = 15;
+      run.batch = 4;
+      run.steps = 2;
+      run.eval_batches = 1;
+      run.progress = false;
+      run.train.fast = fast;
+      run.peak_gflops = 1;  // no peak measured
+      run.build_model = ch07::make_model;
+      const Layout one = resolve_layout(Layout{}, 1, run);
+      const HeldParameters held = rank_parameters(one, run, 0);
+      const StepFlops predicted = predicted_flops(one, run, 0, held);
+      EXPECT_GT(predicted.attention, 0);
+      EXPECT_GT(predicted.head, 0);
+      const ch03::RunResult result = ch03::run_training(run);
+      EXPECT_EQ(result.step_flops, predicted.total());
+    }
+  }
+  // Unknown matrices, or experts with a capacity, are not predicted.
+  auto run = run_with(ch10::testing::deepseek_config());
+  const Layout one = resolve_layout(Layout{}, 1, run);
+  EXPECT_TRUE(throws_error_containing([&] { predicted_flops(one, run, 0, HeldParameters{}); },
+                                      "not known"));
+  run.model.extensions["fivefold_capacity_factor"] = 1.5;
+  EXPECT_TRUE(throws_error_containing(
+      [&] { predicted_flops(one, run, 0, rank_parameters(one, run, 0)); }, "capacity"));
 }
