@@ -49,7 +49,8 @@ Timing median_times(const Size& s, int64_t steps, bool fast) {
   Transformer model(config);
   TrainConfig train;
   train.fast = fast;
-  if (fast) install_fast_paths(model);
+  // The matmul kernel is process-wide: the lesson's step, timed after a fast one, unsets it.
+  if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
   auto optimizer = make_optimizer(model, train);
   auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
   const Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
@@ -113,7 +114,7 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast) {
   config.n_heads = config.n_kv_heads = s.n_heads;
   config.d_ff = s.d_ff;
   Transformer model(config);
-  if (fast) install_fast_paths(model);
+  if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
   TrainConfig train;
   train.fast = fast;
   auto optimizer = make_optimizer(model, train);

@@ -8,6 +8,7 @@ packages=(
   build-essential cmake ninja-build ccache      # compiler, build system, compiler cache
   libtorch-dev libgloo-dev                      # LibTorch 1.13 (+ c10d/Gloo headers)
   libopenblas0-openmp                           # fast BLAS: reference BLAS is ~15x slower
+  libdnnl-dev                                   # oneDNN's headers: linear's products (fast path)
   openmpi-bin libopenmpi-dev                    # MPI backend and the mpirun launcher
   libgtest-dev libgmock-dev                     # GoogleTest
   nlohmann-json3-dev                            # config.json and safetensors headers

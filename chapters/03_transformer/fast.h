@@ -62,17 +62,36 @@ class FusedAdamW : public torch::optim::AdamW {
   torch::Tensor step(LossClosure closure = nullptr) override;
 };
 
+/// The products of `linear` on oneDNN's sgemm (libdnnl, which Debian's LibTorch links as well)
+/// instead of OpenBLAS's: on the machine this project is measured on, oneDNN's kernels run the
+/// step's products about twice as fast (bench_gemm_backends). float32 operands whose strides are
+/// rows or columns of one buffer go to dnnl_sgemm with the matching transpose flag; anything else
+/// (another dtype, an empty dimension, a build without libdnnl-dev) goes to at::mm. Each call
+/// records itself as "fivefold::mm" with its operands, so chapter 02's FlopCounter counts it.
+/// Like at::mm inside a custom autograd function, it records no graph of its own.
+class OneDnnMatmulKernel : public MatmulKernel {
+ public:
+  /// Whether this build has oneDNN (found at configure time); without it, mm is at::mm.
+  static bool available();
+  /// a [m, k] · b [k, n] -> a new contiguous [m, n].
+  torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const override;
+};
+
 /// What install_fast_paths replaced.
 struct FastPaths {
   int64_t attention_kernels = 0;  ///< CausalAttentionKernel -> TiledCausalAttentionKernel
   int64_t norms = 0;              ///< RMSNorm modules given FusedRMSNormKernel
+  bool matmul = false;            ///< OneDnnMatmulKernel made `linear`'s (process-wide)
 };
 
 /// Installs the fast paths in every module of `model` that still runs the lesson's version: the
 /// attention layers whose kernel is chapter 03's CausalAttentionKernel (a ring or all-gather
-/// kernel of chapter 12 is left alone) and every RMSNorm. Before the first, it checks the tiled
-/// kernel against causal_attention (the chapter's exercise) on a small input, so an attention
-/// that disagrees stops the run here with fivefold::Error rather than training on either.
+/// kernel of chapter 12 is left alone) and every RMSNorm; and, where oneDNN is available and no
+/// MatmulKernel is set yet, OneDnnMatmulKernel for `linear` (process-wide: every model of the
+/// process then multiplies with it). Before the first attention kernel and the matmul kernel,
+/// it checks each against the lesson's version (causal_attention, the chapter's exercise; at::mm)
+/// on a small input, so a kernel that disagrees stops the run here with fivefold::Error rather
+/// than training on either.
 FastPaths install_fast_paths(Transformer& model);
 
 }  // namespace fivefold::ch03

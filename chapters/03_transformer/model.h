@@ -161,9 +161,29 @@ class DeferWeightGradients {
   DeferWeightGradients& operator=(const DeferWeightGradients&) = delete;
 };
 
+/// The library that multiplies the matrices of `linear`: its three products (x·Wᵀ forward, ∂L/∂y·W
+/// and (∂L/∂y)ᵀ·x backward) are each one call of mm. Unlike the other slots this one is
+/// process-wide, as the choice of BLAS is: every linear map of every chapter (LinearImpl,
+/// chapter 10's split linears, the experts) goes through `linear`, so one setting reaches them
+/// all. Unset, the products are at::mm's (OpenBLAS on Debian); fast.h fills it.
+class MatmulKernel {
+ public:
+  virtual ~MatmulKernel() = default;
+  /// a [m, k] · b [k, n] -> [m, n], as at::mm (either operand may be a transposed view).
+  virtual torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const = 0;
+};
+
+/// Makes `kernel` the one `linear` multiplies with (nullptr: at::mm), for every thread; returns the
+/// previous one. Set it before training, not while a step runs.
+std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const MatmulKernel> kernel);
+
+/// The kernel `linear` multiplies with now (nullptr: at::mm).
+const MatmulKernel* matmul_kernel();
+
 /// y = x·Wᵀ for x [..., in] and W [out, in], as torch's linear without bias, with a backward that
 /// can put the weight's gradient off (DeferWeightGradients). Every weight matrix of the model's
-/// blocks goes through it (LinearImpl, chapter 10's split linears).
+/// blocks goes through it (LinearImpl, chapter 10's split linears); its products go through the
+/// MatmulKernel set, if any.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
 
 /// A linear map without bias, y = x·Wᵀ through `linear`; W [out, in] is its parameter "weight",

@@ -95,6 +95,22 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
 namespace {
 
 thread_local WeightGradientStore* deferred = nullptr;
+std::shared_ptr<const MatmulKernel> g_matmul;  // set before training (set_matmul_kernel)
+
+// a·b for 2-D a and b, through the MatmulKernel set or at::mm.
+torch::Tensor product(const torch::Tensor& a, const torch::Tensor& b) {
+  return g_matmul ? g_matmul->mm(a, b) : a.mm(b);
+}
+
+// x [..., in] as rows [tokens, in].
+torch::Tensor rows(const torch::Tensor& x) { return x.reshape({-1, x.size(-1)}); }
+
+// [tokens, n] back to x's leading dimensions [..., n].
+torch::Tensor unrows(const torch::Tensor& y, const torch::Tensor& like) {
+  auto sizes = like.sizes().vec();
+  sizes.back() = y.size(-1);
+  return y.view(sizes);
+}
 
 // y = x·Wᵀ; backward: ∂L/∂x = ∂L/∂y·W, and ∂L/∂W = (∂L/∂y)ᵀ·x now or, deferred, later.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
@@ -102,7 +118,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight) {
     ctx->save_for_backward({x, weight});
-    return torch::matmul(x, weight.t());
+    return unrows(product(rows(x), weight.t()), x);
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
@@ -110,13 +126,12 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const auto& x = saved[0];
     const auto& weight = saved[1];
     const auto& grad_y = grads[0];
-    auto grad_x = torch::matmul(grad_y, weight);
+    auto grad_x = unrows(product(rows(grad_y), weight), x);
     if (deferred != nullptr) {
       deferred->keep(weight, x, grad_y);
       return {grad_x, torch::Tensor()};
     }
-    const auto grad_w = grad_y.reshape({-1, grad_y.size(-1)}).t().mm(x.reshape({-1, x.size(-1)}));
-    return {grad_x, grad_w};
+    return {grad_x, product(rows(grad_y).t(), rows(x))};
   }
 };
 
@@ -129,7 +144,7 @@ void WeightGradientStore::keep(torch::Tensor weight, torch::Tensor x, torch::Ten
 void WeightGradientStore::flush() {
   torch::NoGradGuard no_grad;
   for (auto& p : pending_) {
-    auto grad = p.grad_y.reshape({-1, p.grad_y.size(-1)}).t().mm(p.x.reshape({-1, p.x.size(-1)}));
+    auto grad = product(rows(p.grad_y).t(), rows(p.x));
     auto& slot = p.weight.mutable_grad();
     if (slot.defined()) {
       slot.add_(grad);
@@ -146,6 +161,13 @@ DeferWeightGradients::DeferWeightGradients(WeightGradientStore& store) {
 }
 
 DeferWeightGradients::~DeferWeightGradients() { deferred = nullptr; }
+
+std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const MatmulKernel> kernel) {
+  std::swap(g_matmul, kernel);
+  return kernel;
+}
+
+const MatmulKernel* matmul_kernel() { return g_matmul.get(); }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
   return LinearFunction::apply(x, weight);

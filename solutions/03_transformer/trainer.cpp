@@ -322,7 +322,12 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
   // fast.h: the same mathematics, fewer passes; in the model the step trains, which a parallel
   // step builds itself (its tp slice, its stage, its experts).
-  if (c.train.fast) install_fast_paths(trainer->model());
+  // The matmul kernel is process-wide: the lesson's run unsets one a run before it installed.
+  if (c.train.fast) {
+    install_fast_paths(trainer->model());
+  } else {
+    set_matmul_kernel(nullptr);
+  }
   result.held = count_trainable(trainer->model());
   bool whole_model = false;  // gathered by full_model() since the last step
   if (resume) {

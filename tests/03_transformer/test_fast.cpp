@@ -159,6 +159,72 @@ TEST(FusedAdamW, StepsAsTorchsAdamWInBothGroups) {
   for (const auto& [name, tensor] : want) EXPECT_TENSOR_CLOSE(got.at(name), tensor, 1e-6, 1e-6);
 }
 
+// Every operand layout linear hands the kernel (x·Wᵀ, dy·W, dyᵀ·x) and the ones it must copy or
+// pass on to at::mm: the product equals at::mm's.
+TEST(OneDnnMatmul, EqualsAtMmOnEveryLayout) {
+  if (!OneDnnMatmulKernel::available()) GTEST_SKIP() << "built without oneDNN (libdnnl-dev)";
+  auto generator = fivefold::generator_for(3, "matmul");
+  const auto a = torch::randn({45, 70}, generator), b = torch::randn({70, 33}, generator);
+  const auto at_ = torch::randn({70, 45}, generator), bt = torch::randn({33, 70}, generator);
+  const auto wide = torch::randn({45, 140}, generator);
+  const OneDnnMatmulKernel kernel;
+  const std::vector<std::pair<torch::Tensor, torch::Tensor>> cases = {
+      {a, b},                             // N, N
+      {a, bt.t()},                        // N, T: x·Wᵀ
+      {at_.t(), b},                       // T, N: dyᵀ·x
+      {at_.t(), bt.t()},                  // T, T
+      {wide.narrow(1, 10, 70), b},        // rows strided wider than they are long
+      {wide.slice(1, 0, 140, 2), b},      // neither rows nor columns contiguous: copied
+      {a.to(torch::kDouble), b.to(torch::kDouble)},  // another dtype: at::mm
+      {a.narrow(1, 0, 0), b.narrow(0, 0, 0)},        // k = 0: at::mm (zeros)
+  };
+  for (const auto& [x, y] : cases) {
+    SCOPED_TRACE(::testing::Message() << x.sizes() << x.strides() << " x " << y.sizes()
+                                      << y.strides());
+    const auto got = kernel.mm(x, y), want = x.mm(y);
+    EXPECT_EQ(got.sizes(), want.sizes());
+    EXPECT_EQ(got.scalar_type(), want.scalar_type());
+    EXPECT_TENSOR_CLOSE(got, want, 1e-5, 1e-4);
+  }
+  EXPECT_THROW(kernel.mm(a, a), fivefold::Error);  // [45, 70] x [45, 70]
+}
+
+// linear on the kernel: the same output and gradients as on at::mm, the weight's gradient put off
+// too; and chapter 02's counter sees its three products.
+TEST(OneDnnMatmul, LinearGivesTheSameGradientsAndFlops) {
+  if (!OneDnnMatmulKernel::available()) GTEST_SKIP() << "built without oneDNN (libdnnl-dev)";
+  auto generator = fivefold::generator_for(4, "linear");
+  const auto x0 = torch::randn({3, 17, 24}, generator), w0 = torch::randn({40, 24}, generator);
+  const auto dy = torch::randn({3, 17, 40}, generator);
+  auto run = [&](bool defer) {
+    auto x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    WeightGradientStore store;
+    auto y = fivefold::ch03::linear(x, w);
+    {
+      std::unique_ptr<DeferWeightGradients> guard;
+      if (defer) guard = std::make_unique<DeferWeightGradients>(store);
+      y.backward(dy);
+    }
+    store.flush();
+    return std::vector<torch::Tensor>{y.detach(), x.grad(), w.grad()};
+  };
+  const auto want = run(false);
+  set_matmul_kernel(std::make_shared<const OneDnnMatmulKernel>());
+  for (const bool defer : {false, true}) {
+    SCOPED_TRACE(defer ? "weight gradient deferred" : "at once");
+    const auto got = run(defer);
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_TENSOR_CLOSE(got[i], want[i], 1e-5, 1e-4);
+  }
+  double counted = 0;
+  {
+    fivefold::ch02::FlopCounter counter;
+    run(false);
+    counted = counter.flops();
+  }
+  set_matmul_kernel(nullptr);
+  EXPECT_DOUBLE_EQ(counted, 3 * 2.0 * (3 * 17) * 24 * 40);  // forward, dx, dW
+}
+
 TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
   ModelConfig c;
   c.vocab_size = 61;
@@ -172,11 +238,17 @@ TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
   EXPECT_EQ(installed.attention_kernels, 2);
   EXPECT_EQ(installed.norms, 5);  // two per block and the final norm
   EXPECT_EQ(install_fast_paths(fast).norms, 0);  // once installed, left alone
+  EXPECT_EQ(installed.matmul, OneDnnMatmulKernel::available());
   auto tokens = torch::randint(c.vocab_size, {3, 70}, fivefold::generator_for(5, "tokens"));
   const Batch batch{tokens.narrow(1, 0, 69), tokens.narrow(1, 1, 69)};
-  auto lesson_loss = loss_of(lesson, batch), fast_loss = loss_of(fast, batch);
+  // The lesson's model multiplies with at::mm: the matmul kernel is process-wide.
+  const auto products = set_matmul_kernel(nullptr);
+  auto lesson_loss = loss_of(lesson, batch);
   lesson_loss.backward();
+  set_matmul_kernel(products);
+  auto fast_loss = loss_of(fast, batch);
   fast_loss.backward();
+  set_matmul_kernel(nullptr);
   EXPECT_NEAR(fast_loss.item<double>(), lesson_loss.item<double>(), 1e-6);
   const auto want = lesson->named_parameters(), got = fast->named_parameters();
   for (const auto& item : want) {
