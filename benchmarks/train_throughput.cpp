@@ -84,14 +84,15 @@ Timing median_times(const Size& s, int64_t steps, bool fast) {
 
 // GFLOP/s of one product [m, k] x [k, n] repeated `batch` times (bmm when batch > 1): the median
 // of 10 back-to-back runs, each into a fresh output as in the model. Shows what BLAS sustains at
-// the model's own shapes, against the square-matrix peak.
-double product_gflops(int64_t batch, int64_t m, int64_t k, int64_t n) {
+// the model's own shapes, against the square-matrix peak; a single product on `kernel` when given.
+double product_gflops(const fivefold::ch03::MatmulKernel* kernel, int64_t batch, int64_t m,
+                      int64_t k, int64_t n) {
   auto a = torch::randn({batch, m, k}), b = torch::randn({batch, k, n});
   auto c = torch::bmm(a, b);
   std::vector<double> rates;
   for (int i = 0; i < 10; ++i) {
     fivefold::Timer timer;
-    c = batch == 1 ? torch::mm(a[0], b[0]) : torch::bmm(a, b);
+    c = batch > 1 ? torch::bmm(a, b) : kernel ? kernel->mm(a[0], b[0]) : torch::mm(a[0], b[0]);
     rates.push_back(2.0 * static_cast<double>(batch * m * k * n) / timer.seconds() / 1e9);
   }
   std::sort(rates.begin(), rates.end());
@@ -176,9 +177,14 @@ int run(int argc, char** argv) {
   if (args.integer("threads") > 0)
     torch::set_num_threads(static_cast<int>(args.integer("threads")));
 
-  // The practical peak: the best of square fp32 matmuls on the same threads.
+  // The practical peak: the best of square fp32 products on the same threads, on the library the
+  // step multiplies with (oneDNN with the fast paths, at::mm for the lesson's code).
+  const auto kernel = args.on("lesson-kernels") ? nullptr : fivefold::ch03::fast_matmul_kernel();
+  fivefold::ch03::set_matmul_kernel(kernel);
   const double peak =
-      std::max(fivefold::measure_matmul_gflops(1024), fivefold::measure_matmul_gflops(2048)) * 1e9;
+      std::max(fivefold::ch03::matmul_peak_gflops(1024), fivefold::ch03::matmul_peak_gflops(2048)) *
+      1e9;
+  const char* library = kernel != nullptr ? "oneDNN" : "at::mm";
   // Head dimension 32 for the smallest model, 64 (Llama's) for the others; d_ff = 8/3 d_model
   // rounded up to a multiple of 64.
   const std::vector<Size> sizes = {{"d64 L2 seq64 b4", 64, 2, 2, 192, 64, 4},
@@ -186,9 +192,9 @@ int run(int argc, char** argv) {
                                    {"d256 L4 seq256 b8", 256, 4, 4, 704, 256, 8},
                                    {"d256 L4 seq256 b8 h8", 256, 4, 8, 704, 256, 8}};
   if (args.on("parts")) {
-    std::printf("threads %d, matmul peak %.1f GFLOP/s; each part forward + backward on its own, "
-                "summed over the step's layers; %s\n\n",
-                torch::get_num_threads(), peak / 1e9,
+    std::printf("threads %d, matmul peak %.1f GFLOP/s (%s); each part forward + backward on its "
+                "own, summed over the step's layers; %s\n\n",
+                torch::get_num_threads(), peak / 1e9, library,
                 args.on("lesson-kernels") ? "the lesson's code" : "with the fast paths");
     std::printf("%-22s %-13s %9s %9s %8s\n", "model", "part", "ms/step", "GFLOP/s", "of peak");
     for (const Size& s : sizes) {
@@ -209,9 +215,9 @@ int run(int argc, char** argv) {
   }
   if (!args.on("json")) {
     std::printf(
-        "threads %d, matmul peak %.1f GFLOP/s (fp32, best of 1024^3 and 2048^3, in this run);\n"
-        "last columns: GFLOP/s of the model's own MLP matmul and attention-score bmm\n\n",
-        torch::get_num_threads(), peak / 1e9);
+        "threads %d, matmul peak %.1f GFLOP/s (%s, fp32, best of 1024^3 and 2048^3, in this "
+        "run);\nlast columns: GFLOP/s of the model's own MLP matmul and attention-score bmm\n\n",
+        torch::get_num_threads(), peak / 1e9, library);
     std::printf("%-22s %11s %12s %9s %22s %10s %6s %9s %9s%s\n", "model", "parameters",
                 "MFLOP/token", "step ms", "fwd / bwd / update ms", "tokens/s", "MFU", "MLP mm",
                 "QK^T bmm", args.on("compare") ? "  vs lesson" : "");
@@ -236,8 +242,8 @@ int run(int argc, char** argv) {
     const double mfu = fivefold::ch02::model_flops_utilization(tokens_per_s, flops, peak);
     const auto parameters = fivefold::ch02::count_parameters(shape).total;
     // GFLOP/s at the model's shapes: the MLP's up projection, and attention's scores.
-    const double mlp = product_gflops(1, s.batch * s.seq, s.d_model, s.d_ff);
-    const double scores = product_gflops(s.batch * s.n_heads, s.seq, shape.head_dim, s.seq);
+    const double mlp = product_gflops(kernel.get(), 1, s.batch * s.seq, s.d_model, s.d_ff);
+    const double scores = product_gflops(nullptr, s.batch * s.n_heads, s.seq, shape.head_dim, s.seq);
     if (args.on("json")) {
       std::printf(
           "{\"model\":\"%s\",\"parameters\":%lld,\"flops_per_token\":%.0f,\"step_s\":%.6f,"

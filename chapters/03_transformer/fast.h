@@ -77,6 +77,11 @@ class OneDnnMatmulKernel : public MatmulKernel {
   torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const override;
 };
 
+/// The kernel install_fast_paths gives `linear`: OneDnnMatmulKernel, checked against at::mm on
+/// each transpose `linear` passes (a disagreement throws fivefold::Error), or nullptr (at::mm)
+/// in a build without oneDNN.
+std::shared_ptr<const MatmulKernel> fast_matmul_kernel();
+
 /// What install_fast_paths replaced.
 struct FastPaths {
   int64_t attention_kernels = 0;  ///< CausalAttentionKernel -> TiledCausalAttentionKernel

@@ -180,6 +180,10 @@ std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const Matm
 /// The kernel `linear` multiplies with now (nullptr: at::mm).
 const MatmulKernel* matmul_kernel();
 
+/// GFLOP/s of an n x n float product on the kernel `linear` multiplies with now (best of 3): the
+/// peak that MFU is measured against, so that a faster library raises the peak with the step.
+double matmul_peak_gflops(int n);
+
 /// y = x·Wᵀ for x [..., in] and W [out, in], as torch's linear without bias, with a backward that
 /// can put the weight's gradient off (DeferWeightGradients). Every weight matrix of the model's
 /// blocks goes through it (LinearImpl, chapter 10's split linears); its products go through the

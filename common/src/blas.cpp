@@ -34,15 +34,17 @@ BlasInfo detect_blas() {
   return info;
 }
 
-double measure_matmul_gflops(int n) {
+double measure_matmul_gflops(int n, const MatrixProduct& mm) {
   torch::NoGradGuard no_grad;
+  const MatrixProduct product =
+      mm ? mm : [](const at::Tensor& a, const at::Tensor& b) { return torch::mm(a, b); };
   auto a = torch::randn({n, n});
   auto b = torch::randn({n, n});
-  auto c = torch::mm(a, b);  // warm-up
+  auto c = product(a, b);  // warm-up
   double best = 0;
   for (int i = 0; i < 3; ++i) {
     Timer timer;
-    c = torch::mm(a, b);
+    c = product(a, b);
     const double seconds = timer.seconds();
     best = std::max(best, 2.0 * n * n * n / seconds / 1e9);
   }

@@ -278,6 +278,20 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   return loss;
 }
 
+std::shared_ptr<const MatmulKernel> fast_matmul_kernel() {
+  if (!OneDnnMatmulKernel::available()) return nullptr;
+  // oneDNN's product against at::mm on each layout linear uses: x·Wᵀ, dy·W and dyᵀ·x.
+  auto generator = at::detail::createCPUGenerator(23);
+  const auto a = torch::randn({37, 19}, generator), b = torch::randn({29, 19}, generator);
+  auto onednn = std::make_shared<const OneDnnMatmulKernel>();
+  const double gap = std::max({(onednn->mm(a, b.t()) - a.mm(b.t())).abs().max().item<double>(),
+                               (onednn->mm(a.t(), a) - a.t().mm(a)).abs().max().item<double>(),
+                               (onednn->mm(a, a.t()) - a.mm(a.t())).abs().max().item<double>()});
+  FIVEFOLD_CHECK(gap < 1e-4, "oneDNN's matrix product and at::mm differ by ", gap,
+                 " on a test input (run with --lesson-kernels to multiply with at::mm alone)");
+  return onednn;
+}
+
 FastPaths install_fast_paths(Transformer& model) {
   FastPaths installed;
   auto tiled = std::make_shared<const TiledCausalAttentionKernel>();
@@ -312,18 +326,10 @@ FastPaths install_fast_paths(Transformer& model) {
       ++installed.norms;
     }
   }
-  if (OneDnnMatmulKernel::available() && matmul_kernel() == nullptr) {
-    // oneDNN's product against at::mm on each layout linear uses: x·Wᵀ, dy·W and dyᵀ·x.
-    auto generator = at::detail::createCPUGenerator(23);
-    const auto a = torch::randn({37, 19}, generator), b = torch::randn({29, 19}, generator);
-    const OneDnnMatmulKernel onednn;
-    const double gap = std::max({(onednn.mm(a, b.t()) - a.mm(b.t())).abs().max().item<double>(),
-                                 (onednn.mm(a.t(), a) - a.t().mm(a)).abs().max().item<double>(),
-                                 (onednn.mm(a, a.t()) - a.mm(a.t())).abs().max().item<double>()});
-    FIVEFOLD_CHECK(gap < 1e-4, "oneDNN's matrix product and at::mm differ by ", gap,
-                   " on a test input (run with --lesson-kernels to multiply with at::mm alone)");
-    set_matmul_kernel(std::make_shared<const OneDnnMatmulKernel>());
-    installed.matmul = true;
+  if (matmul_kernel() == nullptr) {
+    auto kernel = fast_matmul_kernel();
+    installed.matmul = kernel != nullptr;
+    set_matmul_kernel(std::move(kernel));
   }
   return installed;
 }

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "01_weight_init/weight_init.h"
+#include "fivefold/blas.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -168,6 +169,13 @@ std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const Matm
 }
 
 const MatmulKernel* matmul_kernel() { return g_matmul.get(); }
+
+double matmul_peak_gflops(int n) {
+  const auto kernel = g_matmul;
+  if (!kernel) return measure_matmul_gflops(n);
+  return measure_matmul_gflops(
+      n, [&kernel](const torch::Tensor& a, const torch::Tensor& b) { return kernel->mm(a, b); });
+}
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
   return LinearFunction::apply(x, weight);

@@ -354,7 +354,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
   }
   // MFU: the model's FLOPs against the peak of every process doing the work.
-  const double peak = (c.peak_gflops > 0 ? c.peak_gflops : measure_matmul_gflops(1024)) * 1e9 *
+  // The peak is the product the step multiplies with (oneDNN's with the fast paths).
+  const double peak = (c.peak_gflops > 0 ? c.peak_gflops : matmul_peak_gflops(1024)) * 1e9 *
                       static_cast<double>(place.processes);
   if (c.steps > c.train.total_steps) {
     log0() << "the learning rate's cosine decay ends at step " << c.train.total_steps

@@ -225,6 +225,27 @@ TEST(OneDnnMatmul, LinearGivesTheSameGradientsAndFlops) {
   EXPECT_DOUBLE_EQ(counted, 3 * 2.0 * (3 * 17) * 24 * 40);  // forward, dx, dW
 }
 
+// A kernel that counts its products, to see who multiplies with it.
+class CountingKernel : public fivefold::ch03::MatmulKernel {
+ public:
+  torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const override {
+    ++calls;
+    return a.mm(b);
+  }
+  mutable int calls = 0;
+};
+
+TEST(MatmulKernel, ThePeakIsMeasuredOnTheKernelLinearUses) {
+  auto counting = std::make_shared<const CountingKernel>();
+  EXPECT_EQ(set_matmul_kernel(counting), nullptr);
+  EXPECT_EQ(matmul_kernel(), counting.get());
+  EXPECT_GT(fivefold::ch03::matmul_peak_gflops(48), 0.0);
+  EXPECT_EQ(counting->calls, 4);  // a warm-up and the best of 3
+  EXPECT_EQ(set_matmul_kernel(nullptr), counting);
+  EXPECT_GT(fivefold::ch03::matmul_peak_gflops(48), 0.0);  // at::mm's
+  EXPECT_EQ(counting->calls, 4);
+}
+
 TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
   ModelConfig c;
   c.vocab_size = 61;

@@ -4,7 +4,12 @@
 /// reaches BLAS through the alternatives system; with only the reference library installed a
 /// 1024^2 matmul runs ~15x slower (4 vs 62 GFLOP/s on 2 cores, measured here).
 
+#include <functional>
 #include <string>
+
+namespace at {
+class Tensor;
+}
 
 namespace fivefold {
 
@@ -17,8 +22,12 @@ struct BlasInfo {
 /// Reads /proc/self/maps to find the BLAS library in use (deterministic, unlike a timing).
 BlasInfo detect_blas();
 
-/// Times an n x n float matmul on the current torch threads; returns GFLOP/s (best of 3).
-double measure_matmul_gflops(int n = 512);
+/// A matrix product a [m, k] x b [k, n] -> [m, n].
+using MatrixProduct = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
+
+/// Times an n x n float product on the current torch threads; returns GFLOP/s (best of 3). The
+/// product is `mm` when given (a library other than torch's own), torch::mm otherwise.
+double measure_matmul_gflops(int n = 512, const MatrixProduct& mm = {});
 
 /// Warns loudly (with the measured rate) if the reference BLAS is in use. Every program calls it at
 /// startup through fivefold::Runtime.
