@@ -15,10 +15,13 @@
 
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -176,11 +179,54 @@ class GlooCommunicator final : public Communicator {
 namespace detail {
 
 namespace {
+// Ends the process with `message` if it is still alive `seconds` from now (unless dismissed by
+// then). LibTorch 1.13's TCPStore client waits for each reply without a timeout: a rank whose
+// MASTER_PORT is held by a process that accepts connections but never answers (not a store, or a
+// store whose process is stopped) would wait forever inside a store call, where no deadline of
+// ours can reach it.
+class Deadline {
+ public:
+  Deadline(double seconds, std::string message)
+      : thread_([this, seconds, message = std::move(message)] {
+          std::unique_lock<std::mutex> lock(mutex_);
+          const auto limit = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+          if (wake_.wait_for(lock, limit, [this] { return dismissed_; })) return;
+          const std::string line = "fivefold: error: " + message + "\n";
+          std::fputs(line.c_str(), stderr);
+          std::fflush(stderr);
+          std::_Exit(1);
+        }) {}
+  ~Deadline() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      dismissed_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  Deadline(const Deadline&) = delete;
+  Deadline& operator=(const Deadline&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool dismissed_ = false;
+  std::thread thread_;  // last: starts once the members it uses exist
+};
+
 // Every rank announces itself in the store before Gloo connects the ranks, so that a rendezvous
 // that cannot complete says why: more arrivals than ranks (a second job on the same
 // MASTER_PORT), or, after FIVEFOLD_COMM_TIMEOUT, which ranks never came.
 void meet(c10d::Store& store, int rank, int size, const std::string& where) {
   const double timeout = comm_timeout_seconds();
+  // Past its own deadline (below) and the store's, a rank still in a store call is waiting for
+  // a reply that will not come.
+  const Deadline stuck(timeout + 8.0,
+                       "Gloo rendezvous at " + where + " as rank " + std::to_string(rank) +
+                           ": no reply from the rendezvous store within " +
+                           std::to_string(static_cast<int>(timeout + 8.0)) +
+                           " s; is the port held by a process that is not this job's rank 0 "
+                           "(or is rank 0 stopped)?");
   std::ostringstream seconds;
   seconds << timeout;
   try {

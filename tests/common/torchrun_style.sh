@@ -10,8 +10,9 @@ ranks=${2:-2}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 export FIVEFOLD_COMM_TIMEOUT=30
+source "$(dirname "$0")/ports.sh"
 for attempt in 1 2 3 4 5; do
-  port=$((20000 + RANDOM % 40000))
+  port=$(pick_port) || exit 1
   pids=()
   for ((r = 0; r < ranks; r++)); do
     env -u OMPI_COMM_WORLD_SIZE -u SLURM_PROCID -u FIVEFOLD_BACKEND \
