@@ -67,14 +67,18 @@ class FusedAdamW : public torch::optim::AdamW {
 /// step's products about twice as fast (bench_gemm_backends). float32 operands whose strides are
 /// rows or columns of one buffer go to dnnl_sgemm with the matching transpose flag; anything else
 /// (another dtype, an empty dimension, a build without libdnnl-dev) goes to at::mm. Each call
-/// records itself as "fivefold::mm" with its operands, so chapter 02's FlopCounter counts it.
-/// Like at::mm inside a custom autograd function, it records no graph of its own.
+/// records itself as "fivefold::mm" (or "fivefold::bmm") with its operands, so chapter 02's
+/// FlopCounter counts it. Like at::mm inside a custom autograd function, it records no graph of
+/// its own.
 class OneDnnMatmulKernel : public MatmulKernel {
  public:
   /// Whether this build has oneDNN (found at configure time); without it, mm is at::mm.
   static bool available();
   /// a [m, k] · b [k, n] -> a new contiguous [m, n].
   torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const override;
+  /// a [B, m, k] · b [B, k, n] -> a new contiguous [B, m, n]: one sgemm per matrix, the B of
+  /// them shared out over the threads (attention's heads: many small products).
+  torch::Tensor bmm(const torch::Tensor& a, const torch::Tensor& b) const override;
 };
 
 /// The kernel install_fast_paths gives `linear`: OneDnnMatmulKernel, checked against at::mm on

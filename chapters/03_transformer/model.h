@@ -165,12 +165,17 @@ class DeferWeightGradients {
 /// and (∂L/∂y)ᵀ·x backward) are each one call of mm. Unlike the other slots this one is
 /// process-wide, as the choice of BLAS is: every linear map of every chapter (LinearImpl,
 /// chapter 10's split linears, the experts) goes through `linear`, so one setting reaches them
-/// all. Unset, the products are at::mm's (OpenBLAS on Debian); fast.h fills it.
+/// all; fast.h's tiled attention multiplies its heads with bmm. Unset, the products are at::mm's
+/// (OpenBLAS on Debian); fast.h fills it.
 class MatmulKernel {
  public:
   virtual ~MatmulKernel() = default;
   /// a [m, k] · b [k, n] -> [m, n], as at::mm (either operand may be a transposed view).
   virtual torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const = 0;
+  /// a [B, m, k] · b [B, k, n] -> [B, m, n], as at::bmm (each matrix may be a transposed view).
+  virtual torch::Tensor bmm(const torch::Tensor& a, const torch::Tensor& b) const {
+    return at::bmm(a, b);
+  }
 };
 
 /// Makes `kernel` the one `linear` multiplies with (nullptr: at::mm), for every thread; returns the

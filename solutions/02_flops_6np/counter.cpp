@@ -33,11 +33,11 @@ double dim(const c10::IValue& value, int64_t d) {
 
 std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
   const char* name = fn.name();
-  // A product computed outside ATen records itself as "fivefold::mm" with its two operands
-  // (chapter 03's oneDNN kernel behind `linear`): counted as mm.
-  const bool ours = std::strcmp(name, "fivefold::mm") == 0;
+  // A product computed outside ATen records itself as "fivefold::mm" or "fivefold::bmm" with its
+  // two operands (chapter 03's oneDNN kernel): counted as mm or bmm.
+  const bool ours = std::strncmp(name, "fivefold::", 10) == 0;
   if (!ours && std::strncmp(name, "aten::", 6) != 0) return nullptr;
-  const char* op = ours ? "mm" : name + 6;
+  const char* op = name + (ours ? 10 : 6);
   const auto inputs = fn.inputs();
   // [m, k] x [k, n]: 2·m·k·n. addmm/baddbmm/addmv carry the added tensor first.
   if (std::strcmp(op, "mm") == 0) {

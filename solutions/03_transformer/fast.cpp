@@ -21,6 +21,15 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// a [b, h, m, k] · b [b, h, k, n], one product per head: on the MatmulKernel set (oneDNN with the
+// fast paths), torch::matmul otherwise.
+torch::Tensor head_products(const torch::Tensor& a, const torch::Tensor& b) {
+  const MatmulKernel* kernel = matmul_kernel();
+  if (kernel == nullptr) return torch::matmul(a, b);
+  return kernel->bmm(a.flatten(0, 1), b.flatten(0, 1))
+      .view({a.size(0), a.size(1), a.size(2), b.size(3)});
+}
+
 // The scores of a tile of queries q_tile [b, h, T, d] (already scaled) against the keys it can
 // see, keys [b, h, end, d]: the tile's queries are the last T positions before `end`, so only the
 // tile's diagonal block [T, T] (the last T keys) has keys after a query; `future` is the strictly
@@ -28,7 +37,7 @@ using torch::autograd::variable_list;
 torch::Tensor tile_scores(const torch::Tensor& q_tile, const torch::Tensor& keys,
                           const torch::Tensor& future) {
   const int64_t t = q_tile.size(2), end = keys.size(2);
-  auto scores = torch::matmul(q_tile, keys.transpose(-2, -1));  // [b, h, T, end]
+  auto scores = head_products(q_tile, keys.transpose(-2, -1));  // [b, h, T, end]
   scores.narrow(-1, end - t, t).masked_fill_(future.narrow(0, 0, t).narrow(1, 0, t), -INFINITY);
   return scores;
 }
@@ -52,7 +61,7 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
       auto max = std::get<0>(e.max(-1, /*keepdim=*/true));  // every query sees its own key
       e.sub_(max).exp_();
       auto sum = e.sum(-1, /*keepdim=*/true);
-      out.narrow(2, first, t).copy_(torch::matmul(e, values.narrow(2, 0, end)).div_(sum));
+      out.narrow(2, first, t).copy_(head_products(e, values.narrow(2, 0, end)).div_(sum));
       lse.narrow(2, first, t).copy_((max + sum.log()).squeeze(-1));
     }
     ctx->save_for_backward({qs, keys, values, out, lse});
@@ -84,11 +93,11 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
       // The tile's probabilities again, from its log-sum-exp: p = exp(s − lse).
       auto p = tile_scores(q_tile, k_seen, future);
       p.sub_(lse.narrow(2, first, t).unsqueeze(-1)).exp_();
-      grad_values.narrow(2, 0, end).add_(torch::matmul(p.transpose(-2, -1), dout));
-      auto grad_scores = torch::matmul(dout, v_seen.transpose(-2, -1));  // ∂L/∂p
+      grad_values.narrow(2, 0, end).add_(head_products(p.transpose(-2, -1), dout));
+      auto grad_scores = head_products(dout, v_seen.transpose(-2, -1));  // ∂L/∂p
       grad_scores.sub_(delta.narrow(2, first, t)).mul_(p);                // ∂L/∂s
-      grad_q.narrow(2, first, t).copy_(torch::matmul(grad_scores, k_seen).mul_(scale));
-      grad_keys.narrow(2, 0, end).add_(torch::matmul(grad_scores.transpose(-2, -1), q_tile));
+      grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen).mul_(scale));
+      grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile));
     }
     return {grad_q, fold_heads(grad_keys, kv_heads), fold_heads(grad_values, kv_heads), {}, {}};
   }

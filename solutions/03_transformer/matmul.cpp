@@ -5,8 +5,10 @@
 // This file is compiled with NDEBUG (CMakeLists.txt), as chapter 02's counter.cpp: RecordFunction
 // has a debug-only member that the NDEBUG LibTorch library does not have.
 
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <atomic>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -58,12 +60,49 @@ torch::Tensor OneDnnMatmulKernel::mm(const torch::Tensor& a, const torch::Tensor
   return c;
 }
 
+torch::Tensor OneDnnMatmulKernel::bmm(const torch::Tensor& a, const torch::Tensor& b) const {
+  FIVEFOLD_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(2) == b.size(1),
+                 "OneDnnMatmulKernel::bmm: [B, m, k] x [B, k, n], got ", a.sizes(), " x ",
+                 b.sizes());
+  const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
+  const bool fits = a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat &&
+                    a.device().is_cpu() && b.device().is_cpu() && batch > 0 && m > 0 &&
+                    n > 0 && k > 0;
+  if (!fits) return at::bmm(a, b);
+  RECORD_FUNCTION("fivefold::bmm", std::vector<c10::IValue>({a, b}));
+  // Every matrix of a batch has the layout of the first: the strides are the batch's.
+  auto la = layout(a[0]), lb = layout(b[0]);
+  const auto da = la ? a : a.contiguous(), db = lb ? b : b.contiguous();
+  if (!la) la = std::make_pair('N', k);
+  if (!lb) lb = std::make_pair('N', n);
+  auto c = torch::empty({batch, m, n}, a.options());
+  const float *pa = da.data_ptr<float>(), *pb = db.data_ptr<float>();
+  float* pc = c.data_ptr<float>();
+  const int64_t sa = da.stride(0), sb = db.stride(0);
+  std::atomic<int> failed{0};
+  // One matrix per task: inside a parallel region oneDNN runs each sgemm on its own thread.
+  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto status = dnnl_sgemm(la->first, lb->first, m, n, k, 1.0f, pa + i * sa, la->second,
+                                     pb + i * sb, lb->second, 0.0f, pc + i * m * n, n);
+      if (status != dnnl_success) failed = static_cast<int>(status);
+    }
+  });
+  FIVEFOLD_CHECK(failed == 0, "dnnl_sgemm failed (status ", failed.load(), ") on [", batch, ", ",
+                 m, ", ", k, "] x [", batch, ", ", k, ", ", n, "]");
+  return c;
+}
+
 #else
 
 bool OneDnnMatmulKernel::available() { return false; }
 
 torch::Tensor OneDnnMatmulKernel::mm(const torch::Tensor& a, const torch::Tensor& b) const {
   return a.mm(b);
+}
+
+torch::Tensor OneDnnMatmulKernel::bmm(const torch::Tensor& a, const torch::Tensor& b) const {
+  return at::bmm(a, b);
 }
 
 #endif

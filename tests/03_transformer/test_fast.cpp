@@ -189,6 +189,73 @@ TEST(OneDnnMatmul, EqualsAtMmOnEveryLayout) {
   EXPECT_THROW(kernel.mm(a, a), fivefold::Error);  // [45, 70] x [45, 70]
 }
 
+// The batched product on every layout the tiled attention hands it (heads flattened from
+// [b, h, seq, d] views: a tile's rows, a transposed key block, a fresh [b·h, T, end] of scores),
+// and the ones it must copy or pass on to at::bmm: the product equals at::bmm's.
+TEST(OneDnnMatmul, BmmEqualsAtBmmOnEveryLayout) {
+  if (!OneDnnMatmulKernel::available()) GTEST_SKIP() << "built without oneDNN (libdnnl-dev)";
+  auto generator = fivefold::generator_for(3, "bmm");
+  const auto q = torch::randn({2, 3, 20, 8}, generator), k = torch::randn({2, 3, 20, 8}, generator);
+  const auto s = torch::randn({6, 7, 13}, generator), v = torch::randn({6, 13, 5}, generator);
+  const auto tile = q.narrow(2, 4, 7).flatten(0, 1);                 // [6, 7, 8], rows of 8
+  const auto keys = k.narrow(2, 0, 13).transpose(-2, -1).flatten(0, 1);  // [6, 8, 13], T
+  const OneDnnMatmulKernel kernel;
+  const std::vector<std::pair<torch::Tensor, torch::Tensor>> cases = {
+      {tile, keys},                                       // scores: N, T
+      {s, v},                                             // weighted values: N, N
+      {s.transpose(-2, -1), tile.narrow(1, 0, 7)},        // pᵀ·dO: T, N
+      {s.transpose(-2, -1), s},                           // T, N on one buffer
+      {s.slice(2, 0, 13, 2), v.slice(1, 0, 13, 2)},       // neither layout: copied
+      {s.expand({6, 7, 13}), v},                          // a broadcast operand
+      {s.to(torch::kDouble), v.to(torch::kDouble)},      // another dtype: at::bmm
+      {s.narrow(0, 0, 0), v.narrow(0, 0, 0)},            // no matrices: at::bmm
+  };
+  for (const auto& [x, y] : cases) {
+    SCOPED_TRACE(::testing::Message() << x.sizes() << x.strides() << " x " << y.sizes()
+                                      << y.strides());
+    const auto got = kernel.bmm(x, y), want = at::bmm(x, y);
+    EXPECT_EQ(got.sizes(), want.sizes());
+    EXPECT_EQ(got.scalar_type(), want.scalar_type());
+    EXPECT_TENSOR_CLOSE(got, want, 1e-5, 1e-4);
+  }
+  EXPECT_THROW(kernel.bmm(s, s), fivefold::Error);  // [6, 7, 13] x [6, 7, 13]
+  EXPECT_THROW(kernel.bmm(s, v.narrow(0, 0, 5)), fivefold::Error);  // 6 matrices against 5
+}
+
+// The tiled kernel with its heads multiplied by oneDNN: the same output, log-sum-exp and
+// gradients as with torch::matmul, in float (oneDNN's type), and the FLOPs its count says.
+TEST(OneDnnMatmul, TiledAttentionOnItGivesTheSameGradientsAndFlops) {
+  if (!OneDnnMatmulKernel::available()) GTEST_SKIP() << "built without oneDNN (libdnnl-dev)";
+  const std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> cases = {
+      {4, 4, 11, 11, 4}, {4, 2, 11, 11, 64}, {2, 2, 5, 9, 2}, {4, 2, 1, 6, 3}};
+  for (const auto& [heads, kv_heads, seq_q, seq_k, tile] : cases) {
+    SCOPED_TRACE(::testing::Message() << heads << " heads, " << kv_heads << " kv, seq " << seq_q
+                                      << "/" << seq_k << ", tile " << tile);
+    auto q = draw({2, heads, seq_q, 8}, "q", torch::kFloat);
+    auto k = draw({2, kv_heads, seq_k, 8}, "k", torch::kFloat);
+    auto v = draw({2, kv_heads, seq_k, 6}, "v", torch::kFloat);
+    const TiledCausalAttentionKernel kernel(tile);
+    const auto want = run_kernel(kernel, q, k, v, seq_q);
+    set_matmul_kernel(std::make_shared<const OneDnnMatmulKernel>());
+    double flops = 0;
+    std::vector<torch::Tensor> got;
+    {
+      fivefold::ch02::FlopCounter counter;
+      got = run_kernel(kernel, q, k, v, seq_q);
+      flops = counter.flops();
+    }
+    set_matmul_kernel(nullptr);
+    const char* names[] = {"output", "lse", "grad q", "grad k", "grad v"};
+    for (size_t i = 0; i < want.size(); ++i) {
+      SCOPED_TRACE(names[i]);
+      EXPECT_TENSOR_CLOSE(got[i], want[i], 1e-5, 1e-5);
+    }
+    if (seq_q == seq_k) {
+      EXPECT_EQ(flops, static_cast<double>(2 * heads * kernel.scores(seq_q) * (8 * 8 + 6 * 6)));
+    }
+  }
+}
+
 // linear on the kernel: the same output and gradients as on at::mm, the weight's gradient put off
 // too; and chapter 02's counter sees its three products.
 TEST(OneDnnMatmul, LinearGivesTheSameGradientsAndFlops) {
