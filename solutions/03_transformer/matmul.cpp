@@ -35,6 +35,24 @@ std::optional<std::pair<char, int64_t>> layout(const torch::Tensor& t) {
   return std::nullopt;
 }
 
+// Whether dnnl_sgemm can take the product: float CPU tensors and no empty dimension.
+bool fits(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat &&
+         a.device().is_cpu() && b.device().is_cpu() && a.numel() > 0 && b.numel() > 0;
+}
+
+// An operand as sgemm reads it: t itself where its matrices (shaped like `matrix`, cols wide)
+// have a layout, else a contiguous copy read 'N' with leading dimension cols.
+struct Operand {
+  torch::Tensor data;
+  char trans;
+  int64_t ld;
+};
+Operand operand(const torch::Tensor& t, const torch::Tensor& matrix) {
+  if (const auto l = layout(matrix)) return {t, l->first, l->second};
+  return {t.contiguous(), 'N', matrix.size(1)};
+}
+
 }  // namespace
 
 bool OneDnnMatmulKernel::available() { return true; }
@@ -43,18 +61,13 @@ torch::Tensor OneDnnMatmulKernel::mm(const torch::Tensor& a, const torch::Tensor
   FIVEFOLD_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0),
                  "OneDnnMatmulKernel::mm: [m, k] x [k, n], got ", a.sizes(), " x ", b.sizes());
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
-  const bool fits = a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat &&
-                    a.device().is_cpu() && b.device().is_cpu() && m > 0 && n > 0 && k > 0;
-  if (!fits) return a.mm(b);
+  if (!fits(a, b)) return a.mm(b);
   RECORD_FUNCTION("fivefold::mm", std::vector<c10::IValue>({a, b}));
-  auto la = layout(a), lb = layout(b);
-  const auto da = la ? a : a.contiguous(), db = lb ? b : b.contiguous();
-  if (!la) la = std::make_pair('N', k);
-  if (!lb) lb = std::make_pair('N', n);
+  const Operand x = operand(a, a), y = operand(b, b);
   auto c = torch::empty({m, n}, a.options());
   const auto status =
-      dnnl_sgemm(la->first, lb->first, m, n, k, 1.0f, da.data_ptr<float>(), la->second,
-                 db.data_ptr<float>(), lb->second, 0.0f, c.data_ptr<float>(), n);
+      dnnl_sgemm(x.trans, y.trans, m, n, k, 1.0f, x.data.data_ptr<float>(), x.ld,
+                 y.data.data_ptr<float>(), y.ld, 0.0f, c.data_ptr<float>(), n);
   FIVEFOLD_CHECK(status == dnnl_success, "dnnl_sgemm failed (status ", static_cast<int>(status),
                  ") on [", m, ", ", k, "] x [", k, ", ", n, "]");
   return c;
@@ -65,26 +78,20 @@ torch::Tensor OneDnnMatmulKernel::bmm(const torch::Tensor& a, const torch::Tenso
                  "OneDnnMatmulKernel::bmm: [B, m, k] x [B, k, n], got ", a.sizes(), " x ",
                  b.sizes());
   const int64_t batch = a.size(0), m = a.size(1), k = a.size(2), n = b.size(2);
-  const bool fits = a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat &&
-                    a.device().is_cpu() && b.device().is_cpu() && batch > 0 && m > 0 &&
-                    n > 0 && k > 0;
-  if (!fits) return at::bmm(a, b);
+  if (!fits(a, b)) return at::bmm(a, b);
   RECORD_FUNCTION("fivefold::bmm", std::vector<c10::IValue>({a, b}));
   // Every matrix of a batch has the layout of the first: the strides are the batch's.
-  auto la = layout(a[0]), lb = layout(b[0]);
-  const auto da = la ? a : a.contiguous(), db = lb ? b : b.contiguous();
-  if (!la) la = std::make_pair('N', k);
-  if (!lb) lb = std::make_pair('N', n);
+  const Operand x = operand(a, a[0]), y = operand(b, b[0]);
   auto c = torch::empty({batch, m, n}, a.options());
-  const float *pa = da.data_ptr<float>(), *pb = db.data_ptr<float>();
+  const float *pa = x.data.data_ptr<float>(), *pb = y.data.data_ptr<float>();
   float* pc = c.data_ptr<float>();
-  const int64_t sa = da.stride(0), sb = db.stride(0);
+  const int64_t sa = x.data.stride(0), sb = y.data.stride(0);
   std::atomic<int> failed{0};
   // One matrix per task: inside a parallel region oneDNN runs each sgemm on its own thread.
   at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const auto status = dnnl_sgemm(la->first, lb->first, m, n, k, 1.0f, pa + i * sa, la->second,
-                                     pb + i * sb, lb->second, 0.0f, pc + i * m * n, n);
+      const auto status = dnnl_sgemm(x.trans, y.trans, m, n, k, 1.0f, pa + i * sa, x.ld,
+                                     pb + i * sb, y.ld, 0.0f, pc + i * m * n, n);
       if (status != dnnl_success) failed = static_cast<int>(status);
     }
   });
