@@ -521,7 +521,8 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string command = argv[1];
-  try {
+  // An error on any rank ends the whole job, printed once (fivefold::exit_on_error).
+  return fivefold::run_guarded(("fivefold " + command).c_str(), [&] {
     if (command == "info") return info(argc - 1, argv + 1);
     if (command == "plan") return plan(argc - 1, argv + 1);
     if (command == "train") return fivefold::commands::train(argc - 1, argv + 1);
@@ -532,12 +533,5 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "fivefold: unknown command '%s'\n\n", command.c_str());
     usage();
     return 2;
-  } catch (const std::exception& e) {
-    // Option errors already name the program ("fivefold plan: --x ..."); others get it here.
-    const std::string what = e.what();
-    const std::string prefix = "fivefold " + command + ": ";
-    std::fprintf(stderr, "%serror: %s\n", prefix.c_str(),
-                 what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()).c_str() : what.c_str());
-    return 1;
-  }
+  });
 }

@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -149,6 +150,7 @@ void resumed_settings(const ArgParser& args, RunConfig& c) {
   resumed.progress = c.progress;
   resumed.peak_gflops = c.peak_gflops;
   resumed.placement = c.placement;
+  resumed.settings_toml = c.settings_toml;
   resumed.build_model = c.build_model;
   resumed.after_step = c.after_step;
   resumed.make_step = c.make_step;
@@ -243,7 +245,8 @@ int train(int argc, char** argv) {
   args.option("out", "runs/ch03", "output folder (metrics, checkpoints)");
   args.flag("resume", "continue the run in --out from its latest checkpoint, with its settings");
   args.option("steps", std::to_string(d.steps), "train until this many optimizer steps are done");
-  args.option("data", "", "text file or .bin of uint16 token ids (default: the synthetic corpus)");
+  args.path_option("data", "",
+                   "text file or .bin of uint16 token ids (default: the synthetic corpus)");
   args.option("data-seed", "0", "synthetic corpus and batch order seed");
   args.option("synthetic-examples", std::to_string(d.data.synthetic_examples),
               "lines of synthetic training text");
@@ -298,7 +301,7 @@ int train(int argc, char** argv) {
   args.option("d-ff", std::to_string(d.model.d_ff), "MLP hidden size");
   args.flag("tied", "LM head shares the embedding matrix");
   args.option("rope-theta", "10000", "rotary position base (chapter 04); 0: no positions");
-  args.option("model-config", "",
+  args.path_option("model-config", "",
               "a Hugging Face config.json for the model (llama, or deepseek_v3: MLA, chapter "
               "06, and experts, chapter 07); replaces the model flags above");
   args.option("seed", "0", "initialisation seed");
@@ -325,7 +328,8 @@ int train(int argc, char** argv) {
             "ui.perfetto.dev)");
   args.config_file(
       "a TOML file of settings, `name = value` for any option above (flags: true/false); "
-      "options on the command line win (presets: chapters/14_trainer_5d/presets/)");
+      "options on the command line win; --data and --model-config there are read from the "
+      "file's folder, --out is where you run (presets: chapters/14_trainer_5d/presets/)");
   if (!args.parse(argc, argv)) return 0;
   // The layout, read from the flags and checked (chapter 14's resolve_layout) before anything
   // starts: every rank sees the same flags and the same world size, so every rank refuses the
@@ -412,6 +416,9 @@ int train(int argc, char** argv) {
       args.given("exact-match") ? args.integer("exact-match") : (c.data.path.empty() ? 100 : 0);
   c.peak_gflops = args.real("peak-gflops");
   c.progress = !args.on("no-progress");
+  // The settings of this invocation (flags, config file, defaults), written as the run starts:
+  // --config reads it back.
+  c.settings_toml = args.settings_toml();
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
@@ -472,8 +479,6 @@ int train(int argc, char** argv) {
       report["layout"] = layout.describe();
       report["steps"] = steps;
       io::write_json(c.out_dir + "/measured.json", report);
-      // The settings of this invocation (flags, config file, defaults): --config reads it back.
-      io::write_file_atomic(c.out_dir + "/settings.toml", args.settings_toml());
     }
   }
   log0() << "done: " << r.losses.size() << " steps, final training loss "

@@ -84,12 +84,15 @@ double clip_gradients(const std::vector<torch::Tensor>& params, double max_norm)
 /// What one optimizer step did.
 struct StepResult {
   double loss;       ///< mean loss over the micro-batches
-  double grad_norm;  ///< global gradient norm before clipping
-  double lr;         ///< learning rate used
+  /// Global gradient norm before clipping. When it is not finite (an overflow, a NaN) the step
+  /// applied no update: every training step checks it before the optimizer runs, and every rank
+  /// of a parallel step sees the same norm, so all skip together.
+  double grad_norm;
+  double lr;  ///< learning rate used
 };
 
 /// One optimizer step at `step`: zero the gradients, accumulate over `micro_batches`, clip, set
-/// the learning rate of every group, step.
+/// the learning rate of every group, step; no step when the norm is not finite (StepResult).
 StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainConfig& config,
                       const std::vector<Batch>& micro_batches, int64_t step);
 

@@ -46,6 +46,11 @@ struct Placement {
   int64_t data_ranks = 1;  ///< slices (data-parallel ranks); batch / data_ranks rows each
   int64_t processes = 1;   ///< processes doing the work (MFU divides by their peak)
   bool writer = true;      ///< writes metrics, checkpoints, logs and the progress bar
+  /// In a job of several processes: takes each process's verdict on the run's folder (the
+  /// writer's: "" when all is well, else what is wrong) and returns the first error, on every
+  /// process, so that all refuse together before the first step (a collective; chapter 14 sets
+  /// it). Unset on one process.
+  std::function<std::string(const std::string&)> agree;
 };
 
 /// A whole training run.
@@ -58,6 +63,7 @@ struct RunConfig {
   int64_t micro_batches = 1;         ///< gradient accumulation: micro-batches per data rank
   int64_t steps = 300;               ///< train until this many steps are done
   std::string out_dir;               ///< metrics and checkpoints; empty: write nothing
+  std::string settings_toml;         ///< written to out_dir/settings.toml as the run starts
   int64_t save_every = 100;          ///< checkpoint interval in steps (0: only at the end)
   int64_t keep_checkpoints = 2;      ///< older checkpoint folders are deleted
   int64_t eval_every = 50;           ///< evaluation interval in steps (0: only at the end)

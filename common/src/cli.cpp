@@ -1,11 +1,13 @@
 #include "fivefold/cli.h"
 
 #include <CLI/CLI.hpp>
+#include <toml++/toml.h>
 
-#include <chrono>
+#include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <set>
 #include <sstream>
-#include <thread>
 
 #include "fivefold/error.h"
 #include "fivefold/runtime.h"
@@ -19,6 +21,8 @@ struct ArgParser::Parsed {
   std::map<std::string, std::string> values;  // options (bound by CLI11)
   std::map<std::string, bool> flags;          // flags (bound by CLI11)
   std::map<std::string, const CLI::Option*> options;
+  std::string config;                  // --config FILE, if given
+  std::set<std::string> from_config;   // options the file set (and the command line did not)
 };
 
 ArgParser::ArgParser(std::string program, std::string description)
@@ -32,6 +36,13 @@ ArgParser& ArgParser::option(const std::string& name, const std::string& default
                              const std::string& help) {
   order_.push_back(name);
   specs_[name] = {default_value, help, false};
+  return *this;
+}
+
+ArgParser& ArgParser::path_option(const std::string& name, const std::string& default_value,
+                                  const std::string& help) {
+  option(name, default_value, help);
+  specs_[name].is_path = true;
   return *this;
 }
 
@@ -57,7 +68,6 @@ bool ArgParser::parse(int argc, const char* const* argv) {
   CLI::App& app = parsed_->app;
   app.name(program_);
   app.set_help_flag("-h,--help");
-  app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error
   for (const auto& name : order_) {
     const Spec& s = specs_.at(name);
     CLI::Option* o = s.is_flag ? app.add_flag("--" + name, parsed_->flags[name], s.help)
@@ -65,27 +75,84 @@ bool ArgParser::parse(int argc, const char* const* argv) {
     o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a later value wins
     parsed_->options[name] = o;
   }
-  if (!config_help_.empty()) app.set_config("--config", "", config_help_);
+  if (!config_help_.empty()) app.add_option("--config", parsed_->config, config_help_);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
     std::cout << help();
     return false;
-  } catch (const CLI::ConfigError& e) {
-    // CLI11 names an unknown key "INI was not able to parse KEY".
-    const std::string what = e.what(), prefix = "INI was not able to parse ";
-    if (what.rfind(prefix, 0) == 0) {
-      throw Error(program_ + ": --config: unknown setting '" + what.substr(prefix.size()) +
-                  "' (the keys are the options' names without --; see --help)");
-    }
-    throw Error(program_ + ": --config: " + what);
   } catch (const CLI::ExtrasError& e) {
     throw Error(program_ + ": unexpected argument: " + e.what() +
                 " (options start with --; see --help)");
   } catch (const CLI::ParseError& e) {
     throw Error(program_ + ": " + e.what() + " (see --help)");
   }
+  if (!parsed_->config.empty()) read_config(parsed_->config);
   return true;
+}
+
+namespace {
+
+// A number as text that reads back as the same double: the shortest of 15-17 digits.
+std::string number_text(double value) {
+  char text[40];
+  for (int digits = 15; digits <= 17; ++digits) {
+    std::snprintf(text, sizeof(text), "%.*g", digits, value);
+    if (std::strtod(text, nullptr) == value) break;
+  }
+  return text;
+}
+
+}  // namespace
+
+// The settings in `file`, strictly: toml++ rejects malformed TOML (a second `=`, trailing text, an
+// unclosed table header, a key given twice) with its line; each key must be a declared option
+// holding one value. Values the command line also gave are the command line's.
+void ArgParser::read_config(const std::string& file) {
+  const std::string where = program_ + ": --config '" + file + "'";
+  std::error_code error;
+  FIVEFOLD_CHECK(std::filesystem::is_regular_file(file, error), where,
+                 ": not readable (no such file, or not a file)");
+  toml::table table;
+  try {
+    table = toml::parse_file(file);
+  } catch (const toml::parse_error& e) {
+    throw Error(where + " line " + std::to_string(e.source().begin.line) + ", column " +
+                std::to_string(e.source().begin.column) + ": " + std::string(e.description()) +
+                " (not valid TOML)");
+  }
+  const std::filesystem::path folder = std::filesystem::path(file).parent_path();
+  for (const auto& [key, node] : table) {
+    const std::string name(key.str());
+    const std::string at = where + " line " + std::to_string(node.source().begin.line) + ": '" +
+                           name + "'";
+    FIVEFOLD_CHECK(!node.is_table(), at,
+                   " is a table: settings are top-level `name = value` lines, without sections");
+    const auto spec = specs_.find(name);
+    FIVEFOLD_CHECK(spec != specs_.end(), at, ": unknown setting '", name,
+                   "' (the keys are the options' names without --; see --help)");
+    FIVEFOLD_CHECK(!node.is_array(), at, " is an array: an option takes one value");
+    if (parsed_->options.at(name)->count() > 0) continue;  // the command line's value wins
+    if (spec->second.is_flag) {
+      const auto value = node.value<bool>();
+      FIVEFOLD_CHECK(node.is_boolean() && value, at, " is a flag: give true or false");
+      parsed_->flags[name] = *value;
+    } else if (node.is_string()) {
+      std::string text = *node.value<std::string>();
+      if (spec->second.is_path && !text.empty() && std::filesystem::path(text).is_relative())
+        text = (folder / text).lexically_normal().string();  // beside the file that names it
+      parsed_->values[name] = text;
+    } else if (node.is_integer()) {
+      parsed_->values[name] = std::to_string(*node.value<int64_t>());
+    } else if (node.is_floating_point()) {
+      parsed_->values[name] = number_text(*node.value<double>());
+    } else if (node.is_boolean()) {
+      parsed_->values[name] = *node.value<bool>() ? "true" : "false";
+    } else {
+      throw Error(at + ": give a string, a number or true/false (not a date or time)");
+    }
+    parsed_->from_config.insert(name);
+  }
 }
 
 std::string ArgParser::str(const std::string& name) const {
@@ -146,7 +213,8 @@ bool ArgParser::on(const std::string& name) const {
 
 bool ArgParser::given(const std::string& name) const {
   spec(name);
-  return parsed_ && parsed_->options.at(name)->count() > 0;
+  return parsed_ &&
+         (parsed_->options.at(name)->count() > 0 || parsed_->from_config.count(name) > 0);
 }
 
 std::string ArgParser::help() const {
@@ -175,12 +243,17 @@ std::string ArgParser::settings_toml() const {
       out << name << " = " << (on(name) ? "true" : "false") << "\n";
       continue;
     }
-    const std::string value = str(name);
+    std::string value = str(name);
     if (value.empty()) {  // no value: the option's default is worked out by the program
       out << "# " << name << " = (" << s.help << ")\n";
       continue;
     }
     out << name << " = ";
+    if (s.is_path) {  // absolute: the file reads back from any folder, its own included
+      std::error_code error;
+      const auto absolute = std::filesystem::absolute(value, error);
+      if (!error) value = absolute.lexically_normal().string();
+    }
     // A number is written bare, anything else as a TOML basic string.
     bool number = !value.empty();
     try {
@@ -208,16 +281,7 @@ int run_guarded(const char* program, const std::function<int()>& body) {
   try {
     return body();
   } catch (const std::exception& e) {
-    // Option errors already start with the program's name; say it once.
-    const std::string what = e.what(), prefix = std::string(program) + ": ";
-    std::cerr << prefix
-              << "error: " << (what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what)
-              << std::endl;
-    // In a job of several processes the launcher ends every rank as soon as one exits with an
-    // error. The ranks usually refuse the same input together: give the others a moment to say
-    // so too, so that every rank's message reaches the terminal.
-    if (read_launch_environment().size > 1) std::this_thread::sleep_for(std::chrono::seconds(2));
-    return 1;
+    return exit_on_error(program, e.what());  // runtime.h: in a job, ends every rank
   }
 }
 

@@ -55,14 +55,29 @@ struct OpLabel {
   int64_t bytes;
   int dst;  // -1: none
   int src;  // -1: none
+  int dst_world;  // the same peers' ranks in the world (what the logs' [rank N] says)
+  int src_world;
 };
+
+// A peer as the user knows it, its world rank, with its rank inside the group when that differs.
+std::string peer(int rank, int world_rank, const std::string& communicator) {
+  std::string text = "rank " + std::to_string(world_rank);
+  if (rank != world_rank) text += " (" + std::to_string(rank) + " in '" + communicator + "')";
+  return text;
+}
+
+OpLabel label_of(const Communicator& c, Op op, int64_t bytes, int dst, int src) {
+  return OpLabel{op,  &c.name(), bytes, dst, src, dst >= 0 ? c.world_rank(dst) : -1,
+                 src >= 0 ? c.world_rank(src) : -1};
+}
 
 std::string describe(const OpLabel& label) {
   std::string text = std::string(op_name(label.op)) + " on '" + *label.communicator + "' (" +
                      std::to_string(label.bytes) + " bytes)";
-  if (label.dst >= 0) text += " to rank " + std::to_string(label.dst);
+  if (label.dst >= 0) text += " to " + peer(label.dst, label.dst_world, *label.communicator);
   if (label.src >= 0)
-    text += (label.dst >= 0 ? ", from rank " : " from rank ") + std::to_string(label.src);
+    text += (label.dst >= 0 ? ", from " : " from ") +
+            peer(label.src, label.src_world, *label.communicator);
   return text;
 }
 
@@ -268,12 +283,16 @@ void Communicator::worker_loop() {
   }
 }
 
+int Communicator::world_rank(int rank) const {
+  return world_ranks_.empty() ? rank : world_ranks_.at(static_cast<size_t>(rank));
+}
+
 Work Communicator::enqueue(Op op, int64_t bytes, double wire_bytes, torch::Tensor result,
                            std::function<void()> body, int dst, int src) {
   record_comm(name_, op, bytes, wire_bytes);
   auto task = std::make_shared<Task>();
   task->body = std::move(body);
-  task->label = OpLabel{op, &name_, bytes, dst, src};
+  task->label = label_of(*this, op, bytes, dst, src);
   task->state = std::make_shared<Work::State>();
   task->state->communicator = name_;
   task->state->op = op;
@@ -318,7 +337,7 @@ void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
       self->changed_.notify_all();
     }
   } release{this};
-  WatchdogGuard guard(OpLabel{op, &name_, bytes, dst, src});
+  WatchdogGuard guard(label_of(*this, op, bytes, dst, src));
   body();
 }
 
@@ -588,7 +607,10 @@ std::shared_ptr<Communicator> Communicator::split(int color, int key, const std:
   std::sort(group.begin(), group.end());
   std::vector<int> members;
   for (const auto& entry : group) members.push_back(std::get<1>(entry));
-  return do_split(members, color, name);
+  auto child = do_split(members, color, name);
+  child->world_ranks_.clear();  // its members' places in the world, for messages
+  for (int member : members) child->world_ranks_.push_back(world_rank(member));
+  return child;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -650,6 +672,7 @@ void abort_job(int code, const std::string& reason) {
                            "] fivefold: aborting the job: " + reason + "\n";
   std::fputs(line.c_str(), stderr);
   std::fflush(stderr);
+  detail::forget_rendezvous();
   detail::abort_backend(code);
   std::_Exit(code);
 }

@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -315,6 +316,14 @@ void remove_stale_rendezvous_files(const std::filesystem::path& dir) {
 
 }  // namespace
 
+namespace {
+char g_rendezvous_path[4096];  // the job's FileStore file, if any (fixed storage: see below)
+}  // namespace
+
+void forget_rendezvous() {
+  if (g_rendezvous_path[0] != '\0') ::unlink(g_rendezvous_path);
+}
+
 CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
   c10::intrusive_ptr<c10d::Store> store;
   std::string where;
@@ -352,6 +361,8 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
                                  .string();
     where = "'" + path + "'";
     store = c10::make_intrusive<c10d::FileStore>(path, launch.size);
+    if (path.size() < sizeof(g_rendezvous_path))
+      std::memcpy(g_rendezvous_path, path.c_str(), path.size() + 1);
   } else if (launch.size == 1) {
     store = c10::make_intrusive<c10d::HashStore>();
   } else {

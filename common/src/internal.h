@@ -15,6 +15,10 @@ int global_rank();
 /// Records the world's rank once known.
 void set_global_rank(int rank);
 
+/// Gloo under mpirun/srun: removes the job's rendezvous file (a job that fails never closes its
+/// store, which would remove it). Nothing otherwise. Async-signal-safe (one unlink).
+void forget_rendezvous();
+
 /// Backend-specific part of abort_job: MPI_Abort when MPI is running; nothing otherwise.
 void abort_backend(int code);
 

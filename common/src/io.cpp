@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include "fivefold/error.h"
@@ -91,7 +92,30 @@ std::string host_name() {
 }
 }  // namespace
 
+namespace {
+// The lock files this process holds: fixed storage, so that a signal handler can read the paths
+// without allocating.
+struct HeldLock {
+  char path[4096];
+  int holders;  // 0: a free slot
+};
+HeldLock g_held[16];
+std::mutex g_held_mutex;
+
+HeldLock* find_held(const std::string& path) {
+  for (auto& h : g_held)
+    if (h.holders > 0 && path == h.path) return &h;
+  return nullptr;
+}
+}  // namespace
+
 DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
+  std::lock_guard<std::mutex> held(g_held_mutex);
+  HeldLock* slot = nullptr;
+  for (auto& h : g_held)
+    if (h.holders == 0 && slot == nullptr) slot = &h;
+  FIVEFOLD_CHECK(slot != nullptr && path_.size() < sizeof(slot->path), "cannot lock '", dir,
+                 "': too many folders locked, or too long a name");
   const std::string me = std::to_string(::getpid()) + " " + host_name() + "\n";
   for (int attempt = 0; attempt < 2; ++attempt) {
     const int fd = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0644);
@@ -99,6 +123,8 @@ DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
       const bool written = ::write(fd, me.data(), me.size()) == static_cast<ssize_t>(me.size());
       ::close(fd);
       FIVEFOLD_CHECK(written, "cannot write '", path_, "'");
+      std::memcpy(slot->path, path_.c_str(), path_.size() + 1);
+      slot->holders = 1;
       return;
     }
     FIVEFOLD_CHECK(errno == EEXIST, "cannot create '", path_, "': ", std::strerror(errno));
@@ -118,7 +144,18 @@ DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
   throw Error("cannot lock '" + dir + "': another process took it over at the same time");
 }
 
-DirectoryLock::~DirectoryLock() { ::unlink(path_.c_str()); }
+DirectoryLock::~DirectoryLock() {
+  std::lock_guard<std::mutex> held(g_held_mutex);
+  HeldLock* mine = find_held(path_);
+  if (mine == nullptr) return;
+  mine->holders = 0;
+  ::unlink(path_.c_str());
+}
+
+void release_held_locks_now() {
+  for (auto& h : g_held)
+    if (h.holders > 0) ::unlink(h.path);
+}
 
 void save_safetensors(const std::string& path, const TensorMap& tensors,
                       const std::map<std::string, std::string>& metadata) {

@@ -1,14 +1,21 @@
 #include "fivefold/runtime.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <thread>
 #include <tuple>
 
 #include "fivefold/blas.h"
 #include "fivefold/error.h"
+#include "fivefold/io.h"
 #include "fivefold/log.h"
 #include "internal.h"
 
@@ -17,6 +24,82 @@ namespace {
 
 std::atomic<int> g_rank{0};
 std::atomic<bool> g_runtime_alive{false};
+// Set when an exception took a Runtime of several processes out of scope: the backend is still
+// up (kept on purpose) and exit_on_error must end the job rather than return.
+std::atomic<int> g_failed_world_size{0};
+std::atomic<bool> g_failed_mpi{false};
+
+// SIGINT / SIGTERM (Ctrl-C, mpirun or a scheduler ending the job): say so, release the run
+// folder's lock and end at once. Only async-signal-safe calls; the lines are written beforehand.
+char g_stop_line[2][256];
+struct sigaction g_previous[2];
+constexpr int kStopSignals[2] = {SIGINT, SIGTERM};
+
+extern "C" void on_stop_signal(int signal) {
+  const int i = signal == SIGINT ? 0 : 1;
+  const ssize_t ignored = ::write(STDERR_FILENO, g_stop_line[i], std::strlen(g_stop_line[i]));
+  (void)ignored;
+  io::release_held_locks_now();
+  dist::detail::forget_rendezvous();  // unlink(2) on fixed storage: safe here too
+  ::_exit(128 + signal);
+}
+
+void install_stop_handlers(int rank) {
+  for (int i = 0; i < 2; ++i) {
+    std::snprintf(g_stop_line[i], sizeof(g_stop_line[i]),
+                  "[rank %d] fivefold: ended by %s; a training run continues from its last "
+                  "checkpoint with --resume\n",
+                  rank, kStopSignals[i] == SIGINT ? "SIGINT" : "SIGTERM");
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(kStopSignals[i], &action, &g_previous[i]);
+  }
+}
+
+void restore_stop_handlers() {
+  for (int i = 0; i < 2; ++i) ::sigaction(kStopSignals[i], &g_previous[i], nullptr);
+}
+
+// "[rank R on HOST] " in a job of several processes, "" alone.
+std::string rank_prefix(bool several) {
+  if (!several) return "";
+  char host[256] = "?";
+  ::gethostname(host, sizeof(host) - 1);
+  return "[rank " + std::to_string(dist::detail::global_rank()) + " on " + host + "] ";
+}
+
+// An error that only says a peer's connection closed is the echo of that peer's own end.
+std::string explain(const std::string& what) {
+  if (what.find("Connection closed by peer") == std::string::npos &&
+      what.find("Connection reset by peer") == std::string::npos)
+    return what;
+  return "another rank ended (its error, printed above, says why), closing its connection: " +
+         what;
+}
+
+// std::terminate: an exception no code caught, such as the one Gloo's transport thread throws
+// when a peer's connection closes while no operation is waiting on it. One line, then the same
+// ending as exit_on_error, instead of an abort with a core dump.
+[[noreturn]] void on_terminate() {
+  std::string what = "std::terminate called without an exception";
+  if (const auto error = std::current_exception()) {
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+      what = "an exception of unknown type";
+    }
+  }
+  const std::string line =
+      rank_prefix(g_runtime_alive || g_failed_world_size > 1) + "fivefold: fatal: " + explain(what) + "\n";
+  std::fputs(line.c_str(), stderr);
+  std::fflush(stderr);
+  dist::detail::forget_rendezvous();
+  dist::detail::abort_backend(1);
+  std::_Exit(1);
+}
 
 const char* env(const char* name) {
   const char* value = std::getenv(name);
@@ -84,7 +167,7 @@ LaunchInfo read_launch_environment() {
   return info;
 }
 
-Runtime::Runtime(RuntimeOptions options) {
+Runtime::Runtime(RuntimeOptions options) : uncaught_(std::uncaught_exceptions()) {
   FIVEFOLD_CHECK(!g_runtime_alive.exchange(true), "only one fivefold::Runtime may exist at a time");
   try {
     launch_ = read_launch_environment();
@@ -127,8 +210,11 @@ Runtime::Runtime(RuntimeOptions options) {
     // A rank started by a launcher ends when the launcher is gone (e.g. mpirun killed by
     // SIGKILL, which cannot tell its ranks), instead of running on as an orphan.
     dist::detail::start_watchdog(launch_.launcher == "single" ? 0 : static_cast<long>(::getppid()));
+    install_stop_handlers(world_->rank());
+    std::set_terminate(on_terminate);
     if (options.check_blas) warn_if_reference_blas();
   } catch (...) {
+    restore_stop_handlers();
     world_.reset();
     g_runtime_alive = false;
     throw;
@@ -136,11 +222,48 @@ Runtime::Runtime(RuntimeOptions options) {
 }
 
 Runtime::~Runtime() {
+  restore_stop_handlers();
   dist::detail::stop_watchdog();
   const bool mpi = world_ && world_->backend() == dist::Backend::Mpi;
+  if (std::uncaught_exceptions() > uncaught_ && world_ && world_->size() > 1) {
+    // An error is leaving this rank while the others may be training on. MPI_Finalize (and a
+    // Gloo group's teardown) would wait for them, and the error would never be printed: keep the
+    // backend up, unreleased, for exit_on_error (the program's handler) to end the whole job.
+    g_failed_world_size = world_->size();
+    g_failed_mpi = mpi;
+    new dist::CommunicatorPtr(std::move(world_));  // deliberately never released
+    g_runtime_alive = false;
+    return;
+  }
   world_.reset();
   if (mpi) dist::detail::stop_mpi();
   g_runtime_alive = false;
+}
+
+int exit_on_error(const std::string& program, const std::string& what) {
+  const std::string prefix = program + ": ";
+  std::string line =
+      prefix + "error: " + explain(what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what);
+  int size = g_failed_world_size;
+  try {
+    size = std::max(size, read_launch_environment().size);
+  } catch (const std::exception&) {
+    // a launcher's environment this process could not read: its own error says why
+  }
+  line = rank_prefix(size > 1) + line + "\n";
+  std::fputs(line.c_str(), stderr);  // one write: lines of ranks failing together stay whole
+  std::fflush(stderr);
+  if (size > 1) {
+    // The launcher ends every rank once one fails: let ranks refusing the same input (they
+    // check it in step) print theirs first.
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+  }
+  if (g_failed_world_size > 1) {
+    if (g_failed_mpi) dist::detail::abort_backend(1);  // MPI_Abort: mpirun ends every rank
+    dist::detail::forget_rendezvous();  // Gloo: its file would outlive the job
+    std::_Exit(1);  // Gloo: the peers see the connection close
+  }
+  return 1;
 }
 
 }  // namespace fivefold

@@ -178,8 +178,8 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
 };
 
 // AdamW on n elements: both moments, the decoupled decay and the step. This file compiles with
-// -fno-math-errno (CMakeLists.txt): sqrt then need not set errno, and GCC vectorises the loop,
-// whose sqrt and division are its costly part.
+// -fno-math-errno (CMakeLists.txt): sqrt then need not set errno, and the compiler (GCC or
+// clang) vectorises the loop, whose sqrt and division are its costly part.
 template <typename T>
 void adamw_span(T* __restrict__ w, T* __restrict__ m, T* __restrict__ v,
                 const T* __restrict__ g, int64_t n, T b1, T b2, T c1, T c2, T keep, T size, T root,

@@ -113,6 +113,7 @@ StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const 
   result.loss = accumulate_gradients(model, micro_batches);
   result.grad_norm = clip_gradients(model, c.grad_clip);
   result.lr = learning_rate(c, step);
+  if (!std::isfinite(result.grad_norm)) return result;  // no update from a NaN or inf
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
   }

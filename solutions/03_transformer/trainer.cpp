@@ -184,6 +184,15 @@ TrainableCounts count_trainable(Transformer& model) {
 
 namespace {
 
+// What OUT/latest names, or "none" (for messages).
+std::string resolve_latest_name(const std::string& out_dir) {
+  std::error_code error;
+  if (!fs::exists(fs::path(out_dir) / "latest", error)) return "none";
+  std::string name = io::read_file((fs::path(out_dir) / "latest").string());
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return (fs::path(out_dir) / name).string();
+}
+
 // Writes OUT/step-NNNNNNNN as a whole: into a temporary folder, renamed when complete; then
 // `latest` points at it and folders beyond keep_checkpoints are deleted. Every rank calls it (the
 // step may gather what it holds in shards); the writer writes.
@@ -194,6 +203,15 @@ std::string save_checkpoint(const RunConfig& c, TrainingStep& trainer, int64_t n
   std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(next_step));
   const fs::path out(c.out_dir), final_dir = out / name, temp = out / (std::string(".") + name);
   if (!c.placement.writer) return final_dir.string();
+  // A checkpoint is only written whole and finite: `latest` must always name one that resumes,
+  // and pruning below must never leave only a poisoned one.
+  auto check_finite = [&](const std::string& what, const torch::Tensor& t) {
+    FIVEFOLD_CHECK(t.isfinite().all().item<bool>(), "step ", next_step, ": ", what,
+                   " holds non-finite values: not saved (the last checkpoint stays '",
+                   resolve_latest_name(c.out_dir), "')");
+  };
+  for (const auto& item : model->named_parameters()) check_finite(item.key(), item.value());
+  for (const auto& [key, tensor] : optimizer) check_finite("optimizer state " + key, tensor);
   fs::remove_all(temp);
   fs::create_directories(temp);
   save_model(temp.string(), model);
@@ -272,6 +290,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     c.progress = requested.progress;
     c.peak_gflops = requested.peak_gflops;
     c.placement = requested.placement;
+    c.settings_toml = requested.settings_toml;
     c.micro_batches = requested.micro_batches;
     c.save_every = requested.save_every;
     c.keep_checkpoints = requested.keep_checkpoints;
@@ -343,16 +362,30 @@ RunResult run_training(const RunConfig& requested, bool resume) {
 
   std::ofstream metrics;
   std::unique_ptr<io::DirectoryLock> lock;  // the run owns its folder until it ends
+  std::string refused;                      // what the writer found wrong with the folder
   if (!c.out_dir.empty() && place.writer) {
-    fs::create_directories(c.out_dir);
-    lock = std::make_unique<io::DirectoryLock>(c.out_dir);
-    FIVEFOLD_CHECK(resume || !fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
-                   "' already holds a training run: resume it or choose another output folder");
-    const std::string path = c.out_dir + "/metrics.jsonl";
-    if (resume) truncate_metrics(path, result.first_step);
-    metrics.open(path, resume ? std::ios::app : std::ios::trunc);
-    FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
+    try {
+      std::error_code error;
+      FIVEFOLD_CHECK(!fs::exists(c.out_dir, error) || fs::is_directory(c.out_dir, error), "'",
+                     c.out_dir, "' is a file, not a folder: give --out a folder");
+      fs::create_directories(c.out_dir, error);
+      FIVEFOLD_CHECK(!error, "cannot make the output folder '", c.out_dir, "': ", error.message());
+      lock = std::make_unique<io::DirectoryLock>(c.out_dir);
+      FIVEFOLD_CHECK(resume || !fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
+                     "' already holds a training run: resume it or choose another output folder");
+      const std::string path = c.out_dir + "/metrics.jsonl";
+      if (resume) truncate_metrics(path, result.first_step);
+      metrics.open(path, resume ? std::ios::app : std::ios::trunc);
+      FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
+      if (!c.settings_toml.empty())
+        io::write_file_atomic(c.out_dir + "/settings.toml", c.settings_toml);
+    } catch (const std::exception& e) {
+      refused = e.what();
+    }
   }
+  // Only the writer can see its file system: every process refuses with its verdict, together.
+  if (place.agree) refused = place.agree(refused);
+  FIVEFOLD_CHECK(refused.empty(), refused);
   // MFU: the model's FLOPs against the peak of every process doing the work.
   // The peak is the product the step multiplies with (oneDNN's with the fast paths).
   const double peak = (c.peak_gflops > 0 ? c.peak_gflops : matmul_peak_gflops(1024)) * 1e9 *
@@ -436,9 +469,20 @@ RunResult run_training(const RunConfig& requested, bool resume) {
       latest_extra = requested.after_step(trainer->model());
       record.update(latest_extra);
     }
-    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
-    FIVEFOLD_CHECK(std::isfinite(r.loss), "the loss is not finite at step ", step + 1,
-                   " (lower the learning rate?)");
+    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;  // NaN is null
+    // A non-finite norm means the step applied no update (StepResult); every rank sees the same
+    // loss and norm, so every rank stops here, and nothing of this step is saved.
+    if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {
+      bar.clear();
+      throw Error("step " + std::to_string(step + 1) + ": the loss is " + std::to_string(r.loss) +
+                  " and the gradient norm " + std::to_string(r.grad_norm) +
+                  ": not finite, so the run stops" +
+                  (std::isfinite(r.grad_norm) ? "" : " without applying the update") +
+                  (c.out_dir.empty() ? std::string()
+                                     : "; the last checkpoint is '" +
+                                           resolve_latest_name(c.out_dir) + "'") +
+                  " (a lower --lr may help)");
+    }
     char status[160];
     std::snprintf(status, sizeof(status),
                   "loss %.4f | lr %.2e | norm %.3f | %.0f tok/s | MFU %.2f%% | peak %.0f MB",

@@ -2,6 +2,7 @@
 
 #include "09_data_parallel/fsdp.h"
 
+#include <cmath>
 #include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
@@ -185,7 +186,7 @@ double FullyShardedDataParallel::step(int64_t step) {
   had_gradient_ = torch::maximum(had_gradient_, has_gradient.gt(0).to(torch::kFloat));
   has_gradient = had_gradient_.clone();
   const double norm = clip_sharded_gradient(grads_, *comm_, config_.grad_clip, norm_mask_, groups_);
-  adam_->step(shards_, grads_, has_gradient, step);
+  if (std::isfinite(norm)) adam_->step(shards_, grads_, has_gradient, step);  // global: all agree
   return norm;
 }
 

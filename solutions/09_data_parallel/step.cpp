@@ -2,6 +2,7 @@
 
 #include "09_data_parallel/step.h"
 
+#include <cmath>
 #include <optional>
 #include <utility>
 
@@ -71,7 +72,7 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
     result.grad_norm = clip_gradients(named, config_.grad_clip, groups_);
     for (auto& group : adam_->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
-    adam_->step();
+    if (std::isfinite(result.grad_norm)) adam_->step();  // the norm is global: all ranks agree
   } else if (zero_) {
     result.grad_norm = zero_->step(step);
   } else {

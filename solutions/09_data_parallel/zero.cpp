@@ -264,6 +264,7 @@ double ZeroOptimizer::step(int64_t step) {
   // 2. Global-norm clipping, then 3. AdamW on this rank's shard of the parameters.
   const double norm =
       clip_sharded_gradient(grad_shard_, *comm_, config_.grad_clip, norm_mask_, groups_);
+  if (!std::isfinite(norm)) return norm;  // no update (the norm is global: every rank returns)
   auto mine = torch::zeros({layout_.shard});
   for (const auto& s : layout_.segments) {
     mine.narrow(0, s.begin, s.length)

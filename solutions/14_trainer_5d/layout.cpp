@@ -3,6 +3,7 @@
 
 #include "07_moe/moe.h"
 #include "14_trainer_5d/trainer_5d.h"
+#include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch14 {
@@ -97,6 +98,12 @@ void apply_layout(const Layout& layout, const dist::CommunicatorPtr& world, ch03
   run.placement.data_ranks = layout.dp;
   run.placement.processes = world->size();
   run.placement.writer = world->rank() == 0;
+  // The writer's verdict on the run's folder, agreed before the first step (one all-gather).
+  run.placement.agree = [world](const std::string& mine) {
+    for (const std::string& said : all_gather_strings(mine, *world))
+      if (!said.empty()) return said;
+    return std::string();
+  };
 }
 
 }  // namespace fivefold::ch14

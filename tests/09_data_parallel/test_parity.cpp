@@ -17,6 +17,7 @@
 // test_fsdp pass with either removed.
 
 #include <cmath>
+#include <limits>
 
 #include "03_transformer/train.h"
 #include "09_data_parallel/ddp.h"
@@ -200,5 +201,57 @@ TEST(DataParallelParity, ShardedOptimizerStateConsolidatesAndResumesInAnotherSta
       SCOPED_TRACE(item.key());
       EXPECT_TENSOR_CLOSE(item.value(), expected[item.key()], 1e-5, 1e-5);
     }
+  }
+}
+
+TEST(DataParallelParity, ANonFiniteNormAppliesNoUpdateInAnyStage) {
+  // A micro-batch whose loss weighs infinitely (an overflow) makes every gradient non-finite.
+  // The step must return the non-finite norm and leave the parameters and AdamW's state exactly
+  // as they were: the norm is global, so every rank skips the update together (only one rank's
+  // batch overflows below). Shown to fail with
+  // the isfinite checks removed from step.cpp, zero.cpp and fsdp.cpp (NaN parameters after it).
+  auto poisoned = [](std::vector<Batch> batches) {
+    batches.back().loss_weight = std::numeric_limits<double>::infinity();
+    return batches;
+  };
+  auto snapshot = [](const io::TensorMap& tensors) {
+    io::TensorMap copy;
+    for (const auto& [name, tensor] : tensors) copy[name] = tensor.clone();
+    return copy;
+  };
+  auto expect_unchanged = [](const io::TensorMap& got, const io::TensorMap& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, tensor] : want) {
+      SCOPED_TRACE(name);
+      EXPECT_TRUE(torch::equal(got.at(name), tensor));
+    }
+  };
+  auto parameters = [](Transformer model) {
+    io::TensorMap out;
+    for (const auto& item : model->named_parameters()) out[item.key()] = item.value();
+    return out;
+  };
+  {
+    SCOPED_TRACE("one process");
+    SingleProcessStep single(Transformer(small_config(false)), train_config());
+    single.step({global_batches().batch(0)}, 0);
+    const auto params = snapshot(parameters(single.model())), state = snapshot(single.optimizer_state());
+    EXPECT_FALSE(std::isfinite(single.step(poisoned({global_batches().batch(1)}), 1).grad_norm));
+    expect_unchanged(parameters(single.model()), params);
+    expect_unchanged(single.optimizer_state(), state);
+  }
+  for (int stage : {0, 1, 2, 3}) {
+    SCOPED_TRACE("ZeRO stage " + std::to_string(stage));
+    DataParallelStep step(Transformer(small_config(false)), world(), stage, train_config());
+    step.step(local_micro_batches(0, 1), 0);
+    const auto params = snapshot(parameters(step.full_model()));
+    const auto state = snapshot(step.optimizer_state());
+    // Only the last rank's batch overflows: every rank must still skip.
+    const bool last = world()->rank() == world()->size() - 1;
+    const StepResult r =
+        step.step(last ? poisoned(local_micro_batches(1, 1)) : local_micro_batches(1, 1), 1);
+    EXPECT_FALSE(std::isfinite(r.grad_norm));
+    expect_unchanged(parameters(step.full_model()), params);
+    expect_unchanged(step.optimizer_state(), state);
   }
 }

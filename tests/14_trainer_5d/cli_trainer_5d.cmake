@@ -181,7 +181,7 @@ execute_process(COMMAND ${mpirun} -np 4 ${FIVEFOLD} train --out ${out} --tp 2 --
                         --synthetic-examples 300 --peak-gflops 100 --no-progress
                 RESULT_VARIABLE status OUTPUT_VARIABLE text ERROR_VARIABLE text TIMEOUT 120)
 message("$ [4 ranks] fivefold train --lr 1e30 ... (exit ${status})\n${text}")
-string(REGEX MATCH "the loss is not finite at step ([0-9]+)" said "${text}")
+string(REGEX MATCH "step ([0-9]+): the loss is [^ ]+ and the gradient norm [^ ]+: not finite" said "${text}")
 if(status EQUAL 0 OR NOT said)
   message(FATAL_ERROR "an overflowing run did not stop naming the step")
 endif()
@@ -195,6 +195,33 @@ if(NOT latest STREQUAL "step-${padded}" OR NOT EXISTS ${out}/${latest}/model.saf
   message(FATAL_ERROR "latest is '${latest}', not the last good checkpoint step-${padded}")
 endif()
 message("the overflow stopped the run at step ${CMAKE_MATCH_1}; latest is ${latest}")
+
+# A finite loss with a non-finite gradient norm (2026-12-04, this layout: step 3's norm was NaN,
+# its update applied and saved with 38 NaN tensors, `latest` named it, --resume refused it, and
+# --keep 1 had deleted the good step 2). The step must not be applied or saved; latest must resume.
+set(out ${WORK}/nan-norm)
+execute_process(COMMAND ${mpirun} -np 4 ${FIVEFOLD} train --out ${out} --tp 2 --pp 2 --steps 10
+                        --lr 1e6 --save-every 1 --keep 1 --d-model 32 --n-layers 2 --n-heads 4
+                        --d-ff 64 --seq 16 --batch 4 --synthetic-examples 300 --eval-every 0
+                        --eval-batches 1 --exact-match 0 --peak-gflops 100 --no-progress
+                RESULT_VARIABLE status OUTPUT_VARIABLE text ERROR_VARIABLE text TIMEOUT 120)
+message("$ [4 ranks] fivefold train --tp 2 --pp 2 --lr 1e6 --keep 1 ... (exit ${status})\n${text}")
+string(REGEX MATCH "step ([0-9]+): the loss is [^ ]+ and the gradient norm (-?nan|-?inf)[^ ]*: not finite, so the run stops without applying the update"
+       said "${text}")
+if(status EQUAL 0 OR NOT said)
+  message(FATAL_ERROR "a non-finite gradient norm did not stop the run before its update")
+endif()
+set(bad ${CMAKE_MATCH_1})
+file(READ ${out}/latest latest)
+string(STRIP "${latest}" latest)
+execute_process(COMMAND ${FIVEFOLD} train --out ${out} --resume --steps 10 --no-progress
+                RESULT_VARIABLE status OUTPUT_VARIABLE text ERROR_VARIABLE text TIMEOUT 120)
+message("$ fivefold train --out ${out} --resume (exit ${status})\n${text}")
+# It resumes; at this learning rate the next step overflows again, which stops it the same way.
+if(text MATCHES "holds (NaN|non-finite)" OR NOT (status EQUAL 0 OR text MATCHES "step ${bad}: the loss"))
+  message(FATAL_ERROR "'${latest}' did not resume")
+endif()
+message("the non-finite norm at step ${bad} stopped the run unsaved; ${latest} resumes")
 
 # Refusals: on every rank, before anything is written.
 refused_on_every_rank(4 ${WORK}/bad "does not divide the 4 processes" --config ${preset} ${short})

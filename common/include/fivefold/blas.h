@@ -25,8 +25,9 @@ BlasInfo detect_blas();
 /// A matrix product a [m, k] x b [k, n] -> [m, n].
 using MatrixProduct = std::function<at::Tensor(const at::Tensor&, const at::Tensor&)>;
 
-/// Times an n x n float product on the current torch threads; returns GFLOP/s (best of 3). The
-/// product is `mm` when given (a library other than torch's own), torch::mm otherwise.
+/// Times an n x n float product on the current torch threads; returns GFLOP/s (the best of 10
+/// after 2 warm-up products). The product is `mm` when given (a library other than torch's own),
+/// torch::mm otherwise.
 double measure_matmul_gflops(int n = 512, const MatrixProduct& mm = {});
 
 /// Warns loudly (with the measured rate) if the reference BLAS is in use. Every program calls it at

@@ -3,8 +3,9 @@
 /// @brief Command-line parsing for the programs: `--name value`, `--name=value` and `--flag`,
 /// with defaults, typed getters, `--help`, and clear errors for unknown or malformed options;
 /// optionally `--config FILE`, a TOML file whose keys are the options' names (command-line values
-/// win over the file's). The parsing itself is CLI11's (Debian's libcli11-dev); this class keeps
-/// the programs' small interface and error style on top of it.
+/// win over the file's). The command line is parsed by CLI11 (Debian's libcli11-dev), the file by
+/// toml++ (libtomlplusplus-dev), a strict TOML parser; this class keeps the programs' small
+/// interface and error style on top of them.
 
 #include <cstdint>
 #include <functional>
@@ -31,12 +32,20 @@ class ArgParser {
   /// Declares `--name VALUE` with a default (shown in --help).
   ArgParser& option(const std::string& name, const std::string& default_value,
                     const std::string& help);
+  /// Declares `--name PATH`, a file the program reads: given in a config file, a relative path is
+  /// taken from the file's folder (a preset names the files beside it), and settings_toml() writes
+  /// it absolute. (Where the program writes, such as an output folder, is an ordinary option: it
+  /// stays relative to the working directory.)
+  ArgParser& path_option(const std::string& name, const std::string& default_value,
+                         const std::string& help);
   /// Declares a boolean `--name` (false unless given).
   ArgParser& flag(const std::string& name, const std::string& help);
 
-  /// Adds `--config FILE`: a TOML file of settings, one `name = value` per option (flags take
-  /// `true`/`false`), read before the command line's values, which win. An unknown key is an
-  /// error, as an unknown option is. An option set by the file counts as given().
+  /// Adds `--config FILE`: a TOML file of settings, one top-level `name = value` per option
+  /// (a string, a number, or for flags `true`/`false`), read before the command line's values,
+  /// which win. Anything else is an error naming the file, the line and the key: malformed TOML
+  /// (toml++'s message), an unknown key (as an unknown option is), a table or an array, a flag
+  /// given something other than true/false. An option set by the file counts as given().
   ArgParser& config_file(const std::string& help);
 
   /// Parses the arguments after argv[0]. Throws fivefold::Error for an unknown option, a missing
@@ -68,7 +77,9 @@ class ArgParser {
     std::string default_value;
     std::string help;
     bool is_flag;
+    bool is_path = false;
   };
+  void read_config(const std::string& file);
   struct Parsed;  // CLI11's application and the values it fills (cli.cpp)
   const Spec& spec(const std::string& name) const;
   std::string program_;
@@ -80,7 +91,9 @@ class ArgParser {
 };
 
 /// Runs a program's body: an exception ends the program with "<program>: error: <what>" on stderr
-/// and exit status 1, as the fivefold command does, instead of an abort with a backtrace.
+/// and exit status 1 instead of an abort with a backtrace; in a job of several processes it ends
+/// the whole job (fivefold::exit_on_error, runtime.h), so that an error on one rank never leaves
+/// the others waiting.
 int run_guarded(const char* program, const std::function<int()>& body);
 
 }  // namespace fivefold

@@ -93,6 +93,8 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int rank() const { return rank_; }
   /// Number of ranks in the communicator.
   int size() const { return size_; }
+  /// The world rank of this communicator's rank `rank` (how logs and errors name a peer).
+  int world_rank(int rank) const;
   /// Name used in logs and statistics ("world", "tp", "dp+cp", ...).
   const std::string& name() const { return name_; }
   /// The transport.
@@ -209,6 +211,7 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   int size_;
   std::string name_;
   Backend backend_;
+  std::vector<int> world_ranks_;  // of each rank, when split from another; empty: the world's
 
   std::mutex mutex_;
   std::condition_variable changed_;

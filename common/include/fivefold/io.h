@@ -57,7 +57,7 @@ void replace_directory(const std::string& from, const std::string& to);
 /// host, created exclusively (O_EXCL), so of two processes only one can own the folder. A lock
 /// left by a dead process on this host (its pid no longer exists) is taken over with a warning;
 /// a live owner, or one on another host (whose liveness cannot be checked), is a fivefold::Error
-/// naming it. The lock file is removed when the object goes away.
+/// naming it. The lock file is removed when the object goes away, or by release_held_locks_now.
 class DirectoryLock {
  public:
   /// Takes the lock of `dir` (which must exist).
@@ -69,5 +69,9 @@ class DirectoryLock {
  private:
   std::string path_;
 };
+
+/// Removes the lock files this process holds, using only async-signal-safe calls: what a signal
+/// handler does before the process ends (the runtime's SIGINT/SIGTERM handler).
+void release_held_locks_now();
 
 }  // namespace fivefold::io

@@ -48,7 +48,9 @@ struct RuntimeOptions {
 };
 
 /// The process-wide runtime. Exactly one may exist at a time; it is torn down (communicators
-/// closed, MPI finalised) when it goes out of scope.
+/// closed, MPI finalised) when it goes out of scope, except when an exception takes it out of
+/// scope in a job of several processes: the other ranks may be working on, and MPI_Finalize
+/// would wait for them, so the backend is left up for exit_on_error to end the whole job.
 class Runtime {
  public:
   /// Starts the backend chosen by `options` (see RuntimeOptions) and sets up logging.
@@ -67,6 +69,16 @@ class Runtime {
  private:
   LaunchInfo launch_;
   dist::CommunicatorPtr world_;
+  int uncaught_ = 0;  // exceptions in flight when it started (std::uncaught_exceptions)
 };
+
+/// What a program does with an exception that reached its `main` (run_guarded calls it): prints
+/// `<program>: error: <what>` on stderr once and returns the exit status 1. In a job of several
+/// processes the line starts with `[rank R on HOST]`, and when the error left a Runtime (other
+/// ranks may be computing on or waiting for this one) it ends the whole job instead of returning:
+/// after a grace of 2 s, in which ranks that refuse the same input print theirs too, MPI_Abort
+/// under MPI; under Gloo this rank exits and its peers' next operation fails on the closed
+/// connection, which ends them the same way. Never waits on another rank.
+int exit_on_error(const std::string& program, const std::string& what);
 
 }  // namespace fivefold
