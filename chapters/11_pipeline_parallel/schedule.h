@@ -62,10 +62,15 @@ const std::vector<std::string>& schedule_names();
 /// GPipe: every forward, then every backward (m micro-batches of activations held at once).
 Schedule gpipe(int64_t ranks, int64_t micro_batches);
 
-/// 1F1B (PipeDream-Flush): rank r runs min(p − r − 1, m) forwards to fill the pipeline (warm-up),
-/// then alternates one forward and one backward (steady state), then runs the backwards left
-/// (cool-down). At most p − r micro-batches of activations held at once. **Exercise** (README,
-/// "The exercise"): compute actions only (Forward and Backward); add_communication adds the rest.
+/// 1F1B (PipeDream-Flush): each rank runs a warm-up of forwards that fills the pipeline, then
+/// alternates one forward and one backward (steady state), then runs the backwards left
+/// (cool-down). **Exercise** (README, "The exercise"; how long each rank's warm-up is, is the
+/// question). Return name "1f1b", ranks p, virtual_stages 1, micro_batches m, and lists[r] for
+/// each rank r (its stage is r): Forward and Backward actions only, one of each for every
+/// micro-batch 0 .. m−1, each kind in micro-batch order; add_communication adds the sends and
+/// receives. The tests check the lists' shape, run them through simulate() (a deadlock or an idle
+/// slot too many is reported there) and compare the bubble and the activations in flight with
+/// the README's table.
 Schedule one_f_one_b(int64_t ranks, int64_t micro_batches);
 
 /// Interleaved 1F1B (Narayanan et al. 2021) with v virtual stages per rank: micro-batches go

@@ -6,7 +6,7 @@
 // returns one gradient per forward argument (an undefined tensor for the communicator).
 // save_communicator / saved_communicator carry the communicator from forward to backward.
 // Communicator::all_reduce works in place: reduce a copy, never the tensor autograd handed you.
-// The tests: ctest -R test_ch10 (README, "The exercise").
+// The tests: ctest --test-dir build -L ch10 --output-on-failure (README, "The exercise").
 
 #include "10_tensor_parallel/mappings.h"
 #include "fivefold/error.h"

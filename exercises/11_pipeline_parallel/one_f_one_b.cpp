@@ -6,7 +6,7 @@
 // one forward and one backward in turn (the backward of the oldest micro-batch in flight), then
 // the backwards still owed. Use ActionKind::Forward and ActionKind::Backward only:
 // add_communication adds the sends and receives. simulate() checks the lists and times them.
-// The tests: ctest -R test_ch11 (README, "The exercise").
+// The tests: ctest --test-dir build -L ch11 --output-on-failure (README, "The exercise").
 
 #include "11_pipeline_parallel/schedule.h"
 #include "fivefold/error.h"

@@ -6,7 +6,7 @@
 // of its experts (an all-to-all of E counts), send the rows (all_to_all, which autograd can
 // differentiate), then regroup what arrived by local expert. Keep in an ExchangePlan (the
 // route_back field) what combine needs to undo each step, in reverse order. The tests:
-// ctest -R test_ch13 (README, "The exercise").
+// ctest --test-dir build -L ch13 --output-on-failure (README, "The exercise").
 
 #include "13_expert_parallel/expert_parallel.h"
 #include "fivefold/error.h"

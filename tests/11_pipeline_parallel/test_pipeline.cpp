@@ -5,7 +5,8 @@
 // with dp 2 and with tp 2 (and SP): the loss, the global norm and every gradient at step 1; the
 // curve over 3 steps with AdamW and clipping, the parameters and AdamW's state after them, and a
 // resume from the single process's state. Measured peak micro-batches in flight: GPipe m,
-// 1F1B p − r at most.
+// 1F1B min(p − r, m), ZB-H1 min(p, m), interleaved min((p − r − 1)·2 + (v − 1)·p + 1, v·m) stage
+// units (a warm-up one forward too long, same makespan, fails it: tried).
 // Shown to fail on purpose at 2 ranks: each micro-batch's loss not weighted by its share of the
 // rows (all cases with m > 1), the tied embedding's two gradients left unsummed ("tied"), the
 // norm's squares summed over nothing (groups.norm null), W restricted to the blocks only
@@ -127,10 +128,12 @@ TEST(PipelineParallel, GradientsEqualTheSingleDevice) {
           // Activations held at once, as the schedule promises.
           const auto peak = pipeline.executor().peak_in_flight();
           const auto r = built.links->pp->rank();
+          // Interleaved counts stage units: its warm-up of (p − r − 1)·2 + (v − 1)·p forwards and
+          // the first steady forward (notes §4), at most all v·m.
           const int64_t promised = schedule == "gpipe"  ? m
                                    : schedule == "1f1b" ? std::min(p - r, m)
                                    : schedule == "zb"   ? std::min(p, m)
-                                                        : peak;  // interleaved: not promised
+                                   : std::min((p - r - 1) * 2 + (v - 1) * p + 1, v * m);
           EXPECT_EQ(peak, promised);
         }
       }
@@ -195,14 +198,73 @@ TEST(PipelineParallel, FollowsTheSingleProcessCurve) {
         SCOPED_TRACE(name);
         EXPECT_TENSOR_CLOSE(state.at(name), t, 1e-6, 1e-3);
       }
-      // Resume: the single process's model and state into a fresh pipeline.
+      // Resume: the single process's model and state into a fresh pipeline, two steps on (the
+      // first step's loss and norm depend on the weights alone; the second sees the moments),
+      // then AdamW's state compared again.
       auto resumed = built.make(single.model(), clipping());
       resumed->load_optimizer_state(want_state, "the single process");
-      const auto want = single.step(split(batches().batch(steps), m), steps);
-      const auto mine = batches().batch(steps, built.dp->rank(), built.dp->size());
-      const auto got = resumed->step(split(mine, m), steps);
+      for (int s = steps; s < steps + 2; ++s) {
+        const auto want = single.step(split(batches().batch(s), m), s);
+        const auto mine = batches().batch(s, built.dp->rank(), built.dp->size());
+        const auto got = resumed->step(split(mine, m), s);
+        EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << "resumed step " << s;
+        EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "resumed step " << s;
+        ch07::after_step(single.model());
+        ch07::after_step(resumed->model(), built.routed.get());
+      }
+      const auto after = resumed->optimizer_state();
+      for (const auto& [name, t] : single.optimizer_state()) {
+        SCOPED_TRACE("resumed: " + name);
+        ASSERT_TRUE(after.count(name) > 0);
+        EXPECT_TENSOR_CLOSE(after.at(name), t, 1e-6, 1e-3);
+      }
+    }
+  }
+}
+
+TEST(PipelineParallel, AuxiliaryLossesCountWithTheirMicroBatch) {
+  // DeepSeek-V3 in miniature balanced by the Switch auxiliary loss (alpha > 0) on every stage,
+  // m in {2, 3} uneven micro-batches (20 rows: 10 + 10, 7 + 7 + 6): each micro-batch's auxiliary
+  // loss must count with its share of the rows, however far its backward runs from its forward.
+  // The loss, the norm and every gradient at step 1, then 3 steps of AdamW with clipping.
+  // Shown to fail on purpose at 2 ranks: pipeline.cpp's LossWeightScope given 1.0 instead of the
+  // micro-batch's weight, and AddAuxiliaryLoss (chapter 07) reading the weight in its backward
+  // instead of saving it in forward (already GPipe's m 2: backwards run outside the forward's
+  // scope in every schedule).
+  const int64_t p = world()->size();
+  if (p < 2) GTEST_SKIP() << "needs a pipeline of 2 or more stages";
+  auto config = model_config("deepseek", 1);
+  config.extensions["aux_loss_alpha"] = 0.1;
+  config.extensions["fivefold_bias_update_speed"] = 0.0;  // the auxiliary loss alone balances
+  for (const auto& schedule : schedule_names()) {
+    const int64_t v = schedule == "interleaved" ? 2 : 1;
+    const std::vector<int64_t> ms =
+        schedule == "interleaved" ? std::vector<int64_t>{p} : std::vector<int64_t>{2, 3};
+    for (const int64_t m : ms) {
+      SCOPED_TRACE(schedule + " m " + std::to_string(m));
+      auto built = build({static_cast<int>(p), 1, 1}, schedule, v);
+      ch03::SingleProcessStep single(ch07::make_model(config), no_clipping());
+      auto step = built.make(ch07::make_model(config), no_clipping());
+      const auto want = single.step(split(batches().batch(0), m), 0);
+      const auto got = step->step(split(batches().batch(0), m), 0);
       EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss);
       EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm);
+      const auto grads = dynamic_cast<PipelineParallelStep&>(*step).gradients();
+      for (const auto& item : single.model()->named_parameters()) {
+        if (!item.value().grad().defined()) continue;
+        SCOPED_TRACE(item.key());
+        ASSERT_TRUE(grads.count(item.key()) > 0);
+        EXPECT_TENSOR_CLOSE(grads.at(item.key()), item.value().grad(), 1e-6, 1e-4);
+      }
+      ch03::SingleProcessStep single_curve(ch07::make_model(config), clipping());
+      auto curve = build({static_cast<int>(p), 1, 1}, schedule, v)
+                       .make(ch07::make_model(config), clipping());
+      for (int s = 0; s < 3; ++s) {
+        const auto w = single_curve.step(split(batches().batch(s), m), s);
+        const auto g = curve->step(split(batches().batch(s), m), s);
+        EXPECT_NEAR(g.loss, w.loss, 1e-6 * w.loss) << "step " << s;
+        EXPECT_NEAR(g.grad_norm, w.grad_norm, 1e-5 * w.grad_norm) << "step " << s;
+      }
     }
   }
 }
