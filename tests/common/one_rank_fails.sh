@@ -138,7 +138,10 @@ job 2 --out "$work/locked" --steps 2 "${small[@]}"
 [ "$status" -ne 0 ] && [ "$(grep -c "is in use by process 1 on" "$work/log")" -eq 2 ] ||
   fail "a live lock was not refused on both ranks"
 [ "$(cat "$work/locked/.lock")" = "1 $(hostname)" ] || fail "the refused run touched the lock"
-echo "ok: a file as --out and a live lock refused on every rank in ${elapsed} s"
+job 2 --out /proc/fivefold-nope/run --steps 2 "${small[@]}"
+[ "$status" -ne 0 ] && [ "$(grep -c "cannot make the output folder '/proc/fivefold-nope/run'" "$work/log")" -eq 2 ] ||
+  fail "an output folder that cannot be made was not refused on both ranks"
+echo "ok: a file as --out, a live lock and an unmakeable folder refused on every rank"
 
 # 3b. Two 2-rank jobs started together into one folder: one trains, the other is refused on both
 #     of its ranks within seconds (it printed its layout, then hung until killed, 2026-12-04).
@@ -175,3 +178,17 @@ next=$((10#${latest#step-} + 2))
 job 2 --out "$work/stopped" --resume --steps "$next" --no-progress
 [ "$status" -eq 0 ] || fail "--resume after SIGTERM failed"
 echo "ok: SIGTERM ended both ranks and released the lock; resumed from $latest to step $next"
+
+# 5. SIGINT (Ctrl-C) to a run on one process: it says so, exits 130 and releases the lock.
+"$program" train --out "$work/interrupted" --steps 100000 --save-every 2 "${small[@]}" \
+  >"$work/log" 2>&1 &
+launcher=$!
+for _ in $(seq 1 600); do
+  [ -e "$work/interrupted/latest" ] && break
+  sleep 0.1
+done
+kill -INT "$launcher"
+finish 30
+[ "$status" -eq 130 ] && grep -q "ended by SIGINT" "$work/log" && [ ! -e "$work/interrupted/.lock" ] ||
+  fail "SIGINT: exit $status, or no message, or the lock left behind"
+echo "ok: SIGINT ended the run with 130 and released the lock"
