@@ -84,12 +84,22 @@ TEST(TensorParallelStep, FollowsTheSingleProcessCurve) {
       EXPECT_TENSOR_CLOSE(state.at(name), t, 1e-6, 1e-3);
     }
 
-    // Resume: the single process's model and state into a fresh tensor-parallel step.
+    // Resume: the single process's model and state into a fresh tensor-parallel step, two steps
+    // on (the first step's loss and norm depend on the weights alone; the second sees AdamW's
+    // moments), then the state compared again.
     auto resumed = make(single.model(), adamw());
     resumed->load_optimizer_state(want_state, "the single process");
-    const auto want = single.step({tp_batches().batch(steps)}, steps);
-    const auto got = resumed->step({tp_batches().batch(steps, dp->rank(), dp->size())}, steps);
-    EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss);
-    EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm);
+    for (int s = steps; s < steps + 2; ++s) {
+      const auto want = single.step({tp_batches().batch(s)}, s);
+      const auto got = resumed->step({tp_batches().batch(s, dp->rank(), dp->size())}, s);
+      EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << "resumed step " << s;
+      EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "resumed step " << s;
+    }
+    const auto after = resumed->optimizer_state();
+    for (const auto& [name, t] : single.optimizer_state()) {
+      SCOPED_TRACE("resumed: " + name);
+      ASSERT_TRUE(after.count(name) > 0);
+      EXPECT_TENSOR_CLOSE(after.at(name), t, 1e-6, 1e-3);
+    }
   }
 }
