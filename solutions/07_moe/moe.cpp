@@ -293,7 +293,7 @@ MoeParameters count_parameters(const ch03::ModelConfig& c) {
 }
 
 nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm) {
-  nlohmann::json loads = nlohmann::json::array();
+  nlohmann::json loads = nlohmann::json::array(), layers = nlohmann::json::array();
   double max_load = 0, dropped = 0, assignments = 0, aux = 0;
   for (int64_t i : model->layer_indices()) {
     auto moe = std::dynamic_pointer_cast<MoeImpl>(model->block(i).mlp);
@@ -307,9 +307,11 @@ nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm) {
     aux += load.aux_loss;
     loads.push_back(std::vector<int64_t>(load.counts.data_ptr<int64_t>(),
                                          load.counts.data_ptr<int64_t>() + load.counts.numel()));
+    layers.push_back(i);
   }
   if (loads.empty()) return nlohmann::json::object();
   return {{"moe_load", loads},
+          {"moe_layers", layers},
           {"moe_max_load", max_load},
           {"moe_dropped", dropped / assignments},
           {"moe_aux_loss", aux / static_cast<double>(loads.size())}};

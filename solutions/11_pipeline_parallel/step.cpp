@@ -1,6 +1,7 @@
 // Chapter 11: the training step with a pipeline, over pp x dp x tp ranks.
 
 #include <algorithm>
+#include <map>
 #include <utility>
 
 #include "10_tensor_parallel/step.h"
@@ -105,21 +106,28 @@ ch03::StepFactory pipeline_parallel_step(PipelineLayout layout, ch03::ModelBuild
 }
 
 nlohmann::json merge_stage_metrics(const nlohmann::json& mine, dist::Communicator& pp) {
-  nlohmann::json loads = nlohmann::json::array();
-  double max_load = 0, dropped = 0, aux = 0;
+  std::map<int64_t, nlohmann::json> by_layer;  // in layer order: interleaved ranks hold layers
+  double max_load = 0, dropped = 0, aux = 0;   // that are not consecutive
   for (const auto& text : all_gather_strings(mine.dump(), pp)) {
     const auto stage = nlohmann::json::parse(text);
     if (!stage.contains("moe_load")) continue;  // a stage without MoE layers
     const auto layers = static_cast<double>(stage["moe_load"].size());
-    for (const auto& load : stage["moe_load"]) loads.push_back(load);
+    for (size_t i = 0; i < stage["moe_load"].size(); ++i)
+      by_layer[stage["moe_layers"][i].get<int64_t>()] = stage["moe_load"][i];
     max_load = std::max(max_load, stage["moe_max_load"].get<double>());
     // Every MoE layer routes the same tokens: averages over layers weight each stage by its count.
     dropped += stage["moe_dropped"].get<double>() * layers;
     aux += stage["moe_aux_loss"].get<double>() * layers;
   }
-  if (loads.empty()) return nlohmann::json::object();
+  if (by_layer.empty()) return nlohmann::json::object();
+  nlohmann::json loads = nlohmann::json::array(), layer_indices = nlohmann::json::array();
+  for (const auto& [layer, load] : by_layer) {
+    layer_indices.push_back(layer);
+    loads.push_back(load);
+  }
   const auto n = static_cast<double>(loads.size());
   return {{"moe_load", loads},
+          {"moe_layers", layer_indices},
           {"moe_max_load", max_load},
           {"moe_dropped", dropped / n},
           {"moe_aux_loss", aux / n}};

@@ -8,7 +8,10 @@
 // is the gradient), so step 1 also checks that each dimension's group carried bytes. Shown to
 // fail on purpose: the context-parallel wrapper left out fails the cp layouts' traffic check; the
 // replicas taken as dp x cp instead of edp with experts split fails the first layout's loss,
-// norm and gradients.
+// norm and gradients. The steps are the trainer's own (apply_layout), and the curve runs its
+// balancing update after every step, comparing each expert's load with one process's: the load
+// summed over dp x cp instead of dp x cp x tp under sequence parallelism (layout.cpp's routed
+// group) fails the first layout there.
 
 #include <map>
 
@@ -75,20 +78,19 @@ ch03::ModelConfig model_of(const Case& c) {
   return config;
 }
 
+// What the trainer builds for a layout: apply_layout's mesh, step, placement and balancing update.
 struct Built {
   std::unique_ptr<ch03::TrainingStep> step;
+  ch03::RunConfig run;
   int64_t data_rank = 0;
 };
 
 Built build(const Case& c, ch03::Transformer whole, const ch03::TrainConfig& train) {
-  const Layout& l = c.layout;
-  dist::DeviceMesh mesh(world(), {{"pp", static_cast<int>(l.pp)},
-                                  {"dp", static_cast<int>(l.dp)},
-                                  {"cp", static_cast<int>(l.cp)},
-                                  {"tp", static_cast<int>(l.tp)}});
-  const Groups groups = make_groups(l, mesh);
-  const auto make = compose_step(l, groups, world()->size());
-  return {make(std::move(whole), train), mesh.coord("dp")};
+  Built b;
+  apply_layout(c.layout, world(), b.run);
+  b.step = b.run.make_step(std::move(whole), train);
+  b.data_rank = b.run.placement.data_rank;
+  return b;
 }
 
 // This rank's micro-batches of step `s` and the single process's (the same rows: dp x micro
@@ -172,6 +174,20 @@ TEST(Trainer5D, FollowsTheSingleProcessCurve) {
         const auto got = built.step->step(mine(c, built, s), s);
         EXPECT_NEAR(got.loss, want.loss, 1e-5 * want.loss) << "step " << s;
         EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-4 * want.grad_norm) << "step " << s;
+        // The trainer's balancing update (apply_layout's after_step): each expert's load summed
+        // over the ranks that routed other tokens and merged over the stages equals one process's,
+        // and so does the bias it moves (compared with the model below).
+        const auto want_load = ch07::after_step(single.model());
+        const auto got_load = built.run.after_step(built.step->model());
+        EXPECT_EQ(got_load.value("moe_load", nlohmann::json()),
+                  want_load.value("moe_load", nlohmann::json()))
+            << "step " << s;
+        if (want_load.contains("moe_dropped")) {
+          EXPECT_NEAR(got_load["moe_max_load"].get<double>(),
+                      want_load["moe_max_load"].get<double>(), 1e-12) << "step " << s;
+          EXPECT_NEAR(got_load["moe_dropped"].get<double>(),
+                      want_load["moe_dropped"].get<double>(), 1e-12) << "step " << s;
+        }
       }
       auto& full = built.step->full_model();
       for (const auto& item : single.model()->named_parameters()) {
