@@ -14,6 +14,7 @@
 /// applies the final norm, the head and the loss.
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,9 @@ struct Action {
   /// Equal kind, micro-batch and stage.
   bool operator==(const Action& other) const;
 };
+
+/// "F3@s1": the kind (action_name), micro-batch and virtual stage, as a failing test prints it.
+std::ostream& operator<<(std::ostream& out, const Action& action);
 
 /// The whole schedule: the shape of the pipeline and each rank's ordered list.
 struct Schedule {

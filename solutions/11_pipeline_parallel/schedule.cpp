@@ -30,6 +30,10 @@ bool Action::operator==(const Action& other) const {
   return kind == other.kind && micro_batch == other.micro_batch && stage == other.stage;
 }
 
+std::ostream& operator<<(std::ostream& out, const Action& action) {
+  return out << action_name(action.kind) << action.micro_batch << "@s" << action.stage;
+}
+
 const std::vector<std::string>& schedule_names() {
   static const std::vector<std::string> names{"gpipe", "1f1b", "interleaved", "zb"};
   return names;
