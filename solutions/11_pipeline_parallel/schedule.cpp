@@ -191,10 +191,16 @@ std::string describe(const Action& a) {
   return out.str();
 }
 
+// "schedule 1f1b (p 3, v 1, m 4)": every message of the checks names the case it is about.
+std::string named(const Schedule& s) {
+  return "schedule " + s.name + " (p " + std::to_string(s.ranks) + ", v " +
+         std::to_string(s.virtual_stages) + ", m " + std::to_string(s.micro_batches) + ")";
+}
+
 // Every compute once, on its stage's rank; sends after what they send, receives before what
 // needs them; every channel received in the order it is sent.
 void check_lists(const Schedule& s) {
-  FIVEFOLD_CHECK(static_cast<int64_t>(s.lists.size()) == s.ranks, "schedule ", s.name, ": ",
+  FIVEFOLD_CHECK(static_cast<int64_t>(s.lists.size()) == s.ranks, named(s), ": ",
                  s.lists.size(), " lists for ", s.ranks, " ranks");
   const int64_t last = s.stages() - 1;
   std::map<std::tuple<int, int64_t, int64_t>, int> count;  // (kind, stage, mb) -> times
@@ -208,20 +214,20 @@ void check_lists(const Schedule& s) {
     for (const Action& a : s.lists[static_cast<size_t>(r)]) {
       FIVEFOLD_CHECK(
           a.stage >= 0 && a.stage <= last && a.micro_batch >= 0 && a.micro_batch < s.micro_batches,
-          "schedule ", s.name, ": rank ", r, " has ", describe(a), ", outside the pipeline");
-      FIVEFOLD_CHECK(s.rank_of(a.stage) == r, "schedule ", s.name, ": rank ", r, " has ",
+          named(s), ": rank ", r, " has ", describe(a), ", outside the pipeline");
+      FIVEFOLD_CHECK(s.rank_of(a.stage) == r, named(s), ": rank ", r, " has ",
                      describe(a), ", which rank ", s.rank_of(a.stage), " holds");
       const int64_t j = a.micro_batch;
       switch (a.kind) {
         case ActionKind::SendActivation:
-          FIVEFOLD_CHECK(done(ActionKind::Forward, a.stage, j), "schedule ", s.name, ": rank ", r,
+          FIVEFOLD_CHECK(done(ActionKind::Forward, a.stage, j), named(s), ": rank ", r,
                          " sends before computing: ", describe(a));
           sent[{r, s.rank_of(a.stage + 1), true}].push_back({a.stage, j});
           break;
         case ActionKind::SendGradient:
           FIVEFOLD_CHECK(
               done(ActionKind::Backward, a.stage, j) || done(ActionKind::BackwardInput, a.stage, j),
-              "schedule ", s.name, ": rank ", r, " sends before computing: ", describe(a));
+              named(s), ": rank ", r, " sends before computing: ", describe(a));
           sent[{r, s.rank_of(a.stage - 1), false}].push_back({a.stage, j});
           break;
         case ActionKind::RecvActivation:
@@ -236,7 +242,7 @@ void check_lists(const Schedule& s) {
           const bool needs_gradient =
               is_input_gradient(a.kind) && a.stage < last && s.rank_of(a.stage + 1) != r;
           FIVEFOLD_CHECK(!needs_activation || done(ActionKind::RecvActivation, a.stage, j),
-                         "schedule ", s.name, ": rank ", r, " runs ", describe(a),
+                         named(s), ": rank ", r, " runs ", describe(a),
                          " without receiving its input first");
           FIVEFOLD_CHECK(!needs_gradient || done(ActionKind::RecvGradient, a.stage, j), "schedule ",
                          s.name, ": rank ", r, " runs ", describe(a),
@@ -258,14 +264,30 @@ void check_lists(const Schedule& s) {
       FIVEFOLD_CHECK(
           times(ActionKind::Forward) == 1 && ((whole == 1 && input == 0 && weight == 0) ||
                                               (whole == 0 && input == 1 && weight == 1)),
-          "schedule ", s.name, ": micro-batch ", j, " at stage ", stage,
+          named(s), ": micro-batch ", j, " at stage ", stage,
           " needs one F and one backward (B+W, or B and W), got ", times(ActionKind::Forward),
           " F, ", whole, " B+W, ", input, " B, ", weight, " W");
     }
   }
-  FIVEFOLD_CHECK(sent == received, "schedule ", s.name,
-                 ": some channel is not received in the order it is sent (or a send has no "
-                 "receive): the executor would deliver a tensor to the wrong micro-batch");
+  // Each channel's sends and receives, as (sending stage, micro-batch) in list order.
+  auto sequence = [](const std::vector<Key>& keys) {
+    std::string text;
+    for (const auto& [stage, j] : keys)
+      text += (text.empty() ? "" : " ") + std::to_string(j) + "@s" + std::to_string(stage);
+    return text.empty() ? std::string("nothing") : text;
+  };
+  auto channels = sent;
+  channels.insert(received.begin(), received.end());
+  for (const auto& [channel, ignored] : channels) {
+    const auto& [from, to, activation] = channel;
+    const auto out = sent.count(channel) ? sent.at(channel) : std::vector<Key>{};
+    const auto in = received.count(channel) ? received.at(channel) : std::vector<Key>{};
+    FIVEFOLD_CHECK(out == in, named(s), ": the ", activation ? "activations" : "gradients",
+                   " from rank ", from, " to rank ", to, " are sent as ", sequence(out),
+                   " but received as ", sequence(in),
+                   " (micro-batch@stage, in list order): the executor would deliver a tensor to "
+                   "the wrong micro-batch, or wait for one never sent");
+  }
 }
 
 }  // namespace
@@ -351,7 +373,7 @@ Simulation simulate(const Schedule& s, const UnitCosts& costs) {
       stuck << " rank " << r << " waits in " << describe(list[next[static_cast<size_t>(r)]]) << ";";
     sim.makespan = std::max(sim.makespan, clock[static_cast<size_t>(r)]);
   }
-  FIVEFOLD_CHECK(stuck.str().empty(), "schedule ", s.name, " deadlocks:", stuck.str());
+  FIVEFOLD_CHECK(stuck.str().empty(), named(s), " deadlocks:", stuck.str());
   return sim;
 }
 
