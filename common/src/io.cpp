@@ -97,14 +97,14 @@ namespace {
 // without allocating.
 struct HeldLock {
   char path[4096];
-  int holders;  // 0: a free slot
+  bool held;  // false: a free slot
 };
 HeldLock g_held[16];
 std::mutex g_held_mutex;
 
 HeldLock* find_held(const std::string& path) {
   for (auto& h : g_held)
-    if (h.holders > 0 && path == h.path) return &h;
+    if (h.held && path == h.path) return &h;
   return nullptr;
 }
 }  // namespace
@@ -113,7 +113,7 @@ DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
   std::lock_guard<std::mutex> held(g_held_mutex);
   HeldLock* slot = nullptr;
   for (auto& h : g_held)
-    if (h.holders == 0 && slot == nullptr) slot = &h;
+    if (!h.held && slot == nullptr) slot = &h;
   FIVEFOLD_CHECK(slot != nullptr && path_.size() < sizeof(slot->path), "cannot lock '", dir,
                  "': too many folders locked, or too long a name");
   const std::string me = std::to_string(::getpid()) + " " + host_name() + "\n";
@@ -124,7 +124,7 @@ DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
       ::close(fd);
       FIVEFOLD_CHECK(written, "cannot write '", path_, "'");
       std::memcpy(slot->path, path_.c_str(), path_.size() + 1);
-      slot->holders = 1;
+      slot->held = true;
       return;
     }
     FIVEFOLD_CHECK(errno == EEXIST, "cannot create '", path_, "': ", std::strerror(errno));
@@ -148,13 +148,13 @@ DirectoryLock::~DirectoryLock() {
   std::lock_guard<std::mutex> held(g_held_mutex);
   HeldLock* mine = find_held(path_);
   if (mine == nullptr) return;
-  mine->holders = 0;
+  mine->held = false;
   ::unlink(path_.c_str());
 }
 
 void release_held_locks_now() {
   for (auto& h : g_held)
-    if (h.holders > 0) ::unlink(h.path);
+    if (h.held) ::unlink(h.path);
 }
 
 void save_safetensors(const std::string& path, const TensorMap& tensors,

@@ -184,13 +184,13 @@ TrainableCounts count_trainable(Transformer& model) {
 
 namespace {
 
-// What OUT/latest names, or "none" (for messages).
-std::string resolve_latest_name(const std::string& out_dir) {
-  std::error_code error;
-  if (!fs::exists(fs::path(out_dir) / "latest", error)) return "none";
-  std::string name = io::read_file((fs::path(out_dir) / "latest").string());
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
-  return (fs::path(out_dir) / name).string();
+// The checkpoint OUT/latest names, or "none" (for messages).
+std::string latest_checkpoint(const std::string& out_dir) {
+  try {
+    return resolve_checkpoint(out_dir);
+  } catch (const Error&) {
+    return "none";
+  }
 }
 
 // Writes OUT/step-NNNNNNNN as a whole: into a temporary folder, renamed when complete; then
@@ -208,7 +208,7 @@ std::string save_checkpoint(const RunConfig& c, TrainingStep& trainer, int64_t n
   auto check_finite = [&](const std::string& what, const torch::Tensor& t) {
     FIVEFOLD_CHECK(t.isfinite().all().item<bool>(), "step ", next_step, ": ", what,
                    " holds non-finite values: not saved (the last checkpoint stays '",
-                   resolve_latest_name(c.out_dir), "')");
+                   latest_checkpoint(c.out_dir), "')");
   };
   for (const auto& item : model->named_parameters()) check_finite(item.key(), item.value());
   for (const auto& [key, tensor] : optimizer) check_finite("optimizer state " + key, tensor);
@@ -480,7 +480,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                   (std::isfinite(r.grad_norm) ? "" : " without applying the update") +
                   (c.out_dir.empty() ? std::string()
                                      : "; the last checkpoint is '" +
-                                           resolve_latest_name(c.out_dir) + "'") +
+                                           latest_checkpoint(c.out_dir) + "'") +
                   " (a lower --lr may help)");
     }
     char status[160];

@@ -76,13 +76,8 @@ TEST(TensorParallelStep, FollowsTheSingleProcessCurve) {
       EXPECT_TENSOR_CLOSE(full->named_parameters()[item.key()], item.value(),
                             fivefold::testing::kParameterAtol, 1e-4);
     }
-    const auto state = step->optimizer_state();
     const auto want_state = single.optimizer_state();
-    ASSERT_EQ(state.size(), want_state.size());
-    for (const auto& [name, t] : want_state) {
-      SCOPED_TRACE(name);
-      EXPECT_TENSOR_CLOSE(state.at(name), t, 1e-6, 1e-3);
-    }
+    fivefold::testing::expect_same_optimizer_state(step->optimizer_state(), want_state);
 
     // Resume: the single process's model and state into a fresh tensor-parallel step, two steps
     // on (the first step's loss and norm depend on the weights alone; the second sees AdamW's
@@ -95,11 +90,7 @@ TEST(TensorParallelStep, FollowsTheSingleProcessCurve) {
       EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << "resumed step " << s;
       EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "resumed step " << s;
     }
-    const auto after = resumed->optimizer_state();
-    for (const auto& [name, t] : single.optimizer_state()) {
-      SCOPED_TRACE("resumed: " + name);
-      ASSERT_TRUE(after.count(name) > 0);
-      EXPECT_TENSOR_CLOSE(after.at(name), t, 1e-6, 1e-3);
-    }
+    fivefold::testing::expect_same_optimizer_state(resumed->optimizer_state(),
+                                                   single.optimizer_state(), "resumed: ");
   }
 }

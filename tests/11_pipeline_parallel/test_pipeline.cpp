@@ -171,16 +171,20 @@ TEST(PipelineParallel, FollowsTheSingleProcessCurve) {
       ch03::SingleProcessStep single(ch07::make_model(config), clipping());
       auto built = build(l, schedule, v);
       auto step = built.make(ch07::make_model(config), clipping());
-      for (int s = 0; s < steps; ++s) {
-        const auto want = single.step(split(batches().batch(s), m), s);
-        const auto mine = batches().batch(s, built.dp->rank(), built.dp->size());
-        const auto got = step->step(split(mine, m), s);
-        EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << "step " << s;
-        EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "step " << s;
-        // Chapter 07's balancing bias: each stage updates its own layers.
-        ch07::after_step(single.model());
-        ch07::after_step(step->model(), built.routed.get());
-      }
+      // Steps [from, to) on one process and on `pipeline`: the same loss and norm each step.
+      auto train_alike = [&](ch03::TrainingStep& pipeline, int from, int to, const char* label) {
+        for (int s = from; s < to; ++s) {
+          const auto want = single.step(split(batches().batch(s), m), s);
+          const auto mine = batches().batch(s, built.dp->rank(), built.dp->size());
+          const auto got = pipeline.step(split(mine, m), s);
+          EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << label << s;
+          EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << label << s;
+          // Chapter 07's balancing bias: each stage updates its own layers.
+          ch07::after_step(single.model());
+          ch07::after_step(pipeline.model(), built.routed.get());
+        }
+      };
+      train_alike(*step, 0, steps, "step ");
       auto& full = step->full_model();
       for (const auto& item : single.model()->named_parameters()) {
         SCOPED_TRACE(item.key());
@@ -191,33 +195,16 @@ TEST(PipelineParallel, FollowsTheSingleProcessCurve) {
         SCOPED_TRACE(item.key());
         EXPECT_TENSOR_CLOSE(full->named_buffers()[item.key()], item.value(), 1e-6, 1e-5);
       }
-      const auto state = step->optimizer_state();
       const auto want_state = single.optimizer_state();
-      ASSERT_EQ(state.size(), want_state.size());
-      for (const auto& [name, t] : want_state) {
-        SCOPED_TRACE(name);
-        EXPECT_TENSOR_CLOSE(state.at(name), t, 1e-6, 1e-3);
-      }
+      fivefold::testing::expect_same_optimizer_state(step->optimizer_state(), want_state);
       // Resume: the single process's model and state into a fresh pipeline, two steps on (the
       // first step's loss and norm depend on the weights alone; the second sees the moments),
       // then AdamW's state compared again.
       auto resumed = built.make(single.model(), clipping());
       resumed->load_optimizer_state(want_state, "the single process");
-      for (int s = steps; s < steps + 2; ++s) {
-        const auto want = single.step(split(batches().batch(s), m), s);
-        const auto mine = batches().batch(s, built.dp->rank(), built.dp->size());
-        const auto got = resumed->step(split(mine, m), s);
-        EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << "resumed step " << s;
-        EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "resumed step " << s;
-        ch07::after_step(single.model());
-        ch07::after_step(resumed->model(), built.routed.get());
-      }
-      const auto after = resumed->optimizer_state();
-      for (const auto& [name, t] : single.optimizer_state()) {
-        SCOPED_TRACE("resumed: " + name);
-        ASSERT_TRUE(after.count(name) > 0);
-        EXPECT_TENSOR_CLOSE(after.at(name), t, 1e-6, 1e-3);
-      }
+      train_alike(*resumed, steps, steps + 2, "resumed step ");
+      fivefold::testing::expect_same_optimizer_state(resumed->optimizer_state(),
+                                                     single.optimizer_state(), "resumed: ");
     }
   }
 }

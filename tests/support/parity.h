@@ -1,13 +1,17 @@
 #pragma once
 /// @file parity.h
 /// @brief What the parity tests of the parallel chapters (11 onwards) share: the two optimizer
-/// settings every layout is compared under, and the cut of a batch into micro-batches.
+/// settings every layout is compared under, the cut of a batch into micro-batches, and the
+/// comparison of AdamW's state with one process's.
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "03_transformer/data.h"
 #include "03_transformer/train.h"
+#include "fivefold/io.h"
+#include "testing.h"
 
 namespace fivefold::testing {
 
@@ -45,6 +49,19 @@ inline std::vector<ch03::Batch> split(const ch03::Batch& b, int64_t m) {
   for (int64_t i = 0; i < m; ++i)
     out.push_back({inputs[static_cast<size_t>(i)], targets[static_cast<size_t>(i)]});
   return out;
+}
+
+/// A step's AdamW state (`got`, by parameter name) against one process's (`want`): the same
+/// tensors, each within 1e-6 absolute and 1e-3 relative (fp32 sums in other orders, magnified by
+/// the second moment's square root near zero). `label` says which comparison it is.
+inline void expect_same_optimizer_state(const io::TensorMap& got, const io::TensorMap& want,
+                                        const std::string& label = "") {
+  ASSERT_EQ(got.size(), want.size()) << label;
+  for (const auto& [name, t] : want) {
+    SCOPED_TRACE(label + name);
+    ASSERT_TRUE(got.count(name) > 0);
+    EXPECT_TENSOR_CLOSE(got.at(name), t, 1e-6, 1e-3);
+  }
 }
 
 }  // namespace fivefold::testing
