@@ -24,7 +24,6 @@
 #include "03_transformer/checkpoint.h"
 #include "03_transformer/evaluate.h"
 #include "03_transformer/generate.h"
-#include "03_transformer/trainer.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/step.h"
 #include "10_tensor_parallel/step.h"
@@ -42,10 +41,14 @@
 #include "fivefold/mesh.h"
 #include "fivefold/runtime.h"
 #include "fivefold/trace.h"
+#include "runtime/layout.h"
+#include "runtime/measure.h"
+#include "runtime/run.h"
 
 namespace fivefold::commands {
 
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 
 namespace {
 
@@ -174,7 +177,7 @@ namespace {
 // in one training step of `c`, printed as a table; nothing is trained and no process is started.
 // Parameters and memory are counted from the rank's part of the model, built here on one
 // process over offline communicators (ch14::rank_parameters).
-int print_plan(const ch14::Layout& layout, const RunConfig& c, int64_t world_size) {
+int print_plan(const ch14::Layout& layout, const ch14::Workload& c, int64_t world_size) {
   std::printf("plan: %s on %lld processes; %lld rows of %lld tokens a step, %lld micro-batch(es)\n\n",
               layout.describe().c_str(), static_cast<long long>(world_size),
               static_cast<long long>(c.batch), static_cast<long long>(c.seq_len),
@@ -407,7 +410,7 @@ int train(int argc, char** argv) {
     planned = load_run_state(resolve_checkpoint(c.out_dir)).run;
     if (args.given("accum")) planned.micro_batches = c.micro_batches;
   }
-  layout = ch14::resolve_layout(layout, world_size, planned);
+  layout = ch14::resolve_layout(layout, world_size, workload_of(planned));
   c.save_every = args.integer("save-every");
   c.keep_checkpoints = args.integer("keep");
   c.eval_every = args.integer("eval-every");
@@ -422,11 +425,13 @@ int train(int argc, char** argv) {
   if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
   if (args.on("resume")) resumed_settings(args, c);
   c.model.validate();
-  layout = ch14::resolve_layout(layout, world_size, c);
-  if (plan_world > 0) return print_plan(layout, c, world_size);
+  layout = ch14::resolve_layout(layout, world_size, workload_of(c));
+  if (plan_world > 0) return print_plan(layout, workload_of(c), world_size);
   check_model_fits(c.model, layout.dp * layout.cp, layout.zero, runtime->launch().local_size);
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
-  ch14::apply_layout(layout, world, c);
+  use_layout(layout, world, c);
+  StepMeter meter;  // what this rank's steps did, for the report below
+  c.observers.push_back(&meter);
   dist::reset_comm_stats();  // what the mesh's set-up exchanged is not the training's
   if (args.on("trace")) trace::start();
   const RunResult r = run_training(c, args.on("resume"));
@@ -440,29 +445,32 @@ int train(int argc, char** argv) {
   }
   // What each group carried and each rank's peak memory, measured in this run, beside what the
   // formulas say for this rank's part (built again here, offline: what --plan counts).
+  const ch14::Workload work = workload_of(c);
+  Transformer held_model = meter.held();
+  const ch14::TrainableCounts counted = ch14::count_trainable(held_model);
   ch14::HeldParameters held;
-  static_cast<TrainableCounts&>(held) = r.held;
+  static_cast<ch14::TrainableCounts&>(held) = counted;
   try {
-    held = ch14::rank_parameters(layout, c, static_cast<int64_t>(world->rank()));
+    held = ch14::rank_parameters(layout, work, static_cast<int64_t>(world->rank()));
   } catch (const Error&) {
     // a part that cannot be built offline: the run's own counts, and no tp prediction
   }
-  if (held.elements != r.held.elements || held.tensors != r.held.tensors)
+  if (held.elements != counted.elements || held.tensors != counted.tensors)
     log(LogLevel::Warn) << "the plan's part of the model holds " << held.elements << " parameters in "
-                        << held.tensors << " tensors, the run's " << r.held.elements << " in "
-                        << r.held.tensors << ": the predictions below follow the plan's";
+                        << held.tensors << " tensors, the run's " << counted.elements << " in "
+                        << counted.tensors << ": the predictions below follow the plan's";
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   const auto rank = static_cast<int64_t>(world->rank());
-  ch14::RankMeasurement mine = ch14::measure_rank(r.training_comm);
-  mine.predicted_bytes =
-      ch14::predicted_run_traffic(layout, c, rank, held, steps, r.steps_after_whole_model);
+  ch14::RankMeasurement mine = ch14::measure_rank(meter.training_comm());
+  mine.predicted_bytes = ch14::predicted_run_traffic(layout, work, rank, held, steps,
+                                                     meter.steps_after_whole_model());
   if (steps > 0) {
-    mine.state_bytes = r.state.total();
-    mine.matmul_flops = r.step_flops;
+    mine.state_bytes = meter.state().total();
+    mine.matmul_flops = meter.step_flops();
   }
   if (held.elements > 0) mine.predicted_state_bytes = ch14::predicted_state_bytes(layout, held).total();
   try {
-    mine.predicted_matmul_flops = ch14::predicted_flops(layout, c, rank, held).total();
+    mine.predicted_matmul_flops = ch14::predicted_flops(layout, work, rank, held).total();
   } catch (const Error&) {
     // no matrices known (a part not built offline) or experts with a capacity: not predicted
   }

@@ -45,4 +45,9 @@ torch::Tensor rng_state();
 /// Restores a state returned by rng_state().
 void set_rng_state(const torch::Tensor& state);
 
+/// The checkpoint folder to read for `path`: `path` itself when it holds config.json, else the
+/// folder named by `path`/latest (a training run's output folder). Throws fivefold::Error when
+/// neither exists.
+std::string resolve_checkpoint(const std::string& path);
+
 }  // namespace fivefold::ch03

@@ -111,4 +111,17 @@ class BatchSampler {
   uint64_t seed_;
 };
 
+/// Where a run's tokens come from.
+struct DataConfig {
+  std::string path;                    ///< a text file, or a `.bin`; empty: the synthetic corpus
+  uint64_t seed = 0;                   ///< synthetic corpus and batch order
+  int64_t synthetic_examples = 50000;  ///< lines in the synthetic training split
+  double val_fraction = 0.1;           ///< of a file's tokens, held out at its end
+};
+
+/// Train and held-out tokens for `data`: the synthetic corpus's two splits (held-out: a tenth as
+/// many lines), or a file's tokens split at 1 - val_fraction. Throws fivefold::Error for a
+/// missing, empty or too short file.
+std::pair<TokenDataset, TokenDataset> load_datasets(const DataConfig& data, int64_t seq_len);
+
 }  // namespace fivefold::ch03

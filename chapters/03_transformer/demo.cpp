@@ -8,13 +8,14 @@
 
 #include "03_transformer/checkpoint.h"
 #include "03_transformer/generate.h"
-#include "03_transformer/trainer.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
 #include "fivefold/runtime.h"
 #include "fivefold/timer.h"
+#include "runtime/run.h"
 
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 
 int main(int argc, char** argv) {
   fivefold::ArgParser args("ch03_transformer_demo",

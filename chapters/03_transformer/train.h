@@ -109,7 +109,7 @@ struct StateBytes {
 /// moments (exp_avg, exp_avg_sq).
 StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer);
 
-/// The training step as an object: what the training run (trainer.h) calls, so that one loop
+/// The training step as an object: what the training run (runtime/run.h) calls, so that one loop
 /// serves every layout. Chapter 03's SingleProcessStep is train_step on one process; chapter 09
 /// implements it with data parallelism (DDP, ZeRO-1/2/3), later chapters with more.
 class TrainingStep {

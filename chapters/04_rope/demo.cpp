@@ -6,13 +6,14 @@
 #include <cstdio>
 
 #include "03_transformer/generate.h"
-#include "03_transformer/trainer.h"
 #include "04_rope/rope.h"
 #include "fivefold/cli.h"
 #include "fivefold/runtime.h"
 #include "fivefold/timer.h"
+#include "runtime/run.h"
 
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 
 namespace {
 RunResult train(double rope_theta, int64_t steps) {

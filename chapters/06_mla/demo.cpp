@@ -7,14 +7,15 @@
 #include <cstdio>
 
 #include "03_transformer/generate.h"
-#include "03_transformer/trainer.h"
 #include "06_mla/mla.h"
 #include "fivefold/cli.h"
 #include "fivefold/runtime.h"
 #include "fivefold/timer.h"
+#include "runtime/run.h"
 
 using namespace fivefold;
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 
 namespace {
 // d_model 128, 4 layers, 4 heads of 32; MLA: a 32-wide latent, 16 rotary features, 32 per head.

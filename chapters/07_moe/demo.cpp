@@ -8,13 +8,14 @@
 #include <string>
 
 #include "03_transformer/checkpoint.h"
-#include "03_transformer/trainer.h"
 #include "07_moe/moe.h"
 #include "fivefold/cli.h"
 #include "fivefold/runtime.h"
+#include "runtime/run.h"
 
 using namespace fivefold;
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 
 namespace {
 // d_model 64, 4 layers (the first dense), MLA, 16 experts of width 64 in 4 groups, 2 per token

@@ -11,7 +11,8 @@
 #include <string>
 #include <vector>
 
-#include "03_transformer/trainer.h"
+#include "03_transformer/model.h"
+#include "03_transformer/train.h"
 #include "14_trainer_5d/trainer_5d.h"
 #include "fivefold/comm_stats.h"
 #include "fivefold/dist.h"
@@ -57,12 +58,12 @@ struct RankMeasurement {
   /// (predicted_run_traffic); only the communicators they describe.
   std::map<std::string, int64_t> predicted_bytes;
   /// The bytes of parameters, gradients and AdamW moments the rank's step kept after its last
-  /// training step (RunResult::state); -1: not known.
+  /// training step (runtime::StepMeter::state); -1: not known.
   int64_t state_bytes = -1;
   /// What predicted_state_bytes says the rank keeps; -1: not known.
   int64_t predicted_state_bytes = -1;
-  /// The matmul FLOPs the rank executed in one training step (RunResult::step_flops, chapter
-  /// 02's counter); -1: not known.
+  /// The matmul FLOPs the rank executed in one training step (runtime::StepMeter::step_flops,
+  /// chapter 02's counter); -1: not known.
   int64_t matmul_flops = -1;
   /// What predicted_flops says for a step; -1: not predicted.
   int64_t predicted_matmul_flops = -1;
@@ -70,6 +71,30 @@ struct RankMeasurement {
   /// experts under expert parallelism compute what the router sent them).
   bool flops_exact_per_rank = true;
 };
+
+/// The trainable parameters (requires_grad) of a model or model part.
+struct TrainableCounts {
+  int64_t elements = 0;  ///< numbers
+  int64_t tensors = 0;   ///< parameter tensors
+  /// The elements by ZeRO-3's units (chapter 09): [0] everything outside the blocks (the root),
+  /// then block 0, 1, ... of the whole model, n_layers + 1 entries (0 for a block not held).
+  std::vector<int64_t> by_unit;
+  /// Of the tensors, the routed experts' (chapter 07: names with ".experts."), which expert
+  /// parallelism splits over its ranks and no group of it sums.
+  int64_t routed_tensors = 0;
+  /// Of by_unit, the routed experts' elements (empty for a model without them).
+  std::vector<int64_t> routed_by_unit;
+  /// Parameters that take no gradient (requires_grad false: MoE's balancing bias), in numbers:
+  /// stored like the others, but no gradient or optimizer state.
+  int64_t frozen = 0;
+};
+
+/// The ZeRO-3 unit (TrainableCounts::by_unit) a parameter of this name belongs to: 1 + i for
+/// model.layers.{i}.*, else 0 (the root).
+size_t parameter_unit(const std::string& name);
+
+/// Counts `model`'s trainable parameters.
+TrainableCounts count_trainable(ch03::Transformer& model);
 
 /// The matrices of a rank's part by the tokens they multiply (rank_parameters), in elements.
 struct MatmulWeights {
@@ -83,10 +108,11 @@ struct MatmulWeights {
   int64_t per_assignment = 0;
 };
 
-/// The trainable parameters a rank's step holds (rank_parameters, or RunResult::held): what its
+/// The trainable parameters a rank's step holds (rank_parameters, or count_trainable of the
+/// model a run's step held: runtime::StepMeter::held): what its
 /// data-parallel reductions carry. `by_unit` empty: no ZeRO-3 prediction; `elements` 0: no
 /// data-parallel prediction at all.
-struct HeldParameters : ch03::TrainableCounts {
+struct HeldParameters : TrainableCounts {
   /// Of by_unit, the elements whose gradient on a tp rank is its share of the sum over tp
   /// (chapter 10's partial_gradient_parameters: MLA's whole projections, and under sequence
   /// parallelism every parameter tp does not split); empty: not known, and no tp prediction.
@@ -106,12 +132,11 @@ struct HeldParameters : ch03::TrainableCounts {
 ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held);
 
 /// What world rank `world_rank` of `layout` (resolved) holds in a run of `run`, counted from its
-/// part of the model built here on one process (ch03's or `run.build_model`'s model, chapter 10's
-/// over tp, chapter 13's experts over ep, the pipeline stage's layers) over offline communicators
-/// (dist::offline_communicator; a replica group of tp ranks sharing key/value heads made here
-/// the way TensorParallel::replica_group splits it).
-HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
-                               int64_t world_rank);
+/// part of the model built here on one process (chapter 07's model, as apply_layout builds it;
+/// chapter 10's over tp, chapter 13's experts over ep, the pipeline stage's layers) over offline
+/// communicators (dist::offline_communicator; a replica group of tp ranks sharing key/value heads
+/// made here the way TensorParallel::replica_group splits it).
+HeldParameters rank_parameters(const Layout& layout, const Workload& run, int64_t world_rank);
 
 /// What the formulas say world rank `world_rank` of `layout` (resolved) hands each communicator
 /// in one training step of `run`, in payload bytes as comm_stats counts them:
@@ -156,15 +181,15 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
 ///   them), the norm's squares and the loss (8 bytes each). What a rank receives follows the
 ///   routing, but every row sent is received: the mean over the ranks is exact, each rank's
 ///   share is the balanced expectation (measurement_json). Dropless routing only (no capacity).
-std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
+std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Workload& run,
                                                  int64_t world_rank,
                                                  const HeldParameters& held = {});
 
 /// predicted_traffic over a run of `steps` training steps, `after_whole_model` of which began right
-/// after an evaluation or checkpoint had gathered the whole model (RunResult): totals, not per
+/// after an evaluation or checkpoint had gathered the whole model (runtime::StepMeter): totals, not per
 /// step. Only ZeRO-3 depends on the latter: such a step's first forward gathers nothing (4·S less).
 std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
-                                                     const ch03::RunConfig& run, int64_t world_rank,
+                                                     const Workload& run, int64_t world_rank,
                                                      const HeldParameters& held, int64_t steps,
                                                      int64_t after_whole_model);
 
@@ -191,11 +216,11 @@ struct StepFlops {
 /// s x s square, c = 6·(d_k + d_v); the tiled kernel, ring and all-gather attention only the
 /// visible tiles, c = 8·d_k + 6·d_v: backward recomputes the scores). Throws fivefold::Error when
 /// the part's matrices are not known (held.matmul all zero) or experts have a capacity.
-StepFlops predicted_flops(const Layout& layout, const ch03::RunConfig& run, int64_t world_rank,
+StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t world_rank,
                           const HeldParameters& held);
 
-/// This rank's measurement: the bytes of `stats` (a run's training_comm: the training steps
-/// alone) and its peak memory so far.
+/// This rank's measurement: the bytes of `stats` (runtime::StepMeter::training_comm: the
+/// training steps alone) and its peak memory so far.
 RankMeasurement measure_rank(const dist::CommStats& stats);
 
 /// Every rank's measurement (`mine` on this rank), gathered on `world` (collective). Returns them

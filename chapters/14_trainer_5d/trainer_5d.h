@@ -3,8 +3,8 @@
 /// @brief Chapter 14: the five parallelisms together. A Layout names how many ranks each
 /// dimension has and how each runs; resolve_layout checks it against the world, the model and the
 /// batch before anything talks to anyone; apply_layout builds the mesh (pp slowest, then dp, cp,
-/// tp fastest, with ep folded into dp·cp) and hands chapter 03's training loop the model, the
-/// step and the placement of this rank. compose_step, the exercise, stacks the chapters' steps:
+/// tp fastest, with ep folded into dp·cp) and gives this rank's training run (the run loop below
+/// the programs, runtime/run.h) the model, the step and this rank's share of the work. compose_step, the exercise, stacks the chapters' steps:
 ///
 ///     context parallelism (12)                      outermost: splits each row's tokens
 ///       expert parallelism (13)                     sums replicated gradients over ep
@@ -15,9 +15,12 @@
 /// each step gets.
 
 #include <cstdint>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <string>
 
-#include "03_transformer/trainer.h"
+#include "03_transformer/model.h"
+#include "03_transformer/train.h"
 #include "10_tensor_parallel/step.h"
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/context_parallel.h"
@@ -26,6 +29,17 @@
 #include "fivefold/mesh.h"
 
 namespace fivefold::ch14 {
+
+/// What a layout is checked against and predicted for: the model and each step's batch.
+struct Workload {
+  ch03::ModelConfig model;    ///< the whole model
+  int64_t seq_len = 64;       ///< tokens per row
+  int64_t batch = 16;         ///< rows per optimizer step (the global batch)
+  int64_t micro_batches = 1;  ///< micro-batches per data-parallel rank
+  /// Chapter 03's fast paths (ch03::TrainConfig::fast): the tiled attention kernel, whose
+  /// matmul FLOPs differ from the lesson's.
+  bool fast = true;
+};
 
 /// How the ranks of the world are laid out and how each dimension runs.
 struct Layout {
@@ -59,14 +73,14 @@ struct Layout {
 };
 
 /// `layout` with dp filled in (when 0) for a world of `world_size` processes, checked against
-/// the world, `run`'s model, sequence, batch and micro-batches. Throws fivefold::Error with the
+/// the world and `work`'s model, sequence, batch and micro-batches. Throws fivefold::Error with the
 /// reason for the first thing the layout cannot do: a product that is not the world size, ZeRO
 /// outside 0-3, sequence parallelism without tp, tp not dividing the heads or key/value heads,
 /// more stages than layers, an interleaved schedule whose micro-batches are not a multiple of
 /// pp, a sequence zig-zag CP cannot split, experts ep does not divide, ep not dividing dp·cp, a
 /// batch that does not split into dp x micro-batches. It communicates with nobody: every rank
 /// refuses alike, before any communicator exists.
-Layout resolve_layout(Layout layout, int64_t world_size, const ch03::RunConfig& run);
+Layout resolve_layout(Layout layout, int64_t world_size, const Workload& work);
 
 /// The communicators a layout's steps run over, cut from one DeviceMesh.
 struct Groups {
@@ -91,10 +105,25 @@ Groups make_groups(const Layout& layout, const dist::DeviceMesh& mesh);
 /// SingleProcessStep).
 ch03::StepFactory compose_step(const Layout& layout, const Groups& groups, int64_t world_size);
 
-/// Makes `run` train in `layout` on `world`: the mesh and its groups, the model builder,
-/// compose_step's step, the balancing update after each step over the ranks that routed
-/// different tokens, and this rank's placement (its data rank, the writer). `layout` must come
-/// from resolve_layout. Collective over `world`.
-void apply_layout(const Layout& layout, const dist::CommunicatorPtr& world, ch03::RunConfig& run);
+/// What a layout gives one rank's training run.
+struct RankSetup {
+  ch03::ModelBuilder build_model;  ///< the model (the most complete the chapters build)
+  ch03::StepFactory make_step;     ///< compose_step's step
+  /// After each optimizer step: the balancing update and the expert load, over the ranks that
+  /// routed different tokens; its fields join the metrics line.
+  std::function<nlohmann::json(ch03::Transformer&)> after_step;
+  int64_t data_rank = 0;   ///< this rank's slice of each global batch (its dp coordinate)
+  int64_t data_ranks = 1;  ///< the slices: dp
+  int64_t processes = 1;   ///< the world's size
+  bool writer = true;      ///< world rank 0 writes metrics, checkpoints and logs
+  /// Takes each rank's verdict on the run's folder ("" when all is well) and returns the first
+  /// error on every rank, so that all refuse together (one all-gather over the world).
+  std::function<std::string(const std::string&)> agree;
+};
+
+/// This rank's part in training in `layout` on `world`: the mesh and its groups, the model
+/// builder, compose_step's step, the balancing update, and its share of each batch. `layout`
+/// must come from resolve_layout. Collective over `world`.
+RankSetup apply_layout(const Layout& layout, const dist::CommunicatorPtr& world);
 
 }  // namespace fivefold::ch14

@@ -3,6 +3,7 @@
 #include "03_transformer/data.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <random>
 
 #include "fivefold/error.h"
@@ -167,6 +168,30 @@ Batch BatchSampler::batch(int64_t step, int rank, int world) const {
   auto windows_tokens = tokens_.index_select(0, index.view(-1)).view({rows, seq_len_ + 1});
   return {windows_tokens.narrow(1, 0, seq_len_).contiguous(),
           windows_tokens.narrow(1, 1, seq_len_).contiguous()};
+}
+
+std::pair<TokenDataset, TokenDataset> load_datasets(const DataConfig& data, int64_t seq_len) {
+  if (data.path.empty()) {
+    const int64_t held_out = std::max<int64_t>(1, data.synthetic_examples / 10);
+    return {
+        TokenDataset(ByteTokenizer::encode(
+            synthetic_corpus(data.seed, Split::Train, data.synthetic_examples))),
+        TokenDataset(ByteTokenizer::encode(synthetic_corpus(data.seed, Split::HeldOut, held_out)))};
+  }
+  const bool bin = std::filesystem::path(data.path).extension() == ".bin";
+  const TokenDataset all =
+      bin ? TokenDataset::from_bin_file(data.path) : TokenDataset::from_text_file(data.path);
+  // The last val_fraction of the tokens is held out; both parts need one window of seq_len + 1.
+  const int64_t val = static_cast<int64_t>(static_cast<double>(all.size()) * data.val_fraction);
+  FIVEFOLD_CHECK(val >= seq_len + 1 && all.size() - val >= seq_len + 1, "data '", data.path,
+                 "' has ", all.size(), " tokens: too few for a training and a held-out part (",
+                 data.val_fraction, ") of at least seq_len + 1 = ", seq_len + 1, " tokens each");
+  auto tokens = all.tensor();
+  auto to_vector = [](const torch::Tensor& t) {
+    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
+  };
+  return {TokenDataset(to_vector(tokens.narrow(0, 0, all.size() - val).contiguous())),
+          TokenDataset(to_vector(tokens.narrow(0, all.size() - val, val).contiguous()))};
 }
 
 }  // namespace fivefold::ch03

@@ -1,4 +1,4 @@
-// Chapter 14: a layout checked, cut into groups, and handed to chapter 03's training loop.
+// Chapter 14: a layout checked, cut into groups, and handed to this rank's training run.
 #include <sstream>
 
 #include "07_moe/moe.h"
@@ -27,7 +27,7 @@ std::string Layout::describe() const {
   return out.str();
 }
 
-Layout resolve_layout(Layout layout, int64_t world_size, const ch03::RunConfig& run) {
+Layout resolve_layout(Layout layout, int64_t world_size, const Workload& work) {
   FIVEFOLD_CHECK(layout.tp >= 1 && layout.pp >= 1 && layout.cp >= 1 && layout.ep >= 1 &&
                      layout.dp >= 0,
                  "the layout's sizes must be at least 1: tp ", layout.tp, ", pp ", layout.pp,
@@ -48,14 +48,14 @@ Layout resolve_layout(Layout layout, int64_t world_size, const ch03::RunConfig& 
                  "--sequence-parallel splits the sequence over the tensor-parallel ranks: it "
                  "needs --tp 2 or more");
   // Each chapter refuses what its method cannot do, with its reason.
-  ch10::check_tensor_parallel(run.model, static_cast<int>(layout.tp), layout.sequence_parallel);
-  ch11::check_pipeline(run.model, layout.pp, layout.virtual_stages, layout.schedule,
-                       run.micro_batches);
-  ch12::check_context_parallel(run.model, run.seq_len, layout.cp, layout.cp_layout);
-  ch13::check_expert_parallel(run.model, layout.ep, layout.dp * layout.cp);
-  FIVEFOLD_CHECK(run.micro_batches >= 1 && run.batch % (layout.dp * run.micro_batches) == 0,
-                 "the global batch (", run.batch, " rows) must split into ", layout.dp,
-                 " data-parallel ranks x ", run.micro_batches, " micro-batches of equal rows");
+  ch10::check_tensor_parallel(work.model, static_cast<int>(layout.tp), layout.sequence_parallel);
+  ch11::check_pipeline(work.model, layout.pp, layout.virtual_stages, layout.schedule,
+                       work.micro_batches);
+  ch12::check_context_parallel(work.model, work.seq_len, layout.cp, layout.cp_layout);
+  ch13::check_expert_parallel(work.model, layout.ep, layout.dp * layout.cp);
+  FIVEFOLD_CHECK(work.micro_batches >= 1 && work.batch % (layout.dp * work.micro_batches) == 0,
+                 "the global batch (", work.batch, " rows) must split into ", layout.dp,
+                 " data-parallel ranks x ", work.micro_batches, " micro-batches of equal rows");
   return layout;
 }
 
@@ -75,35 +75,37 @@ Groups make_groups(const Layout& layout, const dist::DeviceMesh& mesh) {
   return groups;
 }
 
-void apply_layout(const Layout& layout, const dist::CommunicatorPtr& world, ch03::RunConfig& run) {
+RankSetup apply_layout(const Layout& layout, const dist::CommunicatorPtr& world) {
   // Pipeline stages slowest, tensor-parallel peers neighbouring ranks (tp fastest).
   dist::DeviceMesh mesh(world, {{"pp", static_cast<int>(layout.pp)},
                                 {"dp", static_cast<int>(layout.dp)},
                                 {"cp", static_cast<int>(layout.cp)},
                                 {"tp", static_cast<int>(layout.tp)}});
   const Groups groups = make_groups(layout, mesh);
-  run.build_model = ch07::make_model;  // the most complete model the chapters build
-  run.make_step = compose_step(layout, groups, world->size());
+  RankSetup setup;
+  setup.build_model = ch07::make_model;  // the most complete model the chapters build
+  setup.make_step = compose_step(layout, groups, world->size());
   // Expert load and the balancing update, with the load summed over the ranks that routed
   // different tokens: the data- and context-parallel ones, and under sequence parallelism the tp
   // ones too. Each pipeline stage balances its own layers; the metrics line shows them all.
   auto routed = layout.sequence_parallel ? mesh.comm("dp+cp+tp") : groups.data;
-  run.after_step = [routed](ch03::Transformer& m) { return ch07::after_step(m, routed.get()); };
+  setup.after_step = [routed](ch03::Transformer& m) { return ch07::after_step(m, routed.get()); };
   if (layout.pp > 1) {
-    run.after_step = [routed, stages = groups.pp](ch03::Transformer& m) {
+    setup.after_step = [routed, stages = groups.pp](ch03::Transformer& m) {
       return ch11::merge_stage_metrics(ch07::after_step(m, routed.get()), *stages);
     };
   }
-  run.placement.data_rank = mesh.coord("dp");
-  run.placement.data_ranks = layout.dp;
-  run.placement.processes = world->size();
-  run.placement.writer = world->rank() == 0;
+  setup.data_rank = mesh.coord("dp");
+  setup.data_ranks = layout.dp;
+  setup.processes = world->size();
+  setup.writer = world->rank() == 0;
   // The writer's verdict on the run's folder, agreed before the first step (one all-gather).
-  run.placement.agree = [world](const std::string& mine) {
+  setup.agree = [world](const std::string& mine) {
     for (const std::string& said : all_gather_strings(mine, *world))
       if (!said.empty()) return said;
     return std::string();
   };
+  return setup;
 }
 
 }  // namespace fivefold::ch14

@@ -26,6 +26,33 @@
 
 namespace fivefold::ch14 {
 
+size_t parameter_unit(const std::string& name) {
+  const std::string prefix = "model.layers.";
+  return name.rfind(prefix, 0) == 0 ? 1 + std::stoul(name.substr(prefix.size())) : 0;
+}
+
+TrainableCounts count_trainable(ch03::Transformer& model) {
+  TrainableCounts counts;
+  counts.by_unit.assign(static_cast<size_t>(model->config().n_layers + 1), 0);
+  for (const auto& item : model->named_parameters()) {
+    const auto& p = item.value();
+    if (!p.requires_grad()) {
+      counts.frozen += p.numel();
+      continue;
+    }
+    counts.elements += p.numel();
+    counts.tensors += 1;
+    const size_t unit = parameter_unit(item.key());
+    counts.by_unit[unit] += p.numel();
+    if (item.key().find(".experts.") != std::string::npos) {
+      if (counts.routed_by_unit.empty()) counts.routed_by_unit.assign(counts.by_unit.size(), 0);
+      counts.routed_by_unit[unit] += p.numel();
+      counts.routed_tensors += 1;
+    }
+  }
+  return counts;
+}
+
 namespace fs = std::filesystem;
 
 Curve read_curve(const std::string& metrics_path, const std::string& label) {
@@ -246,7 +273,7 @@ struct RankWork {
   bool last_stage = false;      // holds the head
 };
 
-RankWork work_of(const Layout& layout, const ch03::RunConfig& run, int64_t world_rank) {
+RankWork work_of(const Layout& layout, const Workload& run, int64_t world_rank) {
   RankWork w;
   w.at = layout.place(world_rank);
   w.rows = run.batch / layout.dp;
@@ -301,7 +328,7 @@ MatmulWeights matmul_weights(ch03::Transformer& model) {
 
 }  // namespace
 
-HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
+HeldParameters rank_parameters(const Layout& layout, const Workload& run,
                                int64_t world_rank) {
   FIVEFOLD_CHECK(layout.dp >= 1, "rank_parameters: the layout is not resolved (dp 0)");
   const Layout::Place at = layout.place(world_rank);
@@ -337,24 +364,24 @@ HeldParameters rank_parameters(const Layout& layout, const ch03::RunConfig& run,
   } else if (layout.ep > 1) {
     model = ch13::make_model(run.model, experts, part);
   } else {
-    model = (run.build_model ? run.build_model : ch07::make_model)(run.model, part);
+    model = ch07::make_model(run.model, part);  // apply_layout's builder
   }
   HeldParameters held;
-  static_cast<ch03::TrainableCounts&>(held) = ch03::count_trainable(model);
+  static_cast<TrainableCounts&>(held) = count_trainable(model);
   held.tp_partial_by_unit.assign(held.by_unit.size(), 0);
   held.tp_replica_partial_by_unit.assign(held.by_unit.size(), 0);
   if (tp) {
     const auto parameters = model->named_parameters();
     for (const auto& [name, group] : ch10::partial_gradient_parameters(model, *tp)) {
       auto& by_unit = group == tp->comm ? held.tp_partial_by_unit : held.tp_replica_partial_by_unit;
-      by_unit[ch03::parameter_unit(name)] += parameters[name].numel();
+      by_unit[parameter_unit(name)] += parameters[name].numel();
     }
   }
   held.matmul = matmul_weights(model);
   return held;
 }
 
-std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch03::RunConfig& run,
+std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Workload& run,
                                                  int64_t world_rank, const HeldParameters& held) {
   FIVEFOLD_CHECK(layout.dp >= 1, "predicted_traffic: the layout is not resolved (dp 0)");
   const ch03::ModelConfig& model = run.model;
@@ -472,7 +499,7 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const ch0
   return bytes;
 }
 
-StepFlops predicted_flops(const Layout& layout, const ch03::RunConfig& run, int64_t world_rank,
+StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t world_rank,
                           const HeldParameters& held) {
   FIVEFOLD_CHECK(layout.dp >= 1, "predicted_flops: the layout is not resolved (dp 0)");
   const MatmulWeights& w = held.matmul;
@@ -505,7 +532,7 @@ StepFlops predicted_flops(const Layout& layout, const ch03::RunConfig& run, int6
   if (layout.cp > 1) {
     scores = ch12::attention_scores(layout.cp, work.at.cp, run.seq_len, layout.cp_layout,
                                     layout.cp_attention);
-  } else if (run.train.fast) {
+  } else if (run.fast) {
     scores = ch03::TiledCausalAttentionKernel().scores(run.seq_len);
   } else {  // chapter 03's kernel: the whole square, and backward keeps the probabilities
     scores = run.seq_len * run.seq_len;
@@ -517,7 +544,7 @@ StepFlops predicted_flops(const Layout& layout, const ch03::RunConfig& run, int6
 }
 
 std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
-                                                     const ch03::RunConfig& run, int64_t world_rank,
+                                                     const Workload& run, int64_t world_rank,
                                                      const HeldParameters& held, int64_t steps,
                                                      int64_t after_whole_model) {
   auto bytes = predicted_traffic(layout, run, world_rank, held);

@@ -1,11 +1,12 @@
 // With positions the model learns what chapter 03's could not: a short run answers held-out
 // copy and reversal prompts exactly, where chance is about 26^-3 per prompt.
 
-#include "03_transformer/trainer.h"
 #include "04_rope/rope.h"
+#include "runtime/run.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 
 TEST(RopeLearning, AnswersHeldOutCopyAndReversalPrompts) {
   RunConfig c;  // 2 layers of d_model 64 (140 K parameters), 1500 steps of 16 x 64 tokens

@@ -9,7 +9,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/checkpoint.h"
-#include "03_transformer/trainer.h"
+#include "runtime/run.h"
 #include "07_moe/moe.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
@@ -359,7 +359,7 @@ TEST(Moe, CheckpointsCarryDeepSeekV3Names) {
 
 TEST(Moe, SmallModelTrainsAndReportsItsLoad) {
   ScratchDir scratch("moe_run");
-  ch03::RunConfig c;
+  runtime::RunConfig c;
   c.model = tiny_model();
   c.build_model = make_model;
   c.after_step = [](Transformer& m) { return after_step(m); };
@@ -371,7 +371,7 @@ TEST(Moe, SmallModelTrainsAndReportsItsLoad) {
   c.save_every = 0;
   c.progress = false;
   c.out_dir = scratch.path("run");
-  const auto result = ch03::run_training(c);
+  const auto result = runtime::run_training(c);
   EXPECT_LT(result.losses.back(), result.losses.front() - 1.5);
   // Every training line reports the load of both MoE layers: 8 counts summing to tokens x k.
   std::ifstream metrics(c.out_dir + "/metrics.jsonl");

@@ -4,7 +4,7 @@
 // Blockwise.EqualsChapter03 and Blockwise.InTheModelsKernelSlot.
 
 #include "../10_tensor_parallel/fixtures.h"
-#include "03_transformer/trainer.h"
+#include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "12_context_parallel/attention.h"
 #include "fivefold/memory.h"

@@ -7,6 +7,8 @@
 #include "../10_tensor_parallel/fixtures.h"
 #include "07_moe/moe.h"
 #include "14_trainer_5d/report.h"
+#include "runtime/measure.h"
+#include "runtime/run.h"
 #include "fixtures.h"
 #include "14_trainer_5d/trainer_5d.h"
 #include "testing.h"
@@ -19,8 +21,8 @@ using fivefold::testing::throws_error_containing;
 namespace {
 
 // The default run of the trainer with `model`: 64 tokens, a batch of 16, `micro` micro-batches.
-ch03::RunConfig run_with(const ch03::ModelConfig& model, int64_t micro = 1) {
-  ch03::RunConfig run;
+Workload run_with(const ch03::ModelConfig& model, int64_t micro = 1) {
+  Workload run;
   run.model = model;
   run.seq_len = 64;
   run.batch = 16;
@@ -56,7 +58,7 @@ TEST(Layout, FillsDataParallelismAndDescribesItself) {
 TEST(Layout, RefusesWhatTheMethodsCannotDoWithTheReason) {
   const auto llama = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, 2 layers
   const auto moe = ch10::testing::deepseek_config();
-  auto refuses = [](Layout l, int64_t world, const ch03::RunConfig& run, const char* reason) {
+  auto refuses = [](Layout l, int64_t world, const Workload& run, const char* reason) {
     return throws_error_containing([&] { resolve_layout(l, world, run); }, reason);
   };
   EXPECT_TRUE(refuses(sizes(0, 2, 1, 1), 3, run_with(llama), "does not divide the 3 processes"));
@@ -289,7 +291,7 @@ TEST(Report, PredictedExpertParallelBytesFollowChapter13) {
 TEST(Report, PredictedTensorParallelBytesFollowChapter10) {
   const auto run = run_with(ch10::testing::tp_config(false));
   const int64_t activation = 16 * 64 * 32 * 4, per_token = 16 * 64 * 4;
-  auto tp_bytes = [](Layout l, int64_t world, const ch03::RunConfig& r, int64_t rank) {
+  auto tp_bytes = [](Layout l, int64_t world, const Workload& r, int64_t rank) {
     l = resolve_layout(l, world, r);
     return predicted_traffic(l, r, rank, rank_parameters(l, r, rank)).at("tp");
   };
@@ -377,23 +379,30 @@ TEST(Report, PredictedFlopsEqualWhatOneProcessExecutes) {
     for (const bool fast : {true, false}) {
       SCOPED_TRACE(::testing::Message()
                    << (mla ? "MLA + MoE" : "GQA") << (fast ? ", tiled" : ", lesson kernel"));
-      auto run =
+      auto work =
           run_with(mla ? ch10::testing::deepseek_config() : ch10::testing::tp_config(false));
-      run.seq_len = 15;
-      run.batch = 4;
+      work.seq_len = 15;
+      work.batch = 4;
+      work.fast = fast;
+      const Layout one = resolve_layout(Layout{}, 1, work);
+      const HeldParameters held = rank_parameters(one, work, 0);
+      const StepFlops predicted = predicted_flops(one, work, 0, held);
+      EXPECT_GT(predicted.attention, 0);
+      EXPECT_GT(predicted.head, 0);
+      runtime::RunConfig run;
+      run.model = work.model;
+      run.seq_len = work.seq_len;
+      run.batch = work.batch;
+      run.train.fast = fast;
       run.steps = 2;
       run.eval_batches = 1;
       run.progress = false;
-      run.train.fast = fast;
       run.peak_gflops = 1;  // no peak measured
       run.build_model = ch07::make_model;
-      const Layout one = resolve_layout(Layout{}, 1, run);
-      const HeldParameters held = rank_parameters(one, run, 0);
-      const StepFlops predicted = predicted_flops(one, run, 0, held);
-      EXPECT_GT(predicted.attention, 0);
-      EXPECT_GT(predicted.head, 0);
-      const ch03::RunResult result = ch03::run_training(run);
-      EXPECT_EQ(result.step_flops, predicted.total());
+      runtime::StepMeter meter;
+      run.observers = {&meter};
+      runtime::run_training(run);
+      EXPECT_EQ(meter.step_flops(), predicted.total());
     }
   }
   // Unknown matrices, or experts with a capacity, are not predicted.

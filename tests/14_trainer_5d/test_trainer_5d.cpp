@@ -81,22 +81,20 @@ ch03::ModelConfig model_of(const Case& c) {
 // What the trainer builds for a layout: apply_layout's mesh, step, placement and balancing update.
 struct Built {
   std::unique_ptr<ch03::TrainingStep> step;
-  ch03::RunConfig run;
-  int64_t data_rank = 0;
+  RankSetup run;
 };
 
 Built build(const Case& c, ch03::Transformer whole, const ch03::TrainConfig& train) {
   Built b;
-  apply_layout(c.layout, world(), b.run);
+  b.run = apply_layout(c.layout, world());
   b.step = b.run.make_step(std::move(whole), train);
-  b.data_rank = b.run.placement.data_rank;
   return b;
 }
 
 // This rank's micro-batches of step `s` and the single process's (the same rows: dp x micro
 // slices of the global batch).
 std::vector<ch03::Batch> mine(const Case& c, const Built& b, int64_t s) {
-  return split(batches().batch(s, static_cast<int>(b.data_rank), static_cast<int>(c.layout.dp)),
+  return split(batches().batch(s, static_cast<int>(b.run.data_rank), static_cast<int>(c.layout.dp)),
                c.micro);
 }
 std::vector<ch03::Batch> all(const Case& c, int64_t s) {
@@ -111,7 +109,7 @@ TEST(Trainer5D, StepEqualsTheSingleDevice) {
     SCOPED_TRACE(c.name);
     const auto config = model_of(c);
     // The layout is one resolve_layout accepts for this model and batch.
-    ch03::RunConfig run;
+    Workload run;
     run.model = config;
     run.seq_len = batches().batch(0).inputs.size(1);
     run.batch = batches().batch(0).inputs.size(0);

@@ -1,4 +1,4 @@
-// Chapter 03 training run: exact resume (bit for bit, also after a run went past its last
+// The training run (runtime/run.h) on chapter 03's step: exact resume (bit for bit, also after a run went past its last
 // checkpoint), the output folder (metrics, checkpoints, `latest`, pruning), and bad input that must
 // fail before anything is written.
 
@@ -6,11 +6,12 @@
 #include <fstream>
 
 #include "03_transformer/checkpoint.h"
-#include "03_transformer/trainer.h"
 #include "fivefold/io.h"
+#include "runtime/run.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 using fivefold::testing::ScratchDir;
 using fivefold::testing::throws_error_containing;
 namespace fs = std::filesystem;

@@ -1,6 +1,6 @@
-// Chapter 03 training run: the loop, metrics, evaluation, and checkpoints that resume exactly.
+// The training run: the loop around a chapter's step, its metrics, evaluations and checkpoints.
 
-#include "03_transformer/trainer.h"
+#include "runtime/run.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,13 +8,11 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
-#include <optional>
 #include <sstream>
 
 #include "02_flops_6np/flops.h"
-#include "03_transformer/fast.h"
 #include "03_transformer/checkpoint.h"
-#include "fivefold/blas.h"
+#include "03_transformer/fast.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
@@ -25,162 +23,9 @@
 
 namespace fs = std::filesystem;
 
-namespace fivefold::ch03 {
+namespace fivefold::runtime {
 
-void RunConfig::validate() const {
-  model.validate();
-  train.validate();
-  FIVEFOLD_CHECK(seq_len >= 1 && batch >= 1 && steps >= 1,
-                 "run config: seq_len, batch and steps must be >= 1");
-  const int64_t slices = placement.data_ranks * micro_batches;
-  FIVEFOLD_CHECK(micro_batches >= 1 && placement.data_ranks >= 1 && batch % slices == 0,
-                 "run config: the batch (", batch, " rows) must split into ", placement.data_ranks,
-                 " data-parallel ranks x ", micro_batches, " micro-batches of equal rows");
-  FIVEFOLD_CHECK(placement.data_rank >= 0 && placement.data_rank < placement.data_ranks &&
-                     placement.processes >= placement.data_ranks,
-                 "run config: inconsistent placement");
-  FIVEFOLD_CHECK(save_every >= 0 && eval_every >= 0 && eval_batches >= 1 &&
-                     exact_match_examples >= 0 && keep_checkpoints >= 1 && peak_gflops >= 0,
-                 "run config: save_every, eval_every, exact_match_examples >= 0; eval_batches, "
-                 "keep_checkpoints >= 1");
-  FIVEFOLD_CHECK(data.val_fraction > 0 && data.val_fraction < 1 && data.synthetic_examples >= 10,
-                 "run config: val_fraction must be in (0, 1), synthetic_examples >= 10");
-  FIVEFOLD_CHECK(exact_match_examples == 0 || data.path.empty(),
-                 "run config: exact-match evaluation needs the synthetic corpus (no --data)");
-}
-
-nlohmann::json run_to_json(const RunConfig& c) {
-  const TrainConfig& t = c.train;
-  return {{"model", config_to_json(c.model)},
-          {"train",
-           {{"lr", t.lr},
-            {"min_lr", t.min_lr},
-            {"warmup_steps", t.warmup_steps},
-            {"total_steps", t.total_steps},
-            {"weight_decay", t.weight_decay},
-            {"beta1", t.beta1},
-            {"beta2", t.beta2},
-            {"eps", t.eps},
-            {"grad_clip", t.grad_clip},
-            {"decay_embeddings", t.decay_embeddings}}},
-          {"data",
-           {{"path", c.data.path},
-            {"seed", c.data.seed},
-            {"synthetic_examples", c.data.synthetic_examples},
-            {"val_fraction", c.data.val_fraction}}},
-          {"seq_len", c.seq_len},
-          {"batch", c.batch},
-          {"micro_batches", c.micro_batches},
-          {"steps", c.steps},
-          {"save_every", c.save_every},
-          {"keep_checkpoints", c.keep_checkpoints},
-          {"eval_every", c.eval_every},
-          {"eval_batches", c.eval_batches},
-          {"exact_match_examples", c.exact_match_examples}};
-}
-
-RunConfig run_from_json(const nlohmann::json& j) {
-  RunConfig c;
-  auto get = [](const nlohmann::json& object, const char* key, auto& field) {
-    if (object.contains(key)) field = object[key].get<std::decay_t<decltype(field)>>();
-  };
-  if (j.contains("model")) c.model = config_from_json(j["model"]);
-  if (j.contains("train")) {
-    const auto& t = j["train"];
-    get(t, "lr", c.train.lr);
-    get(t, "min_lr", c.train.min_lr);
-    get(t, "warmup_steps", c.train.warmup_steps);
-    get(t, "total_steps", c.train.total_steps);
-    get(t, "weight_decay", c.train.weight_decay);
-    get(t, "beta1", c.train.beta1);
-    get(t, "beta2", c.train.beta2);
-    get(t, "eps", c.train.eps);
-    get(t, "grad_clip", c.train.grad_clip);
-    get(t, "decay_embeddings", c.train.decay_embeddings);
-  }
-  if (j.contains("data")) {
-    const auto& d = j["data"];
-    get(d, "path", c.data.path);
-    get(d, "seed", c.data.seed);
-    get(d, "synthetic_examples", c.data.synthetic_examples);
-    get(d, "val_fraction", c.data.val_fraction);
-  }
-  get(j, "seq_len", c.seq_len);
-  get(j, "batch", c.batch);
-  get(j, "micro_batches", c.micro_batches);
-  get(j, "steps", c.steps);
-  get(j, "save_every", c.save_every);
-  get(j, "keep_checkpoints", c.keep_checkpoints);
-  get(j, "eval_every", c.eval_every);
-  get(j, "eval_batches", c.eval_batches);
-  get(j, "exact_match_examples", c.exact_match_examples);
-  return c;
-}
-
-std::pair<TokenDataset, TokenDataset> load_datasets(const DataConfig& data, int64_t seq_len) {
-  if (data.path.empty()) {
-    const int64_t held_out = std::max<int64_t>(1, data.synthetic_examples / 10);
-    return {
-        TokenDataset(ByteTokenizer::encode(
-            synthetic_corpus(data.seed, Split::Train, data.synthetic_examples))),
-        TokenDataset(ByteTokenizer::encode(synthetic_corpus(data.seed, Split::HeldOut, held_out)))};
-  }
-  const bool bin = fs::path(data.path).extension() == ".bin";
-  const TokenDataset all =
-      bin ? TokenDataset::from_bin_file(data.path) : TokenDataset::from_text_file(data.path);
-  // The last val_fraction of the tokens is held out; both parts need one window of seq_len + 1.
-  const int64_t val = static_cast<int64_t>(static_cast<double>(all.size()) * data.val_fraction);
-  FIVEFOLD_CHECK(val >= seq_len + 1 && all.size() - val >= seq_len + 1, "data '", data.path,
-                 "' has ", all.size(), " tokens: too few for a training and a held-out part (",
-                 data.val_fraction, ") of at least seq_len + 1 = ", seq_len + 1, " tokens each");
-  auto tokens = all.tensor();
-  auto to_vector = [](const torch::Tensor& t) {
-    return std::vector<int64_t>(t.data_ptr<int64_t>(), t.data_ptr<int64_t>() + t.numel());
-  };
-  return {TokenDataset(to_vector(tokens.narrow(0, 0, all.size() - val).contiguous())),
-          TokenDataset(to_vector(tokens.narrow(0, all.size() - val, val).contiguous()))};
-}
-
-std::string resolve_checkpoint(const std::string& path) {
-  if (fs::exists(fs::path(path) / "config.json")) return path;
-  const fs::path latest = fs::path(path) / "latest";
-  FIVEFOLD_CHECK(fs::exists(latest), "'", path,
-                 "' is neither a checkpoint folder (no config.json) nor a training output folder "
-                 "(no 'latest')");
-  std::string name = io::read_file(latest.string());
-  name.erase(name.find_last_not_of(" \n\r\t") + 1);
-  const fs::path dir = fs::path(path) / name;
-  FIVEFOLD_CHECK(fs::exists(dir / "config.json"), "'", latest.string(), "' names '", name,
-                 "', which is not a checkpoint folder");
-  return dir.string();
-}
-
-size_t parameter_unit(const std::string& name) {
-  const std::string prefix = "model.layers.";
-  return name.rfind(prefix, 0) == 0 ? 1 + std::stoul(name.substr(prefix.size())) : 0;
-}
-
-TrainableCounts count_trainable(Transformer& model) {
-  TrainableCounts counts;
-  counts.by_unit.assign(static_cast<size_t>(model->config().n_layers + 1), 0);
-  for (const auto& item : model->named_parameters()) {
-    const auto& p = item.value();
-    if (!p.requires_grad()) {
-      counts.frozen += p.numel();
-      continue;
-    }
-    counts.elements += p.numel();
-    counts.tensors += 1;
-    const size_t unit = parameter_unit(item.key());
-    counts.by_unit[unit] += p.numel();
-    if (item.key().find(".experts.") != std::string::npos) {
-      if (counts.routed_by_unit.empty()) counts.routed_by_unit.assign(counts.by_unit.size(), 0);
-      counts.routed_by_unit[unit] += p.numel();
-      counts.routed_tensors += 1;
-    }
-  }
-  return counts;
-}
+using namespace fivefold::ch03;
 
 namespace {
 
@@ -250,21 +95,6 @@ void truncate_metrics(const std::string& path, int64_t first_step) {
 
 }  // namespace
 
-RunState load_run_state(const std::string& checkpoint) {
-  const std::string path = checkpoint + "/trainer_state.json";
-  const auto state = io::read_json(path);
-  FIVEFOLD_CHECK(state.is_object() && state.contains("step") && state["step"].is_number_integer() &&
-                     state.contains("run") && state["run"].is_object(),
-                 "'", path,
-                 "' is not a training state: it needs an integer 'step' and a 'run' "
-                 "object");
-  try {
-    return {state["step"].get<int64_t>(), run_from_json(state["run"])};
-  } catch (const nlohmann::json::exception& e) {
-    throw Error("'" + path + "': a setting in 'run' has the wrong type (" + e.what() + ")");
-  }
-}
-
 RunResult run_training(const RunConfig& requested, bool resume) {
   RunConfig c = requested;
   RunResult result;
@@ -290,6 +120,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     c.progress = requested.progress;
     c.peak_gflops = requested.peak_gflops;
     c.placement = requested.placement;
+    c.observers = requested.observers;
     c.settings_toml = requested.settings_toml;
     c.micro_batches = requested.micro_batches;
     c.save_every = requested.save_every;
@@ -347,8 +178,6 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   } else {
     set_matmul_kernel(nullptr);
   }
-  result.held = count_trainable(trainer->model());
-  bool whole_model = false;  // gathered by full_model() since the last step
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";
     trainer->load_optimizer_state(io::load_safetensors(path), path);
@@ -386,6 +215,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   // Only the writer can see its file system: every process refuses with its verdict, together.
   if (place.agree) refused = place.agree(refused);
   FIVEFOLD_CHECK(refused.empty(), refused);
+  for (RunObserver* o : c.observers) o->started(*trainer, result.first_step);
   // MFU: the model's FLOPs against the peak of every process doing the work.
   // The peak is the product the step multiplies with (oneDNN's with the fast paths).
   const double peak = (c.peak_gflops > 0 ? c.peak_gflops : matmul_peak_gflops(1024)) * 1e9 *
@@ -436,22 +266,14 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                targets = local.targets.chunk(c.micro_batches);
     for (int64_t i = 0; i < c.micro_batches; ++i) micro.push_back({inputs[i], targets[i]});
 
+    for (RunObserver* o : c.observers) o->step_begins(step);
     Timer timer;
-    if (whole_model) ++result.steps_after_whole_model;
-    whole_model = false;
-    const dist::CommStats comm_before = dist::comm_stats();
-    // The first step's matmuls, counted (chapter 02): the counter slows every operation a little.
-    std::optional<ch02::FlopCounter> flops;
-    if (step == result.first_step) flops.emplace();
     const StepResult r = [&] {
       trace::Span span("step " + std::to_string(step + 1), "train");  // --trace's timeline
       return trainer->step(micro, step);
     }();
     const double seconds = timer.seconds();
-    if (flops) result.step_flops = std::llround(flops->flops());
-    flops.reset();
-    dist::accumulate_comm_stats(result.training_comm, dist::comm_stats_since(comm_before));
-    result.state = trainer->state_bytes();  // after the step, before any evaluation gathers
+    for (RunObserver* o : c.observers) o->step_ended(step, *trainer, r);
     const double tokens_per_s = static_cast<double>(tokens_per_step) / seconds;
     const double mfu = ch02::model_flops_utilization(tokens_per_s, flops_per_token, peak);
     result.losses.push_back(r.loss);
@@ -495,16 +317,16 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     if (last || (c.eval_every > 0 && done % c.eval_every == 0)) {
       trace::Span span("evaluate", "eval");
       evaluate(done);
-      whole_model = true;
+      for (RunObserver* o : c.observers) o->gathered_whole_model();
     }
     if (!c.out_dir.empty() && (last || (c.save_every > 0 && done % c.save_every == 0))) {
       trace::Span span("checkpoint", "checkpoint");
       result.checkpoint = save_checkpoint(c, *trainer, done);
-      whole_model = true;
+      for (RunObserver* o : c.observers) o->gathered_whole_model();
     }
   }
   bar.finish();
   return result;
 }
 
-}  // namespace fivefold::ch03
+}  // namespace fivefold::runtime
