@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "14_trainer_5d/report.h"
+#include "runtime/report.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -59,29 +59,29 @@ int compare(int argc, char** argv) {
   if (labels.empty()) labels = runs;
   FIVEFOLD_CHECK(labels.size() == runs.size(), "fivefold compare: ", labels.size(),
                  " labels for ", runs.size(), " runs");
-  std::vector<ch14::Curve> curves;
-  for (size_t i = 0; i < runs.size(); ++i) curves.push_back(ch14::read_curve(runs[i], labels[i]));
-  const ch14::Curve& reference = curves.back();
+  std::vector<runtime::Curve> curves;
+  for (size_t i = 0; i < runs.size(); ++i) curves.push_back(runtime::read_curve(runs[i], labels[i]));
+  const runtime::Curve& reference = curves.back();
   const double tolerance = args.real("tolerance");
   const int64_t check_steps = args.integer("check-steps");
   FIVEFOLD_CHECK(check_steps >= 0, "--check-steps must be >= 0");
   bool within = true;
   for (size_t i = 0; i + 1 < curves.size(); ++i) {
-    const auto d = ch14::compare_curves(curves[i], reference);
-    std::printf("%s\n", ch14::curve_table(curves[i], reference, args.integer("rows")).c_str());
+    const auto d = runtime::compare_curves(curves[i], reference);
+    std::printf("%s\n", runtime::curve_table(curves[i], reference, args.integer("rows")).c_str());
     std::printf("%s vs %s over %lld steps: loss differs by at most %.2e (relative, at step "
                 "%lld), gradient norm by at most %.2e\n",
                 curves[i].label.c_str(), reference.label.c_str(),
                 static_cast<long long>(d.steps), d.max_loss_relative,
                 static_cast<long long>(d.worst_step), d.max_norm_relative);
     if (tolerance <= 0) continue;
-    ch14::Curve checked = curves[i];  // the steps --tolerance applies to
+    runtime::Curve checked = curves[i];  // the steps --tolerance applies to
     while (check_steps > 0 && !checked.steps.empty() && checked.steps.back() > check_steps) {
       checked.steps.pop_back();
       checked.loss.pop_back();
       checked.grad_norm.pop_back();
     }
-    const auto c = ch14::compare_curves(checked, reference);
+    const auto c = runtime::compare_curves(checked, reference);
     const bool ok = c.max_loss_relative <= tolerance && c.max_norm_relative <= tolerance;
     std::printf("%s: over %s%lld steps the loss is within %.2e and the gradient norm within "
                 "%.2e of %s's (tolerance %g)\n",
@@ -92,7 +92,7 @@ int compare(int argc, char** argv) {
   }
   std::printf("\n");
   if (!args.str("svg").empty()) {
-    io::write_file_atomic(args.str("svg"), ch14::svg_plot(curves, "training loss by step"));
+    io::write_file_atomic(args.str("svg"), runtime::svg_plot(curves, "training loss by step"));
     std::printf("wrote %s\n", args.str("svg").c_str());
   }
   if (!within) {

@@ -30,7 +30,7 @@
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/context_parallel.h"
 #include "13_expert_parallel/expert_parallel.h"
-#include "14_trainer_5d/report.h"
+#include "14_trainer_5d/predict.h"
 #include "14_trainer_5d/trainer_5d.h"
 #include "fivefold/comm_stats.h"
 #include "commands.h"
@@ -43,6 +43,7 @@
 #include "fivefold/trace.h"
 #include "runtime/layout.h"
 #include "runtime/measure.h"
+#include "runtime/report.h"
 #include "runtime/run.h"
 
 namespace fivefold::commands {
@@ -461,7 +462,7 @@ int train(int argc, char** argv) {
                         << counted.tensors << ": the predictions below follow the plan's";
   const int64_t steps = static_cast<int64_t>(r.losses.size());
   const auto rank = static_cast<int64_t>(world->rank());
-  ch14::RankMeasurement mine = ch14::measure_rank(meter.training_comm());
+  runtime::RankMeasurement mine = runtime::measure_rank(meter.training_comm());
   mine.predicted_bytes = ch14::predicted_run_traffic(layout, work, rank, held, steps,
                                                      meter.steps_after_whole_model());
   if (steps > 0) {
@@ -475,15 +476,15 @@ int train(int argc, char** argv) {
     // no matrices known (a part not built offline) or experts with a capacity: not predicted
   }
   mine.flops_exact_per_rank = layout.ep == 1;  // under ep each rank computes what it was sent
-  const auto measured = ch14::gather_measurements(world, mine);
+  const auto measured = runtime::gather_measurements(world, mine);
   if (c.placement.writer && steps > 0) {
     log0() << "measured over " << steps << " training steps (payload bytes handed to each "
            << "communicator; evaluation and checkpoints not counted), beside chapters 09-13's "
            << "formulas (per training step; '-': no formula here; '~': ep's balanced-routing "
            << "expectation):\n"
-           << ch14::measurement_table(measured, steps);
+           << runtime::measurement_table(measured, steps);
     if (!c.out_dir.empty()) {
-      nlohmann::json report = ch14::measurement_json(measured, steps);
+      nlohmann::json report = runtime::measurement_json(measured, steps);
       report["layout"] = layout.describe();
       report["steps"] = steps;
       io::write_json(c.out_dir + "/measured.json", report);

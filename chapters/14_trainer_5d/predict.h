@@ -1,76 +1,21 @@
 #pragma once
-/// @file report.h
-/// @brief Chapter 14: what a run did, side by side with another run or with the plan. Training
-/// curves read back from metrics.jsonl and compared step by step (a table, the largest
-/// difference, an SVG plot of both), and what each group of a layout carried and how much memory
-/// each rank held at its peak, measured in the run.
+/// @file predict.h
+/// @brief Chapter 14: what each rank of a layout holds, carries and computes, from the chapters'
+/// own formulas: its part of the model counted, the model state chapter 09's ZeRO formulas give,
+/// the bytes each group carries (chapters 09-13), and the matmul FLOPs of a step (chapter 02's
+/// count). `fivefold train --plan N` prints them before a run, and the trainer prints them beside
+/// what the run measured (runtime/report.h).
 
 #include <cstdint>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "03_transformer/model.h"
 #include "03_transformer/train.h"
 #include "14_trainer_5d/trainer_5d.h"
-#include "fivefold/comm_stats.h"
-#include "fivefold/dist.h"
 
 namespace fivefold::ch14 {
-
-/// One run's training rows ("kind": "train" in metrics.jsonl).
-struct Curve {
-  std::string label;               ///< how tables and plots name it
-  std::vector<int64_t> steps;      ///< step numbers, ascending
-  std::vector<double> loss;        ///< training loss of each step
-  std::vector<double> grad_norm;   ///< gradient norm before clipping of each step
-};
-
-/// Reads the training rows of `metrics_path` (a metrics.jsonl, or a run folder holding one).
-/// Throws fivefold::Error for a missing file, a malformed line or a run with no training rows.
-Curve read_curve(const std::string& metrics_path, const std::string& label);
-
-/// How far a curve is from a reference over the steps both have.
-struct CurveDifference {
-  int64_t steps = 0;              ///< steps compared (those in both)
-  double max_loss_relative = 0;   ///< max |loss - reference| / |reference|
-  double max_norm_relative = 0;   ///< the same for the gradient norm
-  int64_t worst_step = 0;         ///< where the loss differs most
-};
-
-/// Compares `curve` with `reference` step by step. Throws fivefold::Error when they share no step.
-CurveDifference compare_curves(const Curve& curve, const Curve& reference);
-
-/// A Markdown table of both curves at about `rows` evenly spaced shared steps (always the first
-/// and the last): step, each loss, the relative difference, each gradient norm.
-std::string curve_table(const Curve& curve, const Curve& reference, int64_t rows = 10);
-
-/// An SVG line plot (loss against step) of `curves`, one colour each, with axes and a legend.
-std::string svg_plot(const std::vector<Curve>& curves, const std::string& title);
-
-/// What one rank measured over a run: the bytes it handed to each communicator in the training
-/// steps (comm_stats' payload bytes, summed over ops), and its peak resident memory.
-struct RankMeasurement {
-  std::map<std::string, int64_t> payload_bytes;  ///< communicator name -> bytes
-  int64_t peak_resident_bytes = 0;               ///< the process's peak RSS (getrusage)
-  /// communicator name -> the bytes the formulas predict for this rank over the whole run
-  /// (predicted_run_traffic); only the communicators they describe.
-  std::map<std::string, int64_t> predicted_bytes;
-  /// The bytes of parameters, gradients and AdamW moments the rank's step kept after its last
-  /// training step (runtime::StepMeter::state); -1: not known.
-  int64_t state_bytes = -1;
-  /// What predicted_state_bytes says the rank keeps; -1: not known.
-  int64_t predicted_state_bytes = -1;
-  /// The matmul FLOPs the rank executed in one training step (runtime::StepMeter::step_flops,
-  /// chapter 02's counter); -1: not known.
-  int64_t matmul_flops = -1;
-  /// What predicted_flops says for a step; -1: not predicted.
-  int64_t predicted_matmul_flops = -1;
-  /// Whether the prediction holds for each rank (else for the mean over the ranks only: routed
-  /// experts under expert parallelism compute what the router sent them).
-  bool flops_exact_per_rank = true;
-};
 
 /// The trainable parameters (requires_grad) of a model or model part.
 struct TrainableCounts {
@@ -180,7 +125,7 @@ HeldParameters rank_parameters(const Layout& layout, const Workload& run, int64_
 ///   everything but the routed experts (4·P_shared; ZeRO-3 sums them unit by unit as it releases
 ///   them), the norm's squares and the loss (8 bytes each). What a rank receives follows the
 ///   routing, but every row sent is received: the mean over the ranks is exact, each rank's
-///   share is the balanced expectation (measurement_json). Dropless routing only (no capacity).
+///   share is the balanced expectation (runtime::measurement_json). Dropless routing only (no capacity).
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Workload& run,
                                                  int64_t world_rank,
                                                  const HeldParameters& held = {});
@@ -218,28 +163,5 @@ struct StepFlops {
 /// the part's matrices are not known (held.matmul all zero) or experts have a capacity.
 StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t world_rank,
                           const HeldParameters& held);
-
-/// This rank's measurement: the bytes of `stats` (runtime::StepMeter::training_comm: the
-/// training steps alone) and its peak memory so far.
-RankMeasurement measure_rank(const dist::CommStats& stats);
-
-/// Every rank's measurement (`mine` on this rank), gathered on `world` (collective). Returns them
-/// by rank on every rank.
-std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& world,
-                                                 const RankMeasurement& mine);
-
-/// A table of the gathered measurements: per communicator the bytes per step, mean and largest
-/// over the ranks that used it, beside the prediction's mean and largest where there is one;
-/// then the model state and the matmul FLOPs per step per rank (measured and predicted, where
-/// known) and the peak memory per rank (smallest, mean, largest).
-std::string measurement_table(const std::vector<RankMeasurement>& ranks, int64_t steps);
-
-/// The same as JSON: {"per_step_bytes": {name: {"mean", "max", "ranks", and where predicted
-/// "predicted_mean", "predicted_max" and "exact": the statistics the prediction is exact for,
-/// ["mean", "max"], or for `ep` ["mean"] (each rank's share follows the routing)}},
-/// "peak_resident_bytes": [per rank], and where known "state_bytes", "predicted_state_bytes",
-/// "matmul_flops" and "predicted_matmul_flops" (one step's): [per rank], with
-/// "matmul_flops_exact": "each" (every rank's) or "mean" (the ranks' sum only)}.
-nlohmann::json measurement_json(const std::vector<RankMeasurement>& ranks, int64_t steps);
 
 }  // namespace fivefold::ch14
