@@ -4,7 +4,7 @@
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
 //
-// The step is the training run's: with the fast paths (chapters/03_transformer/fast.h) unless
+// The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
 //
 // Run it alone, without OMP_WAIT_POLICY=passive: that setting (right for several processes
@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "02_flops_6np/flops.h"
-#include "03_transformer/fast.h"
+#include "runtime/fast.h"
 #include "03_transformer/train.h"
 #include "fivefold/blas.h"
 #include "fivefold/cli.h"
@@ -41,6 +41,7 @@ struct Timing {
 
 Timing median_times(const Size& s, int64_t steps, bool fast) {
   using namespace fivefold::ch03;
+  using namespace fivefold::runtime;
   ModelConfig config;
   config.d_model = s.d_model;
   config.n_layers = s.n_layers;
@@ -48,7 +49,7 @@ Timing median_times(const Size& s, int64_t steps, bool fast) {
   config.d_ff = s.d_ff;
   Transformer model(config);
   TrainConfig train;
-  train.fast = fast;
+  if (fast) train.make_adamw = fused_adamw;
   // The matmul kernel is process-wide: the lesson's step, timed after a fast one, unsets it.
   if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
   auto optimizer = make_optimizer(model, train);
@@ -109,6 +110,7 @@ struct Part {
 
 std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast) {
   using namespace fivefold::ch03;
+  using namespace fivefold::runtime;
   ModelConfig config;
   config.d_model = s.d_model;
   config.n_layers = s.n_layers;
@@ -117,7 +119,7 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast) {
   Transformer model(config);
   if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
   TrainConfig train;
-  train.fast = fast;
+  if (fast) train.make_adamw = fused_adamw;
   auto optimizer = make_optimizer(model, train);
   BlockImpl& block = model->block(0);
   const auto positions = position_range(0, s.seq);
@@ -179,7 +181,7 @@ int run(int argc, char** argv) {
 
   // The practical peak: the best of square fp32 products on the same threads, on the library the
   // step multiplies with (oneDNN with the fast paths, at::mm for the lesson's code).
-  const auto kernel = args.on("lesson-kernels") ? nullptr : fivefold::ch03::fast_matmul_kernel();
+  const auto kernel = args.on("lesson-kernels") ? nullptr : fivefold::runtime::fast_matmul_kernel();
   fivefold::ch03::set_matmul_kernel(kernel);
   const double peak =
       std::max(fivefold::ch03::matmul_peak_gflops(1024), fivefold::ch03::matmul_peak_gflops(2048)) *

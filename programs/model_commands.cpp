@@ -324,7 +324,7 @@ int train(int argc, char** argv) {
               "predict per group and step; trains nothing and needs no mpirun (0: train)");
   args.flag("lesson-kernels",
             "train on the lesson's code alone: the attention and RMSNorm as written out and "
-            "torch's AdamW, instead of the fast paths (chapters/03_transformer/fast.h) that "
+            "torch's AdamW, instead of the fast paths (runtime/fast.h) that "
             "compute the same thing faster");
   args.flag("trace",
             "write each rank's timeline (steps, evaluations, checkpoints, every communicator "
@@ -391,7 +391,7 @@ int train(int argc, char** argv) {
   c.train.weight_decay = args.real("weight-decay");
   c.train.decay_embeddings = args.on("decay-embeddings");
   c.train.grad_clip = args.real("grad-clip");
-  c.train.fast = !args.on("lesson-kernels");
+  c.fast = !args.on("lesson-kernels");
   c.model.vocab_size = args.integer("vocab");
   c.model.d_model = args.integer("d-model");
   c.model.n_layers = args.integer("n-layers");

@@ -1,9 +1,9 @@
 #pragma once
 /// @file heads.h
 /// @brief Grouped-query attention's two reshapes, shared by every attention kernel that works
-/// with n_heads query heads over n_kv_heads key/value heads (chapter 03's fast path, chapter
-/// 12's blockwise attention): each key/value head repeated for the query heads it serves, and the
-/// gradients of those repeats summed back onto their head.
+/// with n_heads query heads over n_kv_heads key/value heads (chapter 12's blockwise attention, the
+/// training run's tiled kernel in runtime/fast.h): each key/value head repeated for the query
+/// heads it serves, and the gradients of those repeats summed back onto their head.
 
 #include <torch/torch.h>
 

@@ -165,8 +165,8 @@ class DeferWeightGradients {
 /// and (∂L/∂y)ᵀ·x backward) are each one call of mm. Unlike the other slots this one is
 /// process-wide, as the choice of BLAS is: every linear map of every chapter (LinearImpl,
 /// chapter 10's split linears, the experts) goes through `linear`, so one setting reaches them
-/// all; fast.h's tiled attention multiplies its heads with bmm. Unset, the products are at::mm's
-/// (OpenBLAS on Debian); fast.h fills it.
+/// all; the tiled attention of runtime/fast.h multiplies its heads with bmm. Unset, the products
+/// are at::mm's (OpenBLAS on Debian); the training run's fast paths fill it (runtime/fast.h).
 class MatmulKernel {
  public:
   virtual ~MatmulKernel() = default;
@@ -208,7 +208,7 @@ class LinearImpl : public torch::nn::Module {
 TORCH_MODULE(Linear);
 
 /// The computation of an RMSNorm, x and weight -> the normalised x: the slot a faster
-/// implementation of the same formula fills (fast.h).
+/// implementation of the same formula fills (the training run's fast paths, runtime/fast.h).
 class NormKernel {
  public:
   virtual ~NormKernel() = default;

@@ -30,10 +30,12 @@ struct TrainConfig {
   double eps = 1e-8;              ///< Adam epsilon
   double grad_clip = 1.0;         ///< maximum global gradient norm (0: no clipping)
   bool decay_embeddings = false;  ///< also decay the token embedding (GPT-2 does not)
-  /// The fast paths (fast.h): make_optimizer builds FusedAdamW, and the training run installs
-  /// the model's fast kernels. false: the lesson's code throughout (torch::optim::AdamW, the
-  /// attention and RMSNorm written out). Either way the same mathematics; not saved with a run.
-  bool fast = true;
+  /// Builds the AdamW make_optimizer returns from its two parameter groups and the defaults
+  /// (unset: torch::optim::AdamW). The seam for a faster implementation of the same update: the
+  /// training run's fast paths give a fused one (runtime/fast.h). Not saved with a run.
+  std::function<std::unique_ptr<torch::optim::AdamW>(std::vector<torch::optim::OptimizerParamGroup>,
+                                                     const torch::optim::AdamWOptions&)>
+      make_adamw;
   /// Throws fivefold::Error for inconsistent settings.
   void validate() const;
 };
@@ -44,7 +46,7 @@ double learning_rate(const TrainConfig& config, int64_t step);
 
 /// AdamW over the model's parameters in two groups: group 0 decays (every 2-D weight except the
 /// embedding unless decay_embeddings), group 1 does not (norms, and the embedding by default).
-/// With config.fast it is a FusedAdamW (fast.h), the same update in one pass per parameter.
+/// config.make_adamw, when set, builds it (the same update, computed another way).
 std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& config);
 
 /// Mean next-token cross-entropy of `batch`.

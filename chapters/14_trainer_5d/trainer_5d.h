@@ -36,9 +36,10 @@ struct Workload {
   int64_t seq_len = 64;       ///< tokens per row
   int64_t batch = 16;         ///< rows per optimizer step (the global batch)
   int64_t micro_batches = 1;  ///< micro-batches per data-parallel rank
-  /// Chapter 03's fast paths (ch03::TrainConfig::fast): the tiled attention kernel, whose
-  /// matmul FLOPs differ from the lesson's.
-  bool fast = true;
+  /// Queries per tile of the attention kernel without cp: the training run's tiled kernel computes
+  /// only the tiles a query tile can see (chapter 12's visible_scores); 0: chapter 03's kernel,
+  /// the whole square.
+  int64_t attention_tile = 128;
 };
 
 /// How the ranks of the world are laid out and how each dimension runs.

@@ -2,10 +2,13 @@
 
 #include "runtime/layout.h"
 
+#include "runtime/fast.h"
+
 namespace fivefold::runtime {
 
 ch14::Workload workload_of(const RunConfig& run) {
-  return {run.model, run.seq_len, run.batch, run.micro_batches, run.train.fast};
+  return {run.model, run.seq_len, run.batch, run.micro_batches,
+          run.fast ? TiledCausalAttentionKernel::kDefaultTile : 0};
 }
 
 void use_layout(const ch14::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run) {

@@ -12,7 +12,6 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/checkpoint.h"
-#include "03_transformer/fast.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
@@ -20,6 +19,7 @@
 #include "fivefold/progress.h"
 #include "fivefold/timer.h"
 #include "fivefold/trace.h"
+#include "runtime/fast.h"
 
 namespace fs = std::filesystem;
 
@@ -128,7 +128,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     c.eval_every = requested.eval_every;
     c.eval_batches = requested.eval_batches;
     c.exact_match_examples = requested.exact_match_examples;
-    c.train.fast = requested.train.fast;
+    c.fast = requested.fast;
     result.first_step = state.step;
     FIVEFOLD_CHECK(result.first_step < c.steps, "resume: '", start, "' is at step ",
                    result.first_step, ", nothing to do for --steps ", c.steps);
@@ -169,11 +169,12 @@ RunResult run_training(const RunConfig& requested, bool resume) {
       requested.make_step ? requested.make_step : [](Transformer m, const TrainConfig& t) {
         return std::unique_ptr<TrainingStep>(new SingleProcessStep(std::move(m), t));
       };
-  std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
   // fast.h: the same mathematics, fewer passes; in the model the step trains, which a parallel
   // step builds itself (its tp slice, its stage, its experts).
+  if (c.fast) c.train.make_adamw = fused_adamw;
+  std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
   // The matmul kernel is process-wide: the lesson's run unsets one a run before it installed.
-  if (c.train.fast) {
+  if (c.fast) {
     install_fast_paths(trainer->model());
   } else {
     set_matmul_kernel(nullptr);

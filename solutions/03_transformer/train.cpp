@@ -5,7 +5,6 @@
 #include <cmath>
 
 #include "03_transformer/checkpoint.h"
-#include "03_transformer/fast.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -47,7 +46,7 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const Tr
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, options(c.weight_decay));
   groups.emplace_back(no_decay, options(0.0));
-  if (c.fast) return std::make_unique<FusedAdamW>(groups, torch::optim::AdamWOptions(c.lr));
+  if (c.make_adamw) return c.make_adamw(std::move(groups), torch::optim::AdamWOptions(c.lr));
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
 }
 

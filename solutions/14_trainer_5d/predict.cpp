@@ -3,13 +3,13 @@
 
 #include <algorithm>
 
-#include "03_transformer/fast.h"
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/pipeline.h"
+#include "12_context_parallel/attention.h"
 #include "12_context_parallel/plan.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
@@ -353,8 +353,9 @@ StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t wor
   if (layout.cp > 1) {
     scores = ch12::attention_scores(layout.cp, work.at.cp, run.seq_len, layout.cp_layout,
                                     layout.cp_attention);
-  } else if (run.fast) {
-    scores = ch03::TiledCausalAttentionKernel().scores(run.seq_len);
+  } else if (run.attention_tile > 0) {
+    const auto positions = torch::arange(run.seq_len, torch::kLong);
+    scores = ch12::visible_scores(positions, positions, run.attention_tile);
   } else {  // chapter 03's kernel: the whole square, and backward keeps the probabilities
     scores = run.seq_len * run.seq_len;
     per_score = 6 * (key_dim + value_dim);

@@ -277,7 +277,7 @@ TEST(Report, PredictedFlopsEqualWhatOneProcessExecutes) {
           run_with(mla ? ch10::testing::deepseek_config() : ch10::testing::tp_config(false));
       work.seq_len = 15;
       work.batch = 4;
-      work.fast = fast;
+      work.attention_tile = fast ? 128 : 0;
       const Layout one = resolve_layout(Layout{}, 1, work);
       const HeldParameters held = rank_parameters(one, work, 0);
       const StepFlops predicted = predicted_flops(one, work, 0, held);
@@ -287,7 +287,7 @@ TEST(Report, PredictedFlopsEqualWhatOneProcessExecutes) {
       run.model = work.model;
       run.seq_len = work.seq_len;
       run.batch = work.batch;
-      run.train.fast = fast;
+      run.fast = fast;
       run.steps = 2;
       run.eval_batches = 1;
       run.progress = false;

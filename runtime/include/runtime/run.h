@@ -81,6 +81,10 @@ struct RunConfig {
   int64_t exact_match_examples = 0;  ///< held-out synthetic prompts per evaluation (0: none)
   double peak_gflops = 0;            ///< matmul peak for MFU; 0: measured at start
   bool progress = true;              ///< progress bar on stderr
+  /// The fast paths (fast.h): FusedAdamW, the tiled attention, the fused RMSNorm and oneDNN's
+  /// products, installed in the model the step trains. false: chapter 03's code throughout
+  /// (`--lesson-kernels`). Either way the same mathematics; not saved with a run.
+  bool fast = true;
   /// Makes the model (default: ch03::build_model). Not saved.
   ch03::ModelBuilder build_model;
   /// Makes the training step (default: ch03::SingleProcessStep; a parallel layout's otherwise).

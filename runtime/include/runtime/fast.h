@@ -1,19 +1,23 @@
 #pragma once
 /// @file fast.h
-/// @brief Fast paths for the single-device training step: the same mathematics as the lesson's
-/// modules, computed with fewer passes over memory and fewer operations. Each one fills a slot the
-/// lesson's code already has (the attention kernel, the norm's kernel, the optimizer), is tested
-/// against the lesson's version (tests/03_transformer/test_fast.cpp), and is installed by the
-/// training run unless `RunConfig::fast` is off (`fivefold train --lesson-kernels`). Read the
-/// lesson first: this file is for after chapter 12, whose blockwise attention it shares.
+/// @brief Fast paths for the training step: the same mathematics as chapter 03's modules, computed
+/// with fewer passes over memory and fewer operations. No chapter teaches them; each fills a slot
+/// chapter 03's code already has (the attention kernel, the norm's kernel, `linear`'s matmul
+/// kernel, TrainConfig::make_adamw), is tested against the lesson's version
+/// (tests/runtime/test_fast.cpp), and is installed by the training run unless `RunConfig::fast` is
+/// off (`fivefold train --lesson-kernels`). Read after chapter 12, whose blockwise attention the
+/// tiled kernel shares.
 
 #include <torch/torch.h>
 
 #include <cstdint>
 
+#include <memory>
+#include <vector>
+
 #include "03_transformer/model.h"
 
-namespace fivefold::ch03 {
+namespace fivefold::runtime {
 
 /// Causal attention one tile of queries at a time, each tile against only the keys it can see:
 /// the masked half of the score matrix is never computed (at seq 256 with tiles of 128, 3 of the
@@ -23,15 +27,18 @@ namespace fivefold::ch03 {
 /// one division of the output rows, so forward touches each score four times and backward four.
 /// The same layout as CausalAttentionKernel (keys at consecutive positions, queries the last of
 /// them); any other is refused with fivefold::Error.
-class TiledCausalAttentionKernel : public AttentionKernel {
+class TiledCausalAttentionKernel : public ch03::AttentionKernel {
  public:
+  /// The tile the training run's kernel uses.
+  static constexpr int64_t kDefaultTile = 128;
   /// Queries per tile (> 0).
-  explicit TiledCausalAttentionKernel(int64_t tile = 128);
+  explicit TiledCausalAttentionKernel(int64_t tile = kDefaultTile);
   /// The scores it computes per row and query head for `seq` queries over as many keys (backward
   /// computes each once more): each tile of t queries ending at position e against keys 0 .. e,
-  /// Σ t·(e + 1). One tile (seq <= tile) is the whole seq x seq square.
+  /// Σ t·(e + 1): chapter 12's visible_scores of those positions in tiles of `tile`. One tile
+  /// (seq <= tile) is the whole seq x seq square.
   int64_t scores(int64_t seq) const;
-  AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+  ch03::AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& q_positions, const torch::Tensor& k_positions,
                          double scale) const override;
 
@@ -43,7 +50,7 @@ class TiledCausalAttentionKernel : public AttentionKernel {
 /// (∂x = rstd·(g − x·rstd²·mean(g·x)) with g = ∂y·w; ∂w = Σ_rows ∂y·x·rstd), over at::parallel_for,
 /// instead of the six operations forward and about a dozen backward that autograd records for the
 /// formula. float32 and float64.
-class FusedRMSNormKernel : public NormKernel {
+class FusedRMSNormKernel : public ch03::NormKernel {
  public:
   torch::Tensor normalize(const torch::Tensor& x, const torch::Tensor& weight,
                           double eps) const override;
@@ -53,7 +60,8 @@ class FusedRMSNormKernel : public NormKernel {
 /// (decay, both moments, bias corrections and the step), instead of the seven tensor operations of
 /// LibTorch's loop. The state is AdamW's own (AdamWParamState under the same keys), so
 /// optimizer_state, load_optimizer_state and every step that holds a torch::optim::AdamW work
-/// unchanged. amsgrad is not supported (refused).
+/// unchanged. amsgrad is not supported (refused). The training run makes chapter 03's
+/// make_optimizer build it (TrainConfig::make_adamw = fused_adamw).
 class FusedAdamW : public torch::optim::AdamW {
  public:
   using torch::optim::AdamW::AdamW;
@@ -70,7 +78,7 @@ class FusedAdamW : public torch::optim::AdamW {
 /// records itself as "fivefold::mm" (or "fivefold::bmm") with its operands, so chapter 02's
 /// FlopCounter counts it. Like at::mm inside a custom autograd function, it records no graph of
 /// its own.
-class OneDnnMatmulKernel : public MatmulKernel {
+class OneDnnMatmulKernel : public ch03::MatmulKernel {
  public:
   /// Whether this build has oneDNN (found at configure time); without it, mm is at::mm.
   static bool available();
@@ -81,10 +89,15 @@ class OneDnnMatmulKernel : public MatmulKernel {
   torch::Tensor bmm(const torch::Tensor& a, const torch::Tensor& b) const override;
 };
 
+/// A FusedAdamW over `groups`: a ch03::TrainConfig::make_adamw.
+std::unique_ptr<torch::optim::AdamW> fused_adamw(
+    std::vector<torch::optim::OptimizerParamGroup> groups,
+    const torch::optim::AdamWOptions& defaults);
+
 /// The kernel install_fast_paths gives `linear`: OneDnnMatmulKernel, checked against at::mm on
 /// each transpose `linear` passes (a disagreement throws fivefold::Error), or nullptr (at::mm)
 /// in a build without oneDNN.
-std::shared_ptr<const MatmulKernel> fast_matmul_kernel();
+std::shared_ptr<const ch03::MatmulKernel> fast_matmul_kernel();
 
 /// What install_fast_paths replaced.
 struct FastPaths {
@@ -101,6 +114,6 @@ struct FastPaths {
 /// it checks each against the lesson's version (causal_attention, the chapter's exercise; at::mm)
 /// on a small input, so a kernel that disagrees stops the run here with fivefold::Error rather
 /// than training on either.
-FastPaths install_fast_paths(Transformer& model);
+FastPaths install_fast_paths(ch03::Transformer& model);
 
-}  // namespace fivefold::ch03
+}  // namespace fivefold::runtime

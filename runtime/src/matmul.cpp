@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "03_transformer/fast.h"
+#include "runtime/fast.h"
 
 #ifdef FIVEFOLD_HAVE_DNNL
 #include <oneapi/dnnl/dnnl.h>
@@ -21,7 +21,9 @@
 
 #include "fivefold/error.h"
 
-namespace fivefold::ch03 {
+namespace fivefold::runtime {
+
+using namespace fivefold::ch03;
 
 #ifdef FIVEFOLD_HAVE_DNNL
 namespace {
@@ -114,4 +116,4 @@ torch::Tensor OneDnnMatmulKernel::bmm(const torch::Tensor& a, const torch::Tenso
 
 #endif
 
-}  // namespace fivefold::ch03
+}  // namespace fivefold::runtime

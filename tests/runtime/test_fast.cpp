@@ -1,19 +1,21 @@
-// The fast paths (fast.h) against the lesson's code: the tiled attention kernel against
-// causal_attention (output, log-sum-exp, and the gradients of q, k and v), the fused RMSNorm
-// against the formula, FusedAdamW against torch::optim::AdamW step by step, and a whole model's
+// The training run's fast paths (runtime/fast.h) against chapter 03's code: the tiled attention
+// kernel against causal_attention (output, log-sum-exp, and the gradients of q, k and v), the
+// fused RMSNorm against the formula, FusedAdamW against torch::optim::AdamW step by step, and a whole model's
 // loss and every gradient with the fast paths installed against the lesson's model.
 
 #include <cmath>
 #include <tuple>
 
 #include "02_flops_6np/flops.h"
-#include "03_transformer/fast.h"
 #include "03_transformer/train.h"
+#include "12_context_parallel/attention.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
+#include "runtime/fast.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
+using namespace fivefold::runtime;
 
 namespace {
 
@@ -82,6 +84,10 @@ TEST(TiledCausalAttention, ExecutesTheFlopsItsCountSays) {
     EXPECT_EQ(lesson, static_cast<double>(rows * heads * seq * seq * 6 * (d + dv)));
   }
   EXPECT_EQ(TiledCausalAttentionKernel(4).scores(11), 4 * 4 + 4 * 8 + 3 * 11);
+  // Chapter 14 predicts it with chapter 12's count of the visible tiles.
+  const auto positions = torch::arange(11, torch::kLong);
+  EXPECT_EQ(TiledCausalAttentionKernel(4).scores(11),
+            fivefold::ch12::visible_scores(positions, positions, 4));
 }
 
 TEST(TiledCausalAttention, RefusesALayoutItCannotAttend) {
@@ -128,9 +134,8 @@ TEST(FusedAdamW, StepsAsTorchsAdamWInBothGroups) {
   model_config.n_heads = model_config.n_kv_heads = 2;
   model_config.d_ff = 24;
   Transformer lesson(model_config), fast(model_config);
-  config.fast = false;
   auto reference = make_optimizer(lesson, config);
-  config.fast = true;
+  config.make_adamw = fused_adamw;  // the seam chapter 03's make_optimizer leaves
   auto fused = make_optimizer(fast, config);
   ASSERT_NE(dynamic_cast<FusedAdamW*>(fused.get()), nullptr);
   ASSERT_EQ(dynamic_cast<FusedAdamW*>(reference.get()), nullptr);

@@ -1,6 +1,6 @@
 // Fast paths for the single-device step (fast.h): the lesson's formulas, fewer passes over memory.
 
-#include "03_transformer/fast.h"
+#include "runtime/fast.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
@@ -14,7 +14,9 @@
 #include "03_transformer/heads.h"
 #include "fivefold/error.h"
 
-namespace fivefold::ch03 {
+namespace fivefold::runtime {
+
+using namespace fivefold::ch03;
 
 namespace {
 
@@ -287,6 +289,12 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
   return loss;
 }
 
+std::unique_ptr<torch::optim::AdamW> fused_adamw(
+    std::vector<torch::optim::OptimizerParamGroup> groups,
+    const torch::optim::AdamWOptions& defaults) {
+  return std::make_unique<FusedAdamW>(std::move(groups), defaults);
+}
+
 std::shared_ptr<const MatmulKernel> fast_matmul_kernel() {
   if (!OneDnnMatmulKernel::available()) return nullptr;
   // oneDNN's product against at::mm on each layout linear uses: x·Wᵀ, dy·W and dyᵀ·x.
@@ -343,4 +351,4 @@ FastPaths install_fast_paths(Transformer& model) {
   return installed;
 }
 
-}  // namespace fivefold::ch03
+}  // namespace fivefold::runtime
