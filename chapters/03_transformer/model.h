@@ -3,6 +3,9 @@
 /// @brief Chapter 03: the decoder-only transformer (Llama architecture): token embedding, pre-norm
 /// blocks of RMSNorm, grouped-query causal self-attention and a SwiGLU MLP, a final RMSNorm and an
 /// LM head. Parameter names are Hugging Face's LlamaForCausalLM names, so checkpoints interoperate.
+/// The slots later chapters fill are declared where the model uses them; the seams only a later
+/// chapter or the training run needs (put-off weight gradients, the matmul and norm kernels,
+/// sliced parameters, a model in parts) are in seams.h.
 
 #include <torch/torch.h>
 
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "02_flops_6np/flops.h"
+#include "03_transformer/seams.h"
 
 namespace fivefold::ch03 {
 
@@ -130,65 +134,6 @@ class PositionEncoding {
                                                          const torch::Tensor& positions) const = 0;
 };
 
-/// The weight gradients that backward put off: for each linear map y = x·Wᵀ it went through, W,
-/// x and ∂L/∂y, so that ∂L/∂W = (∂L/∂y)ᵀ·x can be computed later (chapter 11's zero-bubble
-/// schedule computes the input's gradient first, for the stage before, and the weights' later).
-class WeightGradientStore {
- public:
-  /// Adds every kept weight gradient to its weight's .grad (created if undefined), and empties.
-  void flush();
-  /// The linear maps whose weight gradient is pending.
-  size_t size() const { return pending_.size(); }
-  /// Keeps one (used by `linear`'s backward).
-  void keep(torch::Tensor weight, torch::Tensor x, torch::Tensor grad_y);
-
- private:
-  struct Pending {
-    torch::Tensor weight, x, grad_y;
-  };
-  std::vector<Pending> pending_;
-};
-
-/// While alive, backward through `linear` on this thread computes the input's gradient only and
-/// keeps what the weight's gradient needs in `store` (its weight gets no gradient until
-/// store.flush()). Scopes do not nest.
-class DeferWeightGradients {
- public:
-  /// Puts off the weight gradients into `store` until this guard goes away.
-  explicit DeferWeightGradients(WeightGradientStore& store);
-  ~DeferWeightGradients();
-  DeferWeightGradients(const DeferWeightGradients&) = delete;
-  DeferWeightGradients& operator=(const DeferWeightGradients&) = delete;
-};
-
-/// The library that multiplies the matrices of `linear`: its three products (x·Wᵀ forward, ∂L/∂y·W
-/// and (∂L/∂y)ᵀ·x backward) are each one call of mm. Unlike the other slots this one is
-/// process-wide, as the choice of BLAS is: every linear map of every chapter (LinearImpl,
-/// chapter 10's split linears, the experts) goes through `linear`, so one setting reaches them
-/// all; the tiled attention of runtime/fast.h multiplies its heads with bmm. Unset, the products
-/// are at::mm's (OpenBLAS on Debian); the training run's fast paths fill it (runtime/fast.h).
-class MatmulKernel {
- public:
-  virtual ~MatmulKernel() = default;
-  /// a [m, k] · b [k, n] -> [m, n], as at::mm (either operand may be a transposed view).
-  virtual torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const = 0;
-  /// a [B, m, k] · b [B, k, n] -> [B, m, n], as at::bmm (each matrix may be a transposed view).
-  virtual torch::Tensor bmm(const torch::Tensor& a, const torch::Tensor& b) const {
-    return at::bmm(a, b);
-  }
-};
-
-/// Makes `kernel` the one `linear` multiplies with (nullptr: at::mm), for every thread; returns the
-/// previous one. Set it before training, not while a step runs.
-std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const MatmulKernel> kernel);
-
-/// The kernel `linear` multiplies with now (nullptr: at::mm).
-const MatmulKernel* matmul_kernel();
-
-/// GFLOP/s of an n x n float product on the kernel `linear` multiplies with now (best of 3): the
-/// peak that MFU is measured against, so that a faster library raises the peak with the step.
-double matmul_peak_gflops(int n);
-
 /// y = x·Wᵀ for x [..., in] and W [out, in], as torch's linear without bias, with a backward that
 /// can put the weight's gradient off (DeferWeightGradients). Every weight matrix of the model's
 /// blocks goes through it (LinearImpl, chapter 10's split linears); its products go through the
@@ -206,16 +151,6 @@ class LinearImpl : public torch::nn::Module {
   torch::Tensor weight;  ///< [out, in]
 };
 TORCH_MODULE(Linear);
-
-/// The computation of an RMSNorm, x and weight -> the normalised x: the slot a faster
-/// implementation of the same formula fills (the training run's fast paths, runtime/fast.h).
-class NormKernel {
- public:
-  virtual ~NormKernel() = default;
-  /// x [..., dim], weight [dim] -> x / sqrt(mean(x²) + eps) · weight over the last dimension.
-  virtual torch::Tensor normalize(const torch::Tensor& x, const torch::Tensor& weight,
-                                  double eps) const = 0;
-};
 
 /// RMSNorm: x / sqrt(mean(x²) + eps) · weight, over the last dimension.
 class RMSNormImpl : public torch::nn::Module {
@@ -359,27 +294,6 @@ class LanguageModelHeadImpl : public OutputLayer {
 };
 TORCH_MODULE(LanguageModelHead);
 
-/// How a parameter a process holds is a slice of the single-device model's tensor of the same
-/// name: part `index` of `count` along `dim` (parts sized by fivefold::split_sizes) of a tensor
-/// whose size along `dim` is `full_size`. Chapter 10's layers hold their weights this way.
-struct TensorShard {
-  int64_t dim = 0;        ///< the dimension split (0: rows, 1: columns)
-  int64_t index = 0;      ///< which part this process holds
-  int64_t count = 1;      ///< into how many parts the tensor is split
-  int64_t full_size = 0;  ///< the whole tensor's size along `dim`
-};
-
-/// A module whose parameters are slices of the whole model's (chapter 10's tensor-parallel layers).
-/// The model initialises each such parameter as its slice of the full tensor (chapter 01), so any
-/// layout starts from the single-device weights, and a parallel step gathers the slices back into
-/// whole tensors for checkpoints.
-class ShardedModule {
- public:
-  virtual ~ShardedModule() = default;
-  /// The sliced parameters, by their name within the module ("weight").
-  virtual std::map<std::string, TensorShard> shards() const = 0;
-};
-
 /// What fills the model's slots, layer by layer. Empty members mean chapter 03's modules; a later
 /// chapter's recipe returns its own (chapter 04: RoPE; chapter 06: MLA; chapter 07: experts), so
 /// that the model is built once with its final modules and every parameter is drawn once.
@@ -395,29 +309,6 @@ struct ModelRecipe {
   /// The output layer (null: LanguageModelHeadImpl); `tied` is the embedding's "weight" when the
   /// config ties them, else undefined.
   std::function<std::shared_ptr<OutputLayer>(const ModelConfig&, torch::Tensor tied)> output;
-};
-
-/// Which parts of the model this process holds: a range of layers, and the two ends. A pipeline
-/// stage (chapter 11) holds some layers; the first the embedding, the last the final norm and the
-/// output layer. Parameters keep their global names (model.layers.{i} with the global i), so
-/// initialisation and checkpoints do not depend on the split.
-struct ModelPart {
-  int64_t first_layer = 0;  ///< first layer held
-  int64_t last_layer = -1;  ///< one past the last layer held; -1: all the way to n_layers
-  bool embedding = true;    ///< holds the token embedding
-  /// Holds the final norm and the output layer. With tied embeddings the output layer reads the
-  /// embedding table, so a part with the head holds model.embed_tokens too.
-  bool head = true;
-  /// Further ranges [first, last) held after [first_layer, last_layer), in increasing order: an
-  /// interleaved pipeline stage (chapter 11) holds one range per virtual stage.
-  std::vector<std::pair<int64_t, int64_t>> more_layers;
-  /// last_layer resolved against `n_layers`; throws fivefold::Error for a range outside it.
-  int64_t end(int64_t n_layers) const;
-  /// Whether this is the whole model.
-  bool whole(int64_t n_layers) const;
-  /// The global indices of every layer held, in increasing order; throws fivefold::Error for
-  /// ranges that overlap, run backwards or leave the model.
-  std::vector<int64_t> layers(int64_t n_layers) const;
 };
 
 /// The trunk, registered as "model" so that names read model.layers.{i}...

@@ -14,13 +14,12 @@ io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator
   nlohmann::json listing = nlohmann::json::array();
   for (const auto& [name, t] : mine)
     listing.push_back({name, t.sizes().vec(), static_cast<int>(t.scalar_type())});
-  const auto listings = all_gather_strings(listing.dump(), comm);
+  const auto listings = all_gather_json(listing, comm);
   // 2. Each name from the lowest rank that holds it, broadcast in rank order, then name order:
   //    the same sequence of broadcasts on every rank.
   io::TensorMap whole;
   for (int r = 0; r < comm.size(); ++r) {
-    const auto entries = nlohmann::json::parse(listings[static_cast<size_t>(r)]);
-    for (const auto& entry : entries) {
+    for (const auto& entry : listings[static_cast<size_t>(r)]) {
       const std::string name = entry[0];
       if (whole.count(name) > 0) continue;  // a lower rank gave it already
       auto shape = entry[1].get<std::vector<int64_t>>();
@@ -49,6 +48,13 @@ std::vector<std::string> all_gather_strings(const std::string& mine, dist::Commu
     out.emplace_back(begin, begin + size);
     offset += size;
   }
+  return out;
+}
+
+std::vector<nlohmann::json> all_gather_json(const nlohmann::json& mine, dist::Communicator& comm) {
+  std::vector<nlohmann::json> out;
+  for (const std::string& text : all_gather_strings(mine.dump(), comm))
+    out.push_back(nlohmann::json::parse(text));
   return out;
 }
 

@@ -200,8 +200,7 @@ std::vector<RankMeasurement> gather_measurements(const dist::CommunicatorPtr& wo
                                {"predicted_flops", mine.predicted_matmul_flops},
                                {"flops_exact", mine.flops_exact_per_rank}};
   std::vector<RankMeasurement> all;
-  for (const std::string& text : all_gather_strings(json.dump(), *world)) {
-    const auto j = nlohmann::json::parse(text);
+  for (const nlohmann::json& j : all_gather_json(json, *world)) {
     RankMeasurement m;
     m.payload_bytes = j["bytes"].get<std::map<std::string, int64_t>>();
     m.peak_resident_bytes = j["peak"].get<int64_t>();

@@ -108,8 +108,7 @@ ch03::StepFactory pipeline_parallel_step(PipelineLayout layout, ch03::ModelBuild
 nlohmann::json merge_stage_metrics(const nlohmann::json& mine, dist::Communicator& pp) {
   std::map<int64_t, nlohmann::json> by_layer;  // in layer order: interleaved ranks hold layers
   double max_load = 0, dropped = 0, aux = 0;   // that are not consecutive
-  for (const auto& text : all_gather_strings(mine.dump(), pp)) {
-    const auto stage = nlohmann::json::parse(text);
+  for (const auto& stage : all_gather_json(mine, pp)) {
     if (!stage.contains("moe_load")) continue;  // a stage without MoE layers
     const auto layers = static_cast<double>(stage["moe_load"].size());
     for (size_t i = 0; i < stage["moe_load"].size(); ++i)

@@ -51,9 +51,9 @@ Timelines gather_timelines(const PipelineExecutor& executor, dist::Communicator&
                     executor.started() + a.start, executor.started() + a.end});
   }
   Timelines out;
-  for (const auto& text : all_gather_strings(mine.dump(), pp)) {
+  for (const auto& rank : all_gather_json(mine, pp)) {
     out.emplace_back();
-    for (const auto& e : nlohmann::json::parse(text)) {
+    for (const auto& e : rank) {
       out.back().push_back({Action{static_cast<ActionKind>(e[0].get<int>()), e[1].get<int64_t>(),
                                    e[2].get<int64_t>()},
                             e[3].get<double>(), e[4].get<double>()});

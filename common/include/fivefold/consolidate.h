@@ -4,6 +4,7 @@
 /// expert-parallel rank's experts), brought together into one map, for checkpoints and
 /// comparisons that see the whole model.
 
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <vector>
@@ -23,6 +24,10 @@ io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator
 /// Every rank's `mine`, in rank order, on every rank of `comm` (collective: two all-gathers, the
 /// lengths then the bytes).
 std::vector<std::string> all_gather_strings(const std::string& mine, dist::Communicator& comm);
+
+/// Every rank's `mine`, in rank order, on every rank of `comm`: how JSON crosses ranks (its text
+/// through all_gather_strings). Collective.
+std::vector<nlohmann::json> all_gather_json(const nlohmann::json& mine, dist::Communicator& comm);
 
 /// The entries of `map` that belong to the parameters named in `names`: a weight under its own
 /// name, or AdamW's state under the parameter's name and ".exp_avg", ".exp_avg_sq" or ".step".
