@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "fivefold/consolidate.h"
+#include "fivefold/trace.h"
 
 namespace fivefold::ch11 {
 
@@ -81,27 +82,18 @@ std::vector<double> idle_shares(const Timelines& timelines) {
 }
 
 nlohmann::json chrome_trace(const Timelines& timelines) {
-  nlohmann::json events = nlohmann::json::array();
+  std::vector<trace::Event> events;
+  std::vector<std::pair<int, std::string>> lanes;
   for (size_t r = 0; r < timelines.size(); ++r) {
-    events.push_back({{"ph", "M"},
-                      {"name", "thread_name"},
-                      {"pid", 0},
-                      {"tid", r},
-                      {"args", {{"name", "rank " + std::to_string(r)}}}});
+    lanes.emplace_back(static_cast<int>(r), "rank " + std::to_string(r));
     for (const auto& a : timelines[r]) {
       events.push_back(
-          {{"ph", "X"},
-           {"name",
-            std::string(action_name(a.action.kind)) + " " + std::to_string(a.action.micro_batch)},
-           {"cat", action_name(a.action.kind)},
-           {"pid", 0},
-           {"tid", r},
-           {"ts", a.start * 1e6},
-           {"dur", (a.end - a.start) * 1e6},
-           {"args", {{"micro_batch", a.action.micro_batch}, {"stage", a.action.stage}}}});
+          {std::string(action_name(a.action.kind)) + " " + std::to_string(a.action.micro_batch),
+           action_name(a.action.kind), static_cast<int>(r), a.start, a.end - a.start,
+           {{"micro_batch", a.action.micro_batch}, {"stage", a.action.stage}}});
     }
   }
-  return {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  return trace::chrome_trace(events, 0, "pipeline", lanes);
 }
 
 std::string timeline_svg(const Timelines& timelines, const std::string& title) {

@@ -384,3 +384,21 @@ TEST(Trace, RecordsSpansOnlyWhileRecording) {
   trace::stop();
   for (const auto& e : trace::chrome_trace(0)["traceEvents"]) EXPECT_NE(e["ph"], "X");
 }
+
+// Any list of events (chapter 11's pipeline timelines) goes through the same writer: the process
+// and its lanes named, each event a complete one in microseconds.
+TEST(Trace, WritesAnyEventsAsChromeTrace) {
+  const auto json = trace::chrome_trace({{"F 0", "F", 1, 0.002, 0.001, {{"stage", 1}}}}, 7,
+                                        "pipeline", {{0, "rank 0"}, {1, "rank 1"}});
+  const auto& events = json["traceEvents"];
+  ASSERT_EQ(events.size(), 4u);
+  EXPECT_EQ(events[0]["name"], "process_name");
+  EXPECT_EQ(events[0]["args"]["name"], "pipeline");
+  EXPECT_EQ(events[2]["args"]["name"], "rank 1");
+  EXPECT_EQ(events[3]["ph"], "X");
+  EXPECT_EQ(events[3]["pid"], 7);
+  EXPECT_EQ(events[3]["tid"], 1);
+  EXPECT_DOUBLE_EQ(events[3]["ts"].get<double>(), 2000.0);
+  EXPECT_DOUBLE_EQ(events[3]["dur"].get<double>(), 1000.0);
+  EXPECT_EQ(events[3]["args"]["stage"], 1);
+}

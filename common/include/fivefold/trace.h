@@ -10,6 +10,8 @@
 
 #include <atomic>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -55,7 +57,24 @@ class Span {
   double start_ = -1;  // negative: not recording when constructed
 };
 
-/// What was recorded, as Chrome trace JSON: {"traceEvents": [...], "displayTimeUnit": "ms"},
+/// One complete event of a timeline.
+struct Event {
+  std::string name;      ///< what ran
+  std::string category;  ///< Chrome's "cat"
+  int lane = kMain;      ///< Chrome's thread ("tid")
+  double start = 0;      ///< seconds from the timeline's origin
+  double seconds = 0;    ///< how long it ran
+  nlohmann::json args;   ///< shown beside it (null: none)
+};
+
+/// `events` as Chrome trace JSON: {"traceEvents": [...], "displayTimeUnit": "ms"}, complete
+/// events ("ph": "X") in microseconds in process `pid` named `process`, each lane of `lanes` a
+/// thread of that name. The one writer of the format: the run's timeline below, and chapter 11's
+/// pipeline timelines.
+nlohmann::json chrome_trace(const std::vector<Event>& events, int pid, const std::string& process,
+                            const std::vector<std::pair<int, std::string>>& lanes);
+
+/// What was recorded, as Chrome trace JSON (the function above): {"traceEvents": [...], "displayTimeUnit": "ms"},
 /// complete events ("ph": "X") in microseconds with pid `rank` (named "rank N") and one thread
 /// per lane.
 nlohmann::json chrome_trace(int rank);
