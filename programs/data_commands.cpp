@@ -60,7 +60,8 @@ int compare(int argc, char** argv) {
   FIVEFOLD_CHECK(labels.size() == runs.size(), "fivefold compare: ", labels.size(),
                  " labels for ", runs.size(), " runs");
   std::vector<runtime::Curve> curves;
-  for (size_t i = 0; i < runs.size(); ++i) curves.push_back(runtime::read_curve(runs[i], labels[i]));
+  for (size_t i = 0; i < runs.size(); ++i)
+    curves.push_back(runtime::read_curve(runs[i], labels[i]));
   const runtime::Curve& reference = curves.back();
   const double tolerance = args.real("tolerance");
   const int64_t check_steps = args.integer("check-steps");

@@ -199,8 +199,8 @@ struct MoeParameters {
 MoeParameters count_parameters(const ch03::ModelConfig& config);
 
 /// After each optimizer step (the training run's after_step, runtime/run.h): applies every MoE
-/// layer's bias update and resets its counts. Returns, over the MoE layers, "moe_load" (each layer's counts),
-/// "moe_layers" (the global index of the layer each entry of moe_load counts),
+/// layer's bias update and resets its counts. Returns, over the MoE layers, "moe_load" (each
+/// layer's counts), "moe_layers" (the global index of the layer each entry of moe_load counts),
 /// "moe_max_load" (the largest count over the mean, 1 = balanced), "moe_dropped" (share of the
 /// assignments dropped) and "moe_aux_loss" (mean over layers); {} for a model without experts.
 /// Under data parallelism pass the data-parallel communicator: loads are summed over it.

@@ -125,14 +125,15 @@ HeldParameters rank_parameters(const Layout& layout, const Workload& run, int64_
 ///   everything but the routed experts (4·P_shared; ZeRO-3 sums them unit by unit as it releases
 ///   them), the norm's squares and the loss (8 bytes each). What a rank receives follows the
 ///   routing, but every row sent is received: the mean over the ranks is exact, each rank's
-///   share is the balanced expectation (runtime::measurement_json). Dropless routing only (no capacity).
+///   share is the balanced expectation (runtime::measurement_json). Dropless routing only (no
+///   capacity).
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Workload& run,
                                                  int64_t world_rank,
                                                  const HeldParameters& held = {});
 
 /// predicted_traffic over a run of `steps` training steps, `after_whole_model` of which began right
-/// after an evaluation or checkpoint had gathered the whole model (runtime::StepMeter): totals, not per
-/// step. Only ZeRO-3 depends on the latter: such a step's first forward gathers nothing (4·S less).
+/// after an evaluation or checkpoint had gathered the whole model (runtime::StepMeter): totals,
+/// not per step. Only ZeRO-3 depends on the latter: such a step's first forward gathers nothing (4·S less).
 std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
                                                      const Workload& run, int64_t world_rank,
                                                      const HeldParameters& held, int64_t steps,

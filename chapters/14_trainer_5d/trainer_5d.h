@@ -4,7 +4,8 @@
 /// dimension has and how each runs; resolve_layout checks it against the world, the model and the
 /// batch before anything talks to anyone; apply_layout builds the mesh (pp slowest, then dp, cp,
 /// tp fastest, with ep folded into dp·cp) and gives this rank's training run (the run loop below
-/// the programs, runtime/run.h) the model, the step and this rank's share of the work. compose_step, the exercise, stacks the chapters' steps:
+/// the programs, runtime/run.h) the model, the step and this rank's share of the work.
+/// compose_step, the exercise, stacks the chapters' steps:
 ///
 ///     context parallelism (12)                      outermost: splits each row's tokens
 ///       expert parallelism (13)                     sums replicated gradients over ep

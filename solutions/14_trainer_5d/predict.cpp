@@ -1,7 +1,7 @@
 // Chapter 14: what each rank of a layout holds, carries and computes, from the chapters' formulas.
 #include "14_trainer_5d/predict.h"
 
-#include <algorithm>
+#include <set>
 
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"

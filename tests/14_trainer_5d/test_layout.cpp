@@ -7,6 +7,7 @@
 #include "../10_tensor_parallel/fixtures.h"
 #include "07_moe/moe.h"
 #include "14_trainer_5d/predict.h"
+#include "runtime/fast.h"
 #include "runtime/measure.h"
 #include "runtime/run.h"
 #include "fixtures.h"
@@ -277,7 +278,7 @@ TEST(Report, PredictedFlopsEqualWhatOneProcessExecutes) {
           run_with(mla ? ch10::testing::deepseek_config() : ch10::testing::tp_config(false));
       work.seq_len = 15;
       work.batch = 4;
-      work.attention_tile = fast ? 128 : 0;
+      work.attention_tile = fast ? runtime::TiledCausalAttentionKernel::kDefaultTile : 0;
       const Layout one = resolve_layout(Layout{}, 1, work);
       const HeldParameters held = rank_parameters(one, work, 0);
       const StepFlops predicted = predicted_flops(one, work, 0, held);

@@ -1,7 +1,7 @@
 // The training run's fast paths (runtime/fast.h) against chapter 03's code: the tiled attention
 // kernel against causal_attention (output, log-sum-exp, and the gradients of q, k and v), the
-// fused RMSNorm against the formula, FusedAdamW against torch::optim::AdamW step by step, and a whole model's
-// loss and every gradient with the fast paths installed against the lesson's model.
+// fused RMSNorm against the formula, FusedAdamW against torch::optim::AdamW step by step, and a
+// whole model's loss and every gradient with the fast paths installed against the lesson's model.
 
 #include <cmath>
 #include <tuple>

@@ -1,6 +1,6 @@
-// The training run (runtime/run.h) on chapter 03's step: exact resume (bit for bit, also after a run went past its last
-// checkpoint), the output folder (metrics, checkpoints, `latest`, pruning), and bad input that must
-// fail before anything is written.
+// The training run (runtime/run.h) on chapter 03's step: exact resume (bit for bit, also after a
+// run went past its last checkpoint), the output folder (metrics, checkpoints, `latest`,
+// pruning), and bad input that must fail before anything is written.
 
 #include <filesystem>
 #include <fstream>

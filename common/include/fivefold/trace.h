@@ -74,9 +74,8 @@ struct Event {
 nlohmann::json chrome_trace(const std::vector<Event>& events, int pid, const std::string& process,
                             const std::vector<std::pair<int, std::string>>& lanes);
 
-/// What was recorded, as Chrome trace JSON (the function above): {"traceEvents": [...], "displayTimeUnit": "ms"},
-/// complete events ("ph": "X") in microseconds with pid `rank` (named "rank N") and one thread
-/// per lane.
+/// What was recorded, as Chrome trace JSON (the function above): pid `rank`, named "rank N", one
+/// thread per lane.
 nlohmann::json chrome_trace(int rank);
 
 }  // namespace fivefold::trace

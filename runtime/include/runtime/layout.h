@@ -10,7 +10,7 @@
 namespace fivefold::runtime {
 
 /// What chapter 14 checks a layout against and predicts for: `run`'s model, sequence, batch,
-/// micro-batches and whether it takes chapter 03's fast paths.
+/// micro-batches, and the tile of the fast paths' attention kernel (0 without the fast paths).
 ch14::Workload workload_of(const RunConfig& run);
 
 /// Makes `run` train this rank's part of `layout` (from ch14::resolve_layout) on `world`:
