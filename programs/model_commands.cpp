@@ -13,38 +13,29 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "03_transformer/checkpoint.h"
 #include "03_transformer/evaluate.h"
 #include "03_transformer/generate.h"
 #include "07_moe/moe.h"
-#include "09_data_parallel/step.h"
-#include "10_tensor_parallel/step.h"
 #include "11_pipeline_parallel/pipeline.h"
-#include "12_context_parallel/context_parallel.h"
-#include "13_expert_parallel/expert_parallel.h"
 #include "14_trainer_5d/predict.h"
 #include "14_trainer_5d/trainer_5d.h"
-#include "fivefold/comm_stats.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
-#include "fivefold/mesh.h"
 #include "fivefold/runtime.h"
 #include "fivefold/trace.h"
 #include "runtime/layout.h"
 #include "runtime/measure.h"
-#include "runtime/report.h"
 #include "runtime/run.h"
+#include "runtime/settings.h"
 
 namespace fivefold::commands {
 
@@ -63,116 +54,6 @@ std::vector<int64_t> token_ids(const ArgParser& args, const std::string& flag, i
   }
   return ids;
 }
-
-// Bytes of memory the system can still give (MemAvailable in /proc/meminfo); 0 when unknown.
-int64_t available_memory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key, unit;
-  int64_t kib = 0;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return 0;
-}
-
-// Refuses, before anything is allocated, a model whose fp32 weights, gradients and AdamW state
-// (chapter 09's ZeRO formula for this layout) cannot fit in this machine's available memory.
-// Activations come on top, so passing this check is necessary, not sufficient.
-void check_model_fits(const ModelConfig& model, int64_t dp, int zero, int local_ranks) {
-  const int64_t available = available_memory();
-  if (available <= 0) return;
-  const int64_t psi = ch07::count_parameters(model).total;
-  const auto m = ch09::zero_memory_formula(psi, dp, zero);
-  const double per_rank = static_cast<double>(m.parameters + m.gradients + m.optimizer);
-  const double need = per_rank * local_ranks;
-  FIVEFOLD_CHECK(need <= static_cast<double>(available), "the model has ", psi,
-                 " parameters: its fp32 weights, gradients and AdamW state take ", per_rank / 1e9,
-                 " GB per rank (ZeRO-", zero, " over ", dp, " ranks) x ", local_ranks,
-                 " ranks on this machine = ", need / 1e9, " GB, more than the ",
-                 static_cast<double>(available) / 1e9,
-                 " GB available (activations not counted); use a smaller model, more ranks or a "
-                 "higher --zero stage");
-}
-
-// With --resume the run continues with its own settings. A flag that would change what it
-// computes (model, data, batch, optimiser, schedule) is refused when it differs from the run's,
-// naming each; the others (steps, evaluation, checkpoints, progress, layout) apply. Settings not
-// given are the run's, not the flags' defaults.
-void resumed_settings(const ArgParser& args, RunConfig& c) {
-  const RunState saved = load_run_state(resolve_checkpoint(c.out_dir));
-  auto num = [](double x) {  // 15 digits: a value typed again reads back the same
-    char text[32];
-    std::snprintf(text, sizeof(text), "%.15g", x);
-    return std::string(text);
-  };
-  using Value = std::function<std::string(const RunConfig&)>;
-  const std::vector<std::pair<const char*, Value>> fixed = {
-      {"data", [](const RunConfig& r) { return r.data.path; }},
-      {"data-seed", [](const RunConfig& r) { return std::to_string(r.data.seed); }},
-      {"synthetic-examples",
-       [](const RunConfig& r) { return std::to_string(r.data.synthetic_examples); }},
-      {"val-fraction", [&](const RunConfig& r) { return num(r.data.val_fraction); }},
-      {"seq", [](const RunConfig& r) { return std::to_string(r.seq_len); }},
-      {"batch", [](const RunConfig& r) { return std::to_string(r.batch); }},
-      {"lr", [&](const RunConfig& r) { return num(r.train.lr); }},
-      {"min-lr", [&](const RunConfig& r) { return num(r.train.min_lr); }},
-      {"warmup", [](const RunConfig& r) { return std::to_string(r.train.warmup_steps); }},
-      {"decay-steps", [](const RunConfig& r) { return std::to_string(r.train.total_steps); }},
-      {"weight-decay", [&](const RunConfig& r) { return num(r.train.weight_decay); }},
-      {"decay-embeddings",
-       [](const RunConfig& r) { return std::string(r.train.decay_embeddings ? "on" : "off"); }},
-      {"grad-clip", [&](const RunConfig& r) { return num(r.train.grad_clip); }},
-      {"vocab", [](const RunConfig& r) { return std::to_string(r.model.vocab_size); }},
-      {"d-model", [](const RunConfig& r) { return std::to_string(r.model.d_model); }},
-      {"n-layers", [](const RunConfig& r) { return std::to_string(r.model.n_layers); }},
-      {"n-heads", [](const RunConfig& r) { return std::to_string(r.model.n_heads); }},
-      {"n-kv-heads", [](const RunConfig& r) { return std::to_string(r.model.n_kv_heads); }},
-      {"d-ff", [](const RunConfig& r) { return std::to_string(r.model.d_ff); }},
-      {"tied",
-       [](const RunConfig& r) { return std::string(r.model.tied_embeddings ? "on" : "off"); }},
-      {"rope-theta", [&](const RunConfig& r) { return num(r.model.rope_theta); }},
-      {"seed", [](const RunConfig& r) { return std::to_string(r.model.seed); }},
-      {"model-config", [](const RunConfig& r) { return config_to_json(r.model).dump(); }}};
-  std::vector<std::string> changed;
-  for (const auto& [flag, value] : fixed) {
-    if (!args.given(flag) || value(c) == value(saved.run)) continue;
-    changed.push_back(std::string(flag) == "model-config"
-                          ? "--model-config describes another model than the run's"
-                          : "--" + std::string(flag) + " " + value(c) + " (the run has " +
-                                value(saved.run) + ")");
-  }
-  std::string list;
-  for (const auto& item : changed) list += (list.empty() ? "" : "; ") + item;
-  FIVEFOLD_CHECK(changed.empty(), "--resume continues the run in '", c.out_dir,
-                 "' with its own settings, and these would change what it computes: ", list,
-                 ". Leave them out, or start a new run in another --out");
-  // Settings not given are the run's own; those that may change (layout, evaluation,
-  // checkpoints, steps) are taken from the flags by run_training.
-  RunConfig resumed = saved.run;
-  resumed.steps = c.steps;
-  resumed.out_dir = c.out_dir;
-  resumed.progress = c.progress;
-  resumed.peak_gflops = c.peak_gflops;
-  resumed.placement = c.placement;
-  resumed.settings_toml = c.settings_toml;
-  resumed.build_model = c.build_model;
-  resumed.after_step = c.after_step;
-  resumed.make_step = c.make_step;
-  auto keep = [&](const char* flag, auto& field, const auto& value) {
-    field = args.given(flag) ? value : field;
-  };
-  keep("accum", resumed.micro_batches, c.micro_batches);
-  keep("save-every", resumed.save_every, c.save_every);
-  keep("keep", resumed.keep_checkpoints, c.keep_checkpoints);
-  keep("eval-every", resumed.eval_every, c.eval_every);
-  keep("eval-batches", resumed.eval_batches, c.eval_batches);
-  keep("exact-match", resumed.exact_match_examples, c.exact_match_examples);
-  c = resumed;
-}
-
-}  // namespace
-
-namespace {
 
 // `fivefold train --plan N`: what the formulas say each of N ranks of `layout` holds and carries
 // in one training step of `c`, printed as a table; nothing is trained and no process is started.
@@ -232,100 +113,34 @@ int print_plan(const ch14::Layout& layout, const ch14::Workload& c, int64_t worl
   return 0;
 }
 
+// Every rank writes its own timeline of the run to OUT/trace/rank-N.json.
+void write_trace(const std::string& out_dir, int rank) {
+  trace::stop();
+  std::filesystem::create_directories(out_dir + "/trace");
+  io::write_file_atomic(out_dir + "/trace/rank-" + std::to_string(rank) + ".json",
+                        trace::chrome_trace(rank).dump());
+  log0() << "timelines: " << out_dir << "/trace/rank-*.json (Chrome trace format)";
+}
+
 }  // namespace
 
 int train(int argc, char** argv) {
-  const RunConfig d;  // defaults, shown in --help
   ArgParser args(
       "fivefold train",
       "Trains the chapters' transformer (chapter 03, with chapter 04's rotary positions; "
       "MLA and experts from a deepseek_v3 --model-config), on one process or under mpirun "
-      "with data (chapter 09), tensor (10) and pipeline (11) parallelism: on the built-in "
-      "synthetic "
-      "corpus (arithmetic, copying, reversal, key-value recall), a UTF-8 text file or "
-      "a nanoGPT-style uint16 .bin. Writes OUT/metrics.jsonl and checkpoints "
-      "OUT/step-N (Hugging Face layout plus optimizer and RNG state); --resume "
+      "with data (chapter 09), tensor (10), pipeline (11), context (12) and expert (13) "
+      "parallelism: on the built-in synthetic corpus (arithmetic, copying, reversal, key-value "
+      "recall), a UTF-8 text file or a nanoGPT-style uint16 .bin. Writes OUT/metrics.jsonl and "
+      "checkpoints OUT/step-N (Hugging Face layout plus optimizer and RNG state); --resume "
       "continues a run exactly.");
-  args.option("out", "runs/ch03", "output folder (metrics, checkpoints)");
   args.flag("resume", "continue the run in --out from its latest checkpoint, with its settings");
-  args.option("steps", std::to_string(d.steps), "train until this many optimizer steps are done");
-  args.path_option("data", "",
-                   "text file or .bin of uint16 token ids (default: the synthetic corpus)");
-  args.option("data-seed", "0", "synthetic corpus and batch order seed");
-  args.option("synthetic-examples", std::to_string(d.data.synthetic_examples),
-              "lines of synthetic training text");
-  args.option("val-fraction", "0.1", "share of a data file held out (its end)");
-  args.option("seq", std::to_string(d.seq_len), "tokens per sequence");
-  args.option("batch", std::to_string(d.batch),
-              "sequences per optimizer step, over all ranks (the global batch)");
-  args.option("accum", "1",
-              "micro-batches per data-parallel rank and step (gradient accumulation, and the "
-              "pipeline's micro-batches; dp x accum divides --batch)");
-  args.option("dp", "", "data-parallel ranks (default: the world size / (tp x pp x cp))");
-  args.option("zero", "0",
-              "with --dp > 1: 0 DDP, 1 shard AdamW's state, 2 and the gradients, 3 and the "
-              "parameters (ZeRO, chapter 09)");
-  args.option("tp", "1",
-              "tensor-parallel ranks (chapter 10): each matrix split over them; tp divides the "
-              "heads and the key/value heads");
-  args.flag("sequence-parallel",
-            "with --tp > 1: norms and residuals on each rank's part of the sequence (chapter 10)");
-  args.option("pp", "1",
-              "pipeline ranks (chapter 11): the layers cut into consecutive stages, as even as "
-              "they split");
-  args.option("schedule", "1f1b",
-              "with --pp > 1: gpipe, 1f1b, interleaved (--virtual-stages, accum a multiple of "
-              "pp) or zb (zero-bubble ZB-H1)");
-  args.option("virtual-stages", "1",
-              "with --schedule interleaved: stages per pipeline rank (pp x this <= layers)");
-  args.option("cp", "1",
-              "context-parallel ranks (chapter 12): each holds part of every sequence's tokens; "
-              "keys and values travel between them");
-  args.option("cp-layout", "zigzag",
-              "with --cp > 1: zigzag (chunks r and 2cp-1-r of 2cp: equal causal work; seq a "
-              "multiple of 2cp) or contiguous (consecutive slices, uneven allowed)");
-  args.option("cp-attention", "ring",
-              "with --cp > 1: ring (keys and values passed around, overlapped with compute) or "
-              "allgather (gathered whole before attention)");
-  args.option("ep", "1",
-              "expert-parallel ranks (chapter 13): each MoE layer's routed experts split over "
-              "them, tokens sent to their experts by all-to-all; ep divides dp x cp and the "
-              "experts; with --dp, --cp, --tp, --pp and --zero");
-  args.option("lr", "3e-3", "peak learning rate").option("min-lr", "3e-4", "final learning rate");
-  args.option("warmup", "20", "linear warm-up steps");
-  args.option("decay-steps", "", "steps of the cosine decay (default: --steps)");
-  args.option("weight-decay", "0.1", "AdamW decoupled weight decay (matrices only)");
-  args.flag("decay-embeddings", "also apply weight decay to the token embedding");
-  args.option("grad-clip", "1.0", "maximum global gradient norm (0: off)");
-  args.option("vocab", std::to_string(d.model.vocab_size), "vocabulary size (259: bytes)");
-  args.option("d-model", std::to_string(d.model.d_model), "hidden size");
-  args.option("n-layers", std::to_string(d.model.n_layers), "transformer blocks");
-  args.option("n-heads", std::to_string(d.model.n_heads), "query heads");
-  args.option("n-kv-heads", "", "key/value heads (default: --n-heads)");
-  args.option("d-ff", std::to_string(d.model.d_ff), "MLP hidden size");
-  args.flag("tied", "LM head shares the embedding matrix");
-  args.option("rope-theta", "10000", "rotary position base (chapter 04); 0: no positions");
-  args.path_option("model-config", "",
-              "a Hugging Face config.json for the model (llama, or deepseek_v3: MLA, chapter "
-              "06, and experts, chapter 07); replaces the model flags above");
-  args.option("seed", "0", "initialisation seed");
-  args.option("save-every", std::to_string(d.save_every), "checkpoint interval (0: at the end)");
-  args.option("keep", std::to_string(d.keep_checkpoints), "checkpoints kept");
-  args.option("eval-every", std::to_string(d.eval_every), "evaluation interval (0: at the end)");
-  args.option("eval-batches", std::to_string(d.eval_batches), "held-out batches per evaluation");
-  args.option("exact-match", "",
-              "held-out prompts answered per evaluation (synthetic corpus; "
-              "default 100, 0 with --data)");
-  args.option("peak-gflops", "0", "matmul peak for MFU (0: measured at start)");
-  args.flag("no-progress", "no progress bar");
+  declare_run_flags(args);  // runtime/settings.h: the run's settings, one table
+  declare_layout_flags(args);
   args.option("plan", "0",
               "print the plan of this run on N processes and exit: each rank's layers, "
               "parameters, memory (chapter 09's ZeRO formulas) and the bytes the formulas "
               "predict per group and step; trains nothing and needs no mpirun (0: train)");
-  args.flag("lesson-kernels",
-            "train on the lesson's code alone: the attention and RMSNorm as written out and "
-            "torch's AdamW, instead of the fast paths (runtime/fast.h) that "
-            "compute the same thing faster");
   args.flag("trace",
             "write each rank's timeline (steps, evaluations, checkpoints, every communicator "
             "operation) to OUT/trace/rank-N.json, Chrome trace format (chrome://tracing, "
@@ -335,100 +150,27 @@ int train(int argc, char** argv) {
       "options on the command line win; --data and --model-config there are read from the "
       "file's folder, --out is where you run (presets: chapters/14_trainer_5d/presets/)");
   if (!args.parse(argc, argv)) return 0;
-  // The layout, read from the flags and checked (chapter 14's resolve_layout) before anything
-  // starts: every rank sees the same flags and the same world size, so every rank refuses the
-  // same way, before any communication.
-  ch14::Layout layout;
-  layout.dp = args.given("dp") ? args.integer("dp") : 0;
-  layout.tp = args.integer("tp");
-  layout.pp = args.integer("pp");
-  layout.cp = args.integer("cp");
-  layout.ep = args.integer("ep");
-  layout.zero = static_cast<int>(args.integer("zero"));
-  layout.sequence_parallel = args.on("sequence-parallel");
-  layout.schedule = args.str("schedule");
-  layout.virtual_stages = args.integer("virtual-stages");
-  layout.cp_layout = ch12::parse_cp_layout(args.str("cp-layout"));
-  layout.cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
-  // A choice of how a dimension runs, other than its default, without the dimension is a
-  // mistake (the defaults themselves may stand, as in a settings.toml read back on one process).
-  const ch14::Layout defaults;
-  FIVEFOLD_CHECK(layout.pp > 1 || (layout.schedule == defaults.schedule &&
-                                   layout.virtual_stages == defaults.virtual_stages),
-                 "--schedule and --virtual-stages choose how a pipeline runs: they need --pp 2 "
-                 "or more");
-  FIVEFOLD_CHECK(layout.cp > 1 || (layout.cp_layout == defaults.cp_layout &&
-                                   layout.cp_attention == defaults.cp_attention),
-                 "--cp-layout and --cp-attention choose how context parallelism splits and "
-                 "attends: they need --cp 2 or more");
+  // Every rank sees the same flags and the same world size, so every rank refuses the same way,
+  // before any communication: the layout, the settings (a resumed run's own) and then the two
+  // together (chapter 14's resolve_layout).
+  ch14::Layout layout = layout_from_flags(args);
   FIVEFOLD_CHECK(!args.on("trace") || !args.str("out").empty(),
                  "--trace writes into --out: give a folder");
   // --plan N: the layout on N processes, planned on this one; otherwise the launched world.
   const int64_t plan_world = args.integer("plan");
   FIVEFOLD_CHECK(plan_world >= 0, "--plan takes a number of processes, got ", plan_world);
+  RunConfig c = run_from_flags(args);
+  c.settings_toml = args.settings_toml();  // written as the run starts: --config reads it back
+  c.model.validate();
+  if (args.on("resume"))
+    c = resume_from_flags(args, c, load_run_state(resolve_checkpoint(c.out_dir)).run);
   std::optional<Runtime> runtime;
-  dist::CommunicatorPtr world;
-  if (plan_world == 0) {
-    runtime.emplace();
-    world = runtime->world();
-  }
-  const int64_t world_size = plan_world > 0 ? plan_world : world->size();
-
-  RunConfig c;
-  c.out_dir = args.str("out");
-  c.steps = args.integer("steps");
-  c.data.path = args.str("data");
-  c.data.seed = static_cast<uint64_t>(args.integer("data-seed"));
-  c.data.synthetic_examples = args.integer("synthetic-examples");
-  c.data.val_fraction = args.real("val-fraction");
-  c.seq_len = args.integer("seq");
-  c.batch = args.integer("batch");
-  c.micro_batches = args.integer("accum");
-  c.train.lr = args.real("lr");
-  c.train.min_lr = args.real("min-lr");
-  c.train.warmup_steps = args.integer("warmup");
-  c.train.total_steps = args.given("decay-steps") ? args.integer("decay-steps") : c.steps;
-  c.train.weight_decay = args.real("weight-decay");
-  c.train.decay_embeddings = args.on("decay-embeddings");
-  c.train.grad_clip = args.real("grad-clip");
-  c.fast = !args.on("lesson-kernels");
-  c.model.vocab_size = args.integer("vocab");
-  c.model.d_model = args.integer("d-model");
-  c.model.n_layers = args.integer("n-layers");
-  c.model.n_heads = args.integer("n-heads");
-  c.model.n_kv_heads = args.given("n-kv-heads") ? args.integer("n-kv-heads") : c.model.n_heads;
-  c.model.d_ff = args.integer("d-ff");
-  c.model.tied_embeddings = args.on("tied");
-  c.model.rope_theta = args.real("rope-theta");
-  if (!args.str("model-config").empty())
-    c.model = ch03::config_from_json(io::read_json(args.str("model-config")));
-  c.model.seed = static_cast<uint64_t>(args.integer("seed"));
-  // Refused before the mesh's communicators exist: the model and sequence the run will have (a
-  // resumed run's own, read from its checkpoint's files), and again below after the resume.
-  c.model.validate();
-  RunConfig planned = c;
-  if (args.on("resume")) {
-    planned = load_run_state(resolve_checkpoint(c.out_dir)).run;
-    if (args.given("accum")) planned.micro_batches = c.micro_batches;
-  }
-  layout = ch14::resolve_layout(layout, world_size, workload_of(planned));
-  c.save_every = args.integer("save-every");
-  c.keep_checkpoints = args.integer("keep");
-  c.eval_every = args.integer("eval-every");
-  c.eval_batches = args.integer("eval-batches");
-  c.exact_match_examples =
-      args.given("exact-match") ? args.integer("exact-match") : (c.data.path.empty() ? 100 : 0);
-  c.peak_gflops = args.real("peak-gflops");
-  c.progress = !args.on("no-progress");
-  // The settings of this invocation (flags, config file, defaults), written as the run starts:
-  // --config reads it back.
-  c.settings_toml = args.settings_toml();
-  if (c.train.warmup_steps >= c.train.total_steps) c.train.warmup_steps = c.train.total_steps / 10;
-  if (args.on("resume")) resumed_settings(args, c);
-  c.model.validate();
+  if (plan_world == 0) runtime.emplace();
+  const dist::CommunicatorPtr world = runtime ? runtime->world() : nullptr;
+  const int64_t world_size = runtime ? world->size() : plan_world;
   layout = ch14::resolve_layout(layout, world_size, workload_of(c));
   if (plan_world > 0) return print_plan(layout, workload_of(c), world_size);
-  check_model_fits(c.model, layout.dp * layout.cp, layout.zero, runtime->launch().local_size);
+  check_fits_in_memory(c.model, layout, runtime->launch().local_size);
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
   use_layout(layout, world, c);
   StepMeter meter;  // what this rank's steps did, for the report below
@@ -436,60 +178,8 @@ int train(int argc, char** argv) {
   dist::reset_comm_stats();  // what the mesh's set-up exchanged is not the training's
   if (args.on("trace")) trace::start();
   const RunResult r = run_training(c, args.on("resume"));
-  if (args.on("trace")) {  // every rank writes its own timeline
-    trace::stop();
-    const std::string path =
-        c.out_dir + "/trace/rank-" + std::to_string(world->rank()) + ".json";
-    std::filesystem::create_directories(c.out_dir + "/trace");
-    io::write_file_atomic(path, trace::chrome_trace(world->rank()).dump());
-    log0() << "timelines: " << c.out_dir << "/trace/rank-*.json (Chrome trace format)";
-  }
-  // What each group carried and each rank's peak memory, measured in this run, beside what the
-  // formulas say for this rank's part (built again here, offline: what --plan counts).
-  const ch14::Workload work = workload_of(c);
-  Transformer held_model = meter.held();
-  const ch14::TrainableCounts counted = ch14::count_trainable(held_model);
-  ch14::HeldParameters held;
-  static_cast<ch14::TrainableCounts&>(held) = counted;
-  try {
-    held = ch14::rank_parameters(layout, work, static_cast<int64_t>(world->rank()));
-  } catch (const Error&) {
-    // a part that cannot be built offline: the run's own counts, and no tp prediction
-  }
-  if (held.elements != counted.elements || held.tensors != counted.tensors)
-    log(LogLevel::Warn) << "the plan's part of the model holds " << held.elements << " parameters in "
-                        << held.tensors << " tensors, the run's " << counted.elements << " in "
-                        << counted.tensors << ": the predictions below follow the plan's";
-  const int64_t steps = static_cast<int64_t>(r.losses.size());
-  const auto rank = static_cast<int64_t>(world->rank());
-  runtime::RankMeasurement mine = runtime::measure_rank(meter.training_comm());
-  mine.predicted_bytes = ch14::predicted_run_traffic(layout, work, rank, held, steps,
-                                                     meter.steps_after_whole_model());
-  if (steps > 0) {
-    mine.state_bytes = meter.state().total();
-    mine.matmul_flops = meter.step_flops();
-  }
-  if (held.elements > 0) mine.predicted_state_bytes = ch14::predicted_state_bytes(layout, held).total();
-  try {
-    mine.predicted_matmul_flops = ch14::predicted_flops(layout, work, rank, held).total();
-  } catch (const Error&) {
-    // no matrices known (a part not built offline) or experts with a capacity: not predicted
-  }
-  mine.flops_exact_per_rank = layout.ep == 1;  // under ep each rank computes what it was sent
-  const auto measured = runtime::gather_measurements(world, mine);
-  if (c.placement.writer && steps > 0) {
-    log0() << "measured over " << steps << " training steps (payload bytes handed to each "
-           << "communicator; evaluation and checkpoints not counted), beside chapters 09-13's "
-           << "formulas (per training step; '-': no formula here; '~': ep's balanced-routing "
-           << "expectation):\n"
-           << runtime::measurement_table(measured, steps);
-    if (!c.out_dir.empty()) {
-      nlohmann::json report = runtime::measurement_json(measured, steps);
-      report["layout"] = layout.describe();
-      report["steps"] = steps;
-      io::write_json(c.out_dir + "/measured.json", report);
-    }
-  }
+  if (args.on("trace")) write_trace(c.out_dir, world->rank());
+  report_measurements(layout, world, c, meter, static_cast<int64_t>(r.losses.size()));
   log0() << "done: " << r.losses.size() << " steps, final training loss "
          << (r.losses.empty() ? 0.0 : r.losses.back()) << ", held-out loss " << r.eval.loss
          << ", checkpoint " << (r.checkpoint.empty() ? "(none)" : r.checkpoint);

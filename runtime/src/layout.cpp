@@ -2,13 +2,116 @@
 
 #include "runtime/layout.h"
 
+#include <fstream>
+#include <string>
+
+#include "07_moe/moe.h"
+#include "09_data_parallel/zero.h"
+#include "12_context_parallel/context_parallel.h"
+#include "14_trainer_5d/predict.h"
+#include "fivefold/error.h"
+#include "fivefold/io.h"
+#include "fivefold/log.h"
 #include "runtime/fast.h"
+#include "runtime/report.h"
 
 namespace fivefold::runtime {
+
+void declare_layout_flags(ArgParser& args) {
+  args.option("dp", "", "data-parallel ranks (default: the world size / (tp x pp x cp))");
+  args.option("zero", "0",
+              "with --dp > 1: 0 DDP, 1 shard AdamW's state, 2 and the gradients, 3 and the "
+              "parameters (ZeRO, chapter 09)");
+  args.option("tp", "1",
+              "tensor-parallel ranks (chapter 10): each matrix split over them; tp divides the "
+              "heads and the key/value heads");
+  args.flag("sequence-parallel",
+            "with --tp > 1: norms and residuals on each rank's part of the sequence (chapter 10)");
+  args.option("pp", "1",
+              "pipeline ranks (chapter 11): the layers cut into consecutive stages, as even as "
+              "they split");
+  args.option("schedule", "1f1b",
+              "with --pp > 1: gpipe, 1f1b, interleaved (--virtual-stages, accum a multiple of "
+              "pp) or zb (zero-bubble ZB-H1)");
+  args.option("virtual-stages", "1",
+              "with --schedule interleaved: stages per pipeline rank (pp x this <= layers)");
+  args.option("cp", "1",
+              "context-parallel ranks (chapter 12): each holds part of every sequence's tokens; "
+              "keys and values travel between them");
+  args.option("cp-layout", "zigzag",
+              "with --cp > 1: zigzag (chunks r and 2cp-1-r of 2cp: equal causal work; seq a "
+              "multiple of 2cp) or contiguous (consecutive slices, uneven allowed)");
+  args.option("cp-attention", "ring",
+              "with --cp > 1: ring (keys and values passed around, overlapped with compute) or "
+              "allgather (gathered whole before attention)");
+  args.option("ep", "1",
+              "expert-parallel ranks (chapter 13): each MoE layer's routed experts split over "
+              "them, tokens sent to their experts by all-to-all; ep divides dp x cp and the "
+              "experts; with --dp, --cp, --tp, --pp and --zero");
+}
+
+ch14::Layout layout_from_flags(const ArgParser& args) {
+  ch14::Layout layout;
+  layout.dp = args.given("dp") ? args.integer("dp") : 0;
+  layout.tp = args.integer("tp");
+  layout.pp = args.integer("pp");
+  layout.cp = args.integer("cp");
+  layout.ep = args.integer("ep");
+  layout.zero = static_cast<int>(args.integer("zero"));
+  layout.sequence_parallel = args.on("sequence-parallel");
+  layout.schedule = args.str("schedule");
+  layout.virtual_stages = args.integer("virtual-stages");
+  layout.cp_layout = ch12::parse_cp_layout(args.str("cp-layout"));
+  layout.cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
+  // The defaults themselves may stand, as in a settings.toml read back on one process.
+  const ch14::Layout defaults;
+  FIVEFOLD_CHECK(layout.pp > 1 || (layout.schedule == defaults.schedule &&
+                                   layout.virtual_stages == defaults.virtual_stages),
+                 "--schedule and --virtual-stages choose how a pipeline runs: they need --pp 2 "
+                 "or more");
+  FIVEFOLD_CHECK(layout.cp > 1 || (layout.cp_layout == defaults.cp_layout &&
+                                   layout.cp_attention == defaults.cp_attention),
+                 "--cp-layout and --cp-attention choose how context parallelism splits and "
+                 "attends: they need --cp 2 or more");
+  return layout;
+}
 
 ch14::Workload workload_of(const RunConfig& run) {
   return {run.model, run.seq_len, run.batch, run.micro_batches,
           run.fast ? TiledCausalAttentionKernel::kDefaultTile : 0};
+}
+
+namespace {
+
+// Bytes of memory the system can still give (MemAvailable in /proc/meminfo); 0 when unknown.
+int64_t available_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+void check_fits_in_memory(const ch03::ModelConfig& model, const ch14::Layout& layout,
+                          int local_ranks) {
+  const int64_t available = available_memory();
+  if (available <= 0) return;
+  const int64_t psi = ch07::count_parameters(model).total;
+  const int64_t dp = layout.dp * layout.cp;
+  const auto m = ch09::zero_memory_formula(psi, dp, layout.zero);
+  const double per_rank = static_cast<double>(m.parameters + m.gradients + m.optimizer);
+  const double need = per_rank * local_ranks;
+  FIVEFOLD_CHECK(need <= static_cast<double>(available), "the model has ", psi,
+                 " parameters: its fp32 weights, gradients and AdamW state take ", per_rank / 1e9,
+                 " GB per rank (ZeRO-", layout.zero, " over ", dp, " ranks) x ", local_ranks,
+                 " ranks on this machine = ", need / 1e9, " GB, more than the ",
+                 static_cast<double>(available) / 1e9,
+                 " GB available (activations not counted); use a smaller model, more ranks or a "
+                 "higher --zero stage");
 }
 
 void use_layout(const ch14::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run) {
@@ -17,6 +120,63 @@ void use_layout(const ch14::Layout& layout, const dist::CommunicatorPtr& world, 
   run.make_step = setup.make_step;
   run.after_step = setup.after_step;
   run.placement = {setup.data_rank, setup.data_ranks, setup.processes, setup.writer, setup.agree};
+}
+
+namespace {
+
+// This rank's measurement beside the predictions for its part of the model, built again here
+// offline (what `fivefold train --plan` counts).
+RankMeasurement measure_against_plan(const ch14::Layout& layout, const ch14::Workload& work,
+                                     int64_t rank, const StepMeter& meter, int64_t steps) {
+  ch03::Transformer held_model = meter.held();
+  const ch14::TrainableCounts counted = ch14::count_trainable(held_model);
+  ch14::HeldParameters held;
+  static_cast<ch14::TrainableCounts&>(held) = counted;
+  try {
+    held = ch14::rank_parameters(layout, work, rank);
+  } catch (const Error&) {
+    // a part that cannot be built offline: the run's own counts, and no tp prediction
+  }
+  if (held.elements != counted.elements || held.tensors != counted.tensors)
+    log(LogLevel::Warn) << "the plan's part of the model holds " << held.elements
+                        << " parameters in " << held.tensors << " tensors, the run's "
+                        << counted.elements << " in " << counted.tensors
+                        << ": the predictions below follow the plan's";
+  RankMeasurement mine = measure_rank(meter.training_comm());
+  mine.predicted_bytes = ch14::predicted_run_traffic(layout, work, rank, held, steps,
+                                                     meter.steps_after_whole_model());
+  if (steps > 0) {
+    mine.state_bytes = meter.state().total();
+    mine.matmul_flops = meter.step_flops();
+  }
+  if (held.elements > 0)
+    mine.predicted_state_bytes = ch14::predicted_state_bytes(layout, held).total();
+  try {
+    mine.predicted_matmul_flops = ch14::predicted_flops(layout, work, rank, held).total();
+  } catch (const Error&) {
+    // no matrices known (a part not built offline) or experts with a capacity: not predicted
+  }
+  mine.flops_exact_per_rank = layout.ep == 1;  // under ep each rank computes what it was sent
+  return mine;
+}
+
+}  // namespace
+
+void report_measurements(const ch14::Layout& layout, const dist::CommunicatorPtr& world,
+                         const RunConfig& run, const StepMeter& meter, int64_t steps) {
+  const auto measured = gather_measurements(
+      world, measure_against_plan(layout, workload_of(run), world->rank(), meter, steps));
+  if (!run.placement.writer || steps == 0) return;
+  log0() << "measured over " << steps << " training steps (payload bytes handed to each "
+         << "communicator; evaluation and checkpoints not counted), beside chapters 09-13's "
+         << "formulas (per training step; '-': no formula here; '~': ep's balanced-routing "
+         << "expectation):\n"
+         << measurement_table(measured, steps);
+  if (run.out_dir.empty()) return;
+  nlohmann::json report = measurement_json(measured, steps);
+  report["layout"] = layout.describe();
+  report["steps"] = steps;
+  io::write_json(run.out_dir + "/measured.json", report);
 }
 
 }  // namespace fivefold::runtime

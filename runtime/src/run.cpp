@@ -20,6 +20,7 @@
 #include "fivefold/timer.h"
 #include "fivefold/trace.h"
 #include "runtime/fast.h"
+#include "runtime/settings.h"
 
 namespace fs = std::filesystem;
 
@@ -113,22 +114,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     start = resolve_checkpoint(requested.out_dir);
     const RunState state = load_run_state(start);
     // The run's own settings; only those that do not change what it computes come from
-    // `requested` (how long, how often to evaluate and save, how it is laid out).
-    c = state.run;
-    c.steps = requested.steps;
-    c.out_dir = requested.out_dir;
-    c.progress = requested.progress;
-    c.peak_gflops = requested.peak_gflops;
-    c.placement = requested.placement;
-    c.observers = requested.observers;
-    c.settings_toml = requested.settings_toml;
-    c.micro_batches = requested.micro_batches;
-    c.save_every = requested.save_every;
-    c.keep_checkpoints = requested.keep_checkpoints;
-    c.eval_every = requested.eval_every;
-    c.eval_batches = requested.eval_batches;
-    c.exact_match_examples = requested.exact_match_examples;
-    c.fast = requested.fast;
+    // `requested` (how long, how often to evaluate and save, how it is laid out): settings.h.
+    c = resume_with(state.run, requested);
     result.first_step = state.step;
     FIVEFOLD_CHECK(result.first_step < c.steps, "resume: '", start, "' is at step ",
                    result.first_step, ", nothing to do for --steps ", c.steps);
