@@ -1,0 +1,513 @@
+// fivefold plan: what a transformer costs and what each parallelism's formulas say of it, from a
+// Hugging Face config.json or from flags, for published models at full size (no model is built).
+//
+//   fivefold plan --config config.json [--tokens 2e12] [--budget 1e23] [--dp 64] [--json]
+//   fivefold plan --config llama.json --tp 8 --pp 4 --cp 4 --seq 8192 --micro-batch 2
+//   fivefold plan --config deepseek-v3.json --ep 64 --dp 8
+//
+// Each section is its chapter's own plan terms: chapter 02 (parameters, FLOPs, time), 07 (a
+// deepseek_v3 config's total and active parameters), 09 (ZeRO memory), 10 (tensor parallel), 11
+// (pipeline), 12 (context parallel) and 13 (expert parallel). `fivefold train --plan N` predicts
+// for the run itself instead, from the rank's part of the model built offline.
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <utility>
+
+#include "02_flops_6np/flops.h"
+#include "03_transformer/checkpoint.h"
+#include "07_moe/moe.h"
+#include "09_data_parallel/zero.h"
+#include "10_tensor_parallel/plan.h"
+#include "11_pipeline_parallel/plan.h"
+#include "12_context_parallel/plan.h"
+#include "13_expert_parallel/plan.h"
+#include "commands.h"
+#include "fivefold/cli.h"
+#include "fivefold/error.h"
+#include "fivefold/io.h"
+
+namespace fivefold::commands {
+
+namespace {
+
+// 1234567 -> "1.23 M" (for the readable table).
+std::string si(double value, const char* unit = "") {
+  const char* prefixes[] = {"", " K", " M", " G", " T", " P", " E", " Z", " Y"};
+  int i = 0;
+  while (std::abs(value) >= 1000 && i < 8) {
+    value /= 1000;
+    ++i;
+  }
+  char text[64];
+  std::snprintf(text, sizeof(text), "%.3g%s%s", value, prefixes[i], unit);
+  return text;
+}
+
+// Chapter 09: what each of `dp` data-parallel ranks keeps per ZeRO stage (0: DDP) for psi
+// parameters in fp32 AdamW, as plan's JSON writes it.
+nlohmann::json zero_memory(int64_t psi, int64_t dp) {
+  nlohmann::json zero;
+  for (int stage = 0; stage <= 3; ++stage) {
+    const auto m = ch09::zero_memory_formula(psi, dp, stage);
+    zero[std::to_string(stage)] = {{"parameters", m.parameters},
+                                   {"gradients", m.gradients},
+                                   {"optimizer", m.optimizer},
+                                   {"total", m.parameters + m.gradients + m.optimizer}};
+  }
+  return zero;
+}
+
+// The table's line for zero_memory's figures.
+void print_zero_memory(const nlohmann::json& zero, int64_t dp) {
+  std::printf("memory/rank     dp %lld, fp32 AdamW (weights + gradients + Adam):",
+              static_cast<long long>(dp));
+  const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
+  for (int stage = 0; stage <= 3; ++stage)
+    std::printf("  %s %s", names[stage], si(zero[std::to_string(stage)]["total"], "B").c_str());
+  std::printf("\n");
+}
+
+// `fivefold plan` for a deepseek_v3 config (MLA and experts, chapters 06-07), which chapter 02's
+// shape does not describe: parameters total and active (count_parameters), the 6N rule on the
+// active ones (the FLOPs a token costs), memory from the total (every expert is stored).
+int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double mfu,
+                  int64_t devices, int64_t dp, int64_t ep, int64_t micro_tokens, bool as_json) {
+  const auto config = ch03::config_from_json(json);
+  const auto p = ch07::count_parameters(config);
+  nlohmann::json out = {
+      {"parameters", {{"total", p.total}, {"active", p.active}}},
+      {"flops_per_token", {{"six_n_active", 6.0 * static_cast<double>(p.active)}}},
+      {"memory_per_device_bytes", {{"total_without_activations", 16 * p.total}}}};
+  if (tokens > 0) {
+    const double flops = 6.0 * static_cast<double>(p.active) * tokens;
+    out["training"] = {{"tokens", tokens},
+                       {"flops", flops},
+                       {"days", flops / (peak * mfu * static_cast<double>(devices)) / 86400}};
+  }
+  if (dp > 0) out["zero"] = zero_memory(p.total, dp);
+  if (ep > 0) {
+    const auto e = ch13::expert_parallel_plan(config, ep, micro_tokens);
+    out["expert_parallel"] = {
+        {"ep", ep},
+        {"moe_layers", e.moe_layers},
+        {"experts_per_rank", e.experts_per_rank},
+        {"expert_parameters_per_rank", e.expert_parameters},
+        {"replicated_parameters", e.replicated_parameters},
+        {"parameters_per_rank", e.parameters_per_rank},
+        {"memory_per_rank_bytes", e.memory_bytes},
+        {"micro_batch_tokens", micro_tokens},
+        {"all_to_all_per_micro_batch",
+         {{"calls", e.per_micro_batch.calls},
+          {"payload_bytes", e.per_micro_batch.payload_bytes},
+          {"wire_bytes", e.per_micro_batch.wire_bytes}}}};
+  }
+  if (as_json) {
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  std::printf("parameters      total %s   active per token %s (%.1f%%)\n",
+              si(static_cast<double>(p.total)).c_str(), si(static_cast<double>(p.active)).c_str(),
+              100.0 * static_cast<double>(p.active) / static_cast<double>(p.total));
+  std::printf("FLOPs/token     training 6N on the active parameters: %s (attention not included)\n",
+              si(6.0 * static_cast<double>(p.active)).c_str());
+  std::printf(
+      "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes for every "
+      "parameter, all experts; activations not included)\n",
+      si(16.0 * static_cast<double>(p.total), "B").c_str());
+  if (dp > 0) print_zero_memory(out["zero"], dp);
+  if (ep > 0) {
+    const auto& e = out["expert_parallel"];
+    std::printf(
+        "expert parallel ep %lld: %lld of each MoE layer's experts per rank (%lld MoE layers); "
+        "per rank %s parameters (%s in experts, %s replicated), %s fp32 training state\n",
+        static_cast<long long>(ep), e["experts_per_rank"].get<long long>(),
+        e["moe_layers"].get<long long>(), si(e["parameters_per_rank"].get<double>()).c_str(),
+        si(e["expert_parameters_per_rank"].get<double>()).c_str(),
+        si(e["replicated_parameters"].get<double>()).c_str(),
+        si(e["memory_per_rank_bytes"].get<double>(), "B").c_str());
+    const auto& a = e["all_to_all_per_micro_batch"];
+    std::printf(
+        "                all-to-all per micro-batch of %lld tokens (even routing, fp32, forward "
+        "and backward): %lld calls, %s handed over, %s to other ranks\n",
+        static_cast<long long>(micro_tokens), a["calls"].get<long long>(),
+        si(a["payload_bytes"].get<double>(), "B").c_str(),
+        si(a["wire_bytes"].get<double>(), "B").c_str());
+  }
+  if (out.contains("training")) {
+    std::printf(
+        "training        %s tokens: %s FLOPs; %.1f days on %lld devices at %s FLOP/s, "
+        "MFU %.2f\n",
+        si(tokens).c_str(), si(out["training"]["flops"].get<double>()).c_str(),
+        out["training"]["days"].get<double>(), static_cast<long long>(devices), si(peak).c_str(),
+        mfu);
+  }
+  return 0;
+}
+
+void declare_flags(ArgParser& args) {
+  args.option("config", "",
+              "config.json (Llama, GPT-2 or DeepSeek-V3 keys); or give the shape with the flags "
+              "below");
+  args.option("vocab", "32000", "vocabulary size").option("d-model", "", "hidden size");
+  args.option("n-layers", "", "transformer blocks").option("n-heads", "", "query heads");
+  args.option("n-kv-heads", "", "key/value heads (default: n-heads)");
+  args.option("head-dim", "", "per head (default: d-model / n-heads)");
+  args.option(
+      "d-ff", "",
+      "MLP hidden size (default: 4 d-model for --gpt2, else 8/3 d-model rounded up to 256)");
+  args.flag("tied", "LM head shares the embedding")
+      .flag("gpt2", "GPT-2 family: LayerNorm, GELU MLP, biases");
+  args.option("seq", "", "context length (default: the config's maximum, else 2048)");
+  args.option("tokens", "0", "training tokens, for total FLOPs and time");
+  args.option("budget", "0", "a FLOP budget, for the compute-optimal (Chinchilla) split");
+  args.option("peak", "989e12", "peak FLOP/s of one device (default: H100 SXM, bf16 dense)");
+  args.option("mfu", "0.4", "model FLOPs utilisation to assume").option("devices", "1", "devices");
+  args.option("dp", "0",
+              "data-parallel ranks: adds per-rank memory for DDP and ZeRO-1/2/3 "
+              "(chapter 09; fp32 AdamW)");
+  args.option("tp", "0",
+              "tensor-parallel ranks: adds per-rank parameters and memory, and the TP "
+              "communication of one micro-batch (chapter 10; Llama-shaped models)");
+  args.option("micro-batch", "1",
+              "sequences per micro-batch, for --tp's and --pp's communication and activations");
+  args.option("pp", "0",
+              "pipeline ranks: adds each rank's layers and parameters, the bubble, the "
+              "micro-batches of activations it keeps, their fp32 bytes, and what it sends per "
+              "step (chapter 11; Llama-shaped models)");
+  args.option("schedule", "1f1b", "with --pp: gpipe, 1f1b, interleaved or zb");
+  args.option("virtual-stages", "1", "with --pp and --schedule interleaved: stages per rank");
+  args.option("micro-batches", "8", "with --pp: micro-batches per step (m)");
+  args.option("cp", "0",
+              "context-parallel ranks: adds the keys and values each rank sends per layer and "
+              "micro-batch (chapter 12; Llama-shaped models)");
+  args.option("cp-layout", "zigzag", "with --cp: zigzag or contiguous");
+  args.option("cp-attention", "ring", "with --cp: ring or allgather");
+  args.option("ep", "0",
+              "expert-parallel ranks: adds the experts and parameters each rank holds and the "
+              "all-to-all bytes of one micro-batch of --micro-batch x --seq tokens (default seq "
+              "4096) per rank (chapter 13; DeepSeek-V3-shaped models)");
+  args.flag("json", "print JSON instead of a table");
+}
+
+// The model the flags describe when no --config is given (Llama's shape, or GPT-2's with --gpt2).
+ch02::TransformerShape shape_from_flags(const ArgParser& args) {
+  FIVEFOLD_CHECK(args.given("d-model") && args.given("n-layers") && args.given("n-heads"),
+                 "fivefold plan: give --config, or at least --d-model, --n-layers and --n-heads");
+  ch02::TransformerShape shape;
+  const bool gpt2 = args.on("gpt2");
+  shape.vocab_size = args.integer("vocab");
+  shape.d_model = args.integer("d-model");
+  shape.n_layers = args.integer("n-layers");
+  shape.n_heads = args.integer("n-heads");
+  shape.n_kv_heads = args.given("n-kv-heads") ? args.integer("n-kv-heads") : shape.n_heads;
+  FIVEFOLD_CHECK(args.given("head-dim") || shape.d_model % shape.n_heads == 0, "--d-model (",
+                 shape.d_model, ") is not divisible by --n-heads (", shape.n_heads,
+                 "): give --head-dim");
+  shape.head_dim =
+      args.given("head-dim") ? args.integer("head-dim") : shape.d_model / shape.n_heads;
+  // Llama's rule: 2/3 of 4d for three matrices, rounded up to a multiple of 256.
+  const int64_t llama_ff = ((8 * shape.d_model / 3 + 255) / 256) * 256;
+  shape.d_ff = args.given("d-ff") ? args.integer("d-ff") : (gpt2 ? 4 * shape.d_model : llama_ff);
+  shape.gated_mlp = !gpt2;
+  shape.biases = gpt2;
+  shape.layer_norm = gpt2;
+  shape.tied_embeddings = args.on("tied");
+  shape.validate();
+  return shape;
+}
+
+// Chapter 10: each tp rank's parameters and memory, and the communication of one micro-batch of
+// b sequences, with and without sequence parallelism.
+nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int64_t tp,
+                                       int64_t psi, int64_t b, int64_t context) {
+  nlohmann::json traffic;
+  for (bool sp : {false, true}) {
+    const auto t = ch10::tensor_parallel_traffic(shape, static_cast<int>(tp), b, context, sp);
+    nlohmann::json ops;
+    const std::pair<const char*, ch10::Traffic> kinds[] = {{"all_reduce", t.all_reduce},
+                                                           {"all_gather", t.all_gather},
+                                                           {"reduce_scatter", t.reduce_scatter}};
+    for (const auto& [name, k] : kinds) {
+      ops[name] = {
+          {"calls", k.calls}, {"payload_bytes", k.payload_bytes}, {"wire_bytes", k.wire_bytes}};
+    }
+    ops["wire_bytes"] = t.wire_bytes();
+    traffic[sp ? "sequence_parallel" : "plain"] = ops;
+  }
+  return {{"tp", tp},
+          {"parameters_per_rank", psi},
+          {"memory_per_rank_bytes", 16 * psi},
+          {"micro_batch", {{"sequences", b}, {"tokens", b * context}}},
+          {"communication_per_micro_batch", traffic},
+          {"sequence_parallel_activation_savings_bytes",
+           ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b,
+                                                      context)}};
+}
+
+// Chapter 11: each pipeline rank's layers, parameters, activations in flight and sends per step.
+nlohmann::json pipeline_section(const ch02::TransformerShape& shape, int64_t pp, int64_t v,
+                                int64_t m, const std::string& schedule, int64_t b,
+                                int64_t context) {
+  FIVEFOLD_CHECK(pp * v <= shape.n_layers, "--pp ", pp, " x --virtual-stages ", v,
+                 " stages, but the model has only ", shape.n_layers, " layers");
+  const auto plan = ch11::pipeline_plan(shape, pp, v, m, schedule, b, context);
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int64_t r = 0; r < pp; ++r) {
+    const auto& rank = plan.ranks[static_cast<size_t>(r)];
+    const auto t = ch11::pipeline_traffic(pp, v, m, r, b * m, context, shape.d_model);
+    ranks.push_back({{"layers", rank.layers},
+                     {"parameters", rank.parameters},
+                     {"memory_bytes", 16 * rank.parameters},
+                     {"peak_micro_batches_in_flight", rank.peak_in_flight},
+                     {"activation_bytes_per_micro_batch", rank.activation_bytes},
+                     {"peak_activation_bytes", rank.peak_activation_bytes},
+                     {"sends_per_step", t.sends},
+                     {"send_bytes_per_step", t.payload_bytes}});
+  }
+  return {{"pp", pp},           {"schedule", schedule},      {"virtual_stages", v},
+          {"micro_batches", m}, {"micro_batch_sequences", b}, {"bubble", plan.bubble},
+          {"ranks", ranks}};
+}
+
+// Chapter 12: each context-parallel rank's tokens, activations and what it sends.
+nlohmann::json context_parallel_section(const ch02::TransformerShape& shape, int64_t cp,
+                                        const std::string& layout_name,
+                                        const std::string& attention_name, int64_t b,
+                                        int64_t context) {
+  using namespace ch12;
+  const auto layout = parse_cp_layout(layout_name);
+  const auto attention = parse_cp_attention(attention_name);
+  check_context_parallel(context, cp, layout);
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int64_t r = 0; r < cp; ++r) {
+    const auto t = context_parallel_traffic(cp, r, b, context, shape.n_kv_heads, shape.head_dim,
+                                            shape.head_dim, layout, attention);
+    nlohmann::json ops;
+    const std::pair<const char*, CpOps> kinds[] = {
+        {"all_gather", t.all_gather}, {"send_recv", t.send_recv}, {"all_to_all", t.all_to_all}};
+    int64_t bytes = 0;
+    for (const auto& [name, k] : kinds) {
+      ops[name] = {{"calls", k.calls}, {"payload_bytes", k.payload_bytes}};
+      bytes += k.payload_bytes;
+    }
+    ranks.push_back(
+        {{"tokens", shard_positions(context, cp, r, layout).size(0)},
+         {"activation_bytes", cp_activation_bytes(shape, cp, r, b, context, layout, attention)},
+         {"per_layer", ops},
+         {"bytes_per_layer", bytes},
+         {"bytes_per_micro_batch", bytes * shape.n_layers}});
+  }
+  return {{"cp", cp},
+          {"layout", layout_name},
+          {"attention", attention_name},
+          {"micro_batch_sequences", b},
+          {"ranks", ranks}};
+}
+
+// Parameters, FLOPs per token and memory (chapter 02's plan) as the readable table.
+void print_model(const nlohmann::json& out, int64_t context) {
+  const auto& p = out["parameters"];
+  const auto& f = out["flops_per_token"];
+  std::printf("parameters      total %s   embedding %s   non-embedding %s   in matmuls %s\n",
+              si(p["total"]).c_str(), si(p["embedding"]).c_str(), si(p["non_embedding"]).c_str(),
+              si(p["matmul_weights"]).c_str());
+  std::printf("FLOPs/token     training %s (exact, context %lld)   6N %s   ratio %.3f\n",
+              si(f["training"]).c_str(), static_cast<long long>(context), si(f["six_n"]).c_str(),
+              f["training_over_six_n"].get<double>());
+  const auto& c = f["forward_components"];
+  std::printf("  forward       qkv %s  scores %s  values %s  out %s  mlp %s  lm_head %s\n",
+              si(c["qkv"]).c_str(), si(c["attention_scores"]).c_str(),
+              si(c["attention_values"]).c_str(), si(c["output_projection"]).c_str(),
+              si(c["mlp"]).c_str(), si(c["lm_head"]).c_str());
+  std::printf(
+      "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes a parameter; "
+      "activations not included; no sharding)\n",
+      si(out["memory_per_device_bytes"]["total_without_activations"], "B").c_str());
+}
+
+void print_tensor_parallel(const nlohmann::json& t, int64_t context) {
+  const auto b = t["micro_batch"]["sequences"].get<long long>();
+  std::printf(
+      "tensor parallel tp %lld: %s parameters per rank, %s per rank (fp32 AdamW, "
+      "activations not included)\n",
+      t["tp"].get<long long>(), si(t["parameters_per_rank"].get<double>()).c_str(),
+      si(t["memory_per_rank_bytes"].get<double>(), "B").c_str());
+  for (const char* mode : {"plain", "sequence_parallel"}) {
+    const auto& c = t["communication_per_micro_batch"][mode];
+    std::printf(
+        "  %-17s per micro-batch of %lld x %lld tokens (fp32): all-reduce %lld x, "
+        "all-gather %lld x, reduce-scatter %lld x; %s handed over, %s on the wire per "
+        "rank\n",
+        mode, b, static_cast<long long>(context),
+        static_cast<long long>(c["all_reduce"]["calls"]),
+        static_cast<long long>(c["all_gather"]["calls"]),
+        static_cast<long long>(c["reduce_scatter"]["calls"]),
+        si(c["all_reduce"]["payload_bytes"].get<double>() +
+               c["all_gather"]["payload_bytes"].get<double>() +
+               c["reduce_scatter"]["payload_bytes"].get<double>(),
+           "B")
+            .c_str(),
+        si(c["wire_bytes"].get<double>(), "B").c_str());
+  }
+  std::printf(
+      "  sequence parallelism keeps %s fewer activation bytes per micro-batch on rank 0 "
+      "(fp32: what the norms keep for the tokens other ranks hold)\n",
+      si(t["sequence_parallel_activation_savings_bytes"].get<double>(), "B").c_str());
+}
+
+void print_pipeline(const nlohmann::json& pl, int64_t context) {
+  std::printf(
+      "pipeline        pp %lld, %s, v %lld, m %lld: bubble %.1f%% of the time (F = B = W); "
+      "per step, micro-batches of %lld x %lld tokens:\n",
+      pl["pp"].get<long long>(), pl["schedule"].get<std::string>().c_str(),
+      static_cast<long long>(pl["virtual_stages"]), static_cast<long long>(pl["micro_batches"]),
+      100 * pl["bubble"].get<double>(), pl["micro_batch_sequences"].get<long long>(),
+      static_cast<long long>(context));
+  for (size_t r = 0; r < pl["ranks"].size(); ++r) {
+    const auto& rank = pl["ranks"][r];
+    std::string layers;
+    for (const auto& range : rank["layers"]) {
+      layers += (layers.empty() ? "" : ", ") + std::to_string(range[0].get<int64_t>()) + "-" +
+                std::to_string(range[1].get<int64_t>() - 1);
+    }
+    std::string one;
+    for (const auto& bytes : rank["activation_bytes_per_micro_batch"]) {
+      one += (one.empty() ? "" : " / ") + si(bytes.get<double>(), "B");
+    }
+    std::printf(
+        "  rank %zu  layers %-10s %s parameters (%s fp32 AdamW); activations %lld in "
+        "flight x %s = %s; %lld sends, %s\n",
+        r, layers.c_str(), si(rank["parameters"].get<double>()).c_str(),
+        si(rank["memory_bytes"].get<double>(), "B").c_str(),
+        static_cast<long long>(rank["peak_micro_batches_in_flight"]), one.c_str(),
+        si(rank["peak_activation_bytes"].get<double>(), "B").c_str(),
+        static_cast<long long>(rank["sends_per_step"]),
+        si(rank["send_bytes_per_step"].get<double>(), "B").c_str());
+  }
+}
+
+void print_context_parallel(const nlohmann::json& c, int64_t context) {
+  std::printf(
+      "context parallel cp %lld, %s, %s attention; per micro-batch of %lld x %lld tokens "
+      "(fp32; activations kept for backward, bytes sent forward and backward):\n",
+      c["cp"].get<long long>(), c["layout"].get<std::string>().c_str(),
+      c["attention"].get<std::string>().c_str(), c["micro_batch_sequences"].get<long long>(),
+      static_cast<long long>(context));
+  for (size_t r = 0; r < c["ranks"].size(); ++r) {
+    const auto& rank = c["ranks"][r];
+    std::printf(
+        "  rank %zu  %lld tokens; activations %s; sends %s per layer, %s per "
+        "micro-batch\n",
+        r, static_cast<long long>(rank["tokens"]),
+        si(rank["activation_bytes"].get<double>(), "B").c_str(),
+        si(rank["bytes_per_layer"].get<double>(), "B").c_str(),
+        si(rank["bytes_per_micro_batch"].get<double>(), "B").c_str());
+  }
+}
+
+// Training time and the compute-optimal split, where asked for.
+void print_training(const nlohmann::json& out) {
+  if (out.contains("training")) {
+    const auto& t = out["training"];
+    std::printf(
+        "training        %s tokens: %s FLOPs (6ND: %s); %.1f days on %lld devices at %s FLOP/s, "
+        "MFU %.2f\n",
+        si(t["tokens"]).c_str(), si(t["flops"]).c_str(), si(t["flops_six_n"]).c_str(),
+        t["days"].get<double>(), static_cast<long long>(t["devices"].get<int64_t>()),
+        si(t["peak_flops_per_device"]).c_str(), t["mfu"].get<double>());
+  }
+  if (out.contains("budget")) {
+    const auto& b = out["budget"];
+    std::printf(
+        "budget          %s FLOPs: compute-optimal %s parameters x %s tokens (Chinchilla, "
+        "~20 tokens/parameter); this model: %s tokens\n",
+        si(b["flops"]).c_str(), si(b["chinchilla_parameters"]).c_str(),
+        si(b["chinchilla_tokens"]).c_str(), si(b["tokens_for_this_model"]).c_str());
+  }
+}
+
+// A deepseek_v3 config.json: chapters 09 and 13's terms only (the others are Llama-shaped).
+int plan_deepseek_config(const ArgParser& args, const nlohmann::json& config) {
+  FIVEFOLD_CHECK(args.integer("dp") >= 0, "--dp must be >= 0");
+  FIVEFOLD_CHECK(args.integer("pp") == 0, "--pp: chapter 11's formulas are for Llama-shaped models");
+  FIVEFOLD_CHECK(args.integer("cp") == 0, "--cp: chapter 12's formulas are for Llama-shaped models");
+  FIVEFOLD_CHECK(args.integer("tp") == 0,
+                 "--tp: chapter 10's formulas are for Llama-shaped models (MLA and experts "
+                 "split differently)");
+  try {
+    FIVEFOLD_CHECK(args.integer("ep") >= 0, "--ep must be >= 0");
+    const int64_t seq = args.given("seq") ? args.integer("seq") : 4096;
+    return plan_deepseek(config, args.real("tokens"), args.real("peak"), args.real("mfu"),
+                         args.integer("devices"), args.integer("dp"), args.integer("ep"),
+                         args.integer("micro-batch") * seq, args.on("json"));
+  } catch (const Error& e) {
+    throw Error(args.str("config") + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+int plan(int argc, char** argv) {
+  ArgParser args("fivefold plan",
+                 "Parameters, FLOPs per token (exact and 6N), training time and memory of a "
+                 "transformer, from a Hugging Face config.json or from flags.");
+  declare_flags(args);
+  if (!args.parse(argc, argv)) return 0;
+  FIVEFOLD_CHECK(args.integer("tp") >= 0, "--tp must be >= 0");
+  FIVEFOLD_CHECK(args.integer("micro-batch") >= 1, "--micro-batch must be >= 1");
+  ch02::TransformerShape shape;
+  int64_t context = 2048;
+  if (args.given("config")) {
+    const auto config = io::read_json(args.str("config"));
+    if (config.is_object() && config.value("model_type", "") == "deepseek_v3")
+      return plan_deepseek_config(args, config);
+    try {
+      shape = ch02::shape_from_hf_config(config);
+    } catch (const Error& e) {
+      throw Error(args.str("config") + ": " + e.what());
+    }
+    for (const char* key : {"max_position_embeddings", "n_positions"}) {
+      if (config.contains(key) && config[key].is_number_integer()) context = config[key];
+    }
+  } else {
+    shape = shape_from_flags(args);
+  }
+  FIVEFOLD_CHECK(args.integer("ep") == 0,
+                 "--ep: the model has no routed experts to distribute (give a DeepSeek-V3 "
+                 "config.json, model_type deepseek_v3)");
+  if (args.given("seq")) context = args.integer("seq");
+  const auto out = ch02::plan(shape, context, args.real("tokens"), args.real("budget"),
+                              args.real("peak"), args.real("mfu"), args.integer("devices"));
+  auto result = out;
+  const int64_t dp = args.integer("dp"), tp = args.integer("tp"), pp = args.integer("pp");
+  const int64_t cp = args.integer("cp"), b = args.integer("micro-batch");
+  FIVEFOLD_CHECK(dp >= 0, "--dp must be >= 0");
+  const int64_t psi = tp > 0 ? ch10::parameters_per_rank(shape, static_cast<int>(tp))
+                             : ch02::count_parameters(shape).total;
+  if (dp > 0) result["zero"] = zero_memory(psi, dp);
+  if (tp > 0) result["tensor_parallel"] = tensor_parallel_section(shape, tp, psi, b, context);
+  FIVEFOLD_CHECK(pp >= 0, "--pp must be >= 0");
+  if (pp > 0)
+    result["pipeline"] =
+        pipeline_section(shape, pp, args.integer("virtual-stages"), args.integer("micro-batches"),
+                         args.str("schedule"), b, context);
+  FIVEFOLD_CHECK(cp >= 0, "--cp must be >= 0");
+  if (cp > 0)
+    result["context_parallel"] = context_parallel_section(
+        shape, cp, args.str("cp-layout"), args.str("cp-attention"), b, context);
+  if (args.on("json")) {
+    std::printf("%s\n", result.dump(2).c_str());
+    return 0;
+  }
+  print_model(out, context);
+  if (tp > 0) print_tensor_parallel(result["tensor_parallel"], context);
+  if (pp > 0) print_pipeline(result["pipeline"], context);
+  if (cp > 0) print_context_parallel(result["context_parallel"], context);
+  if (dp > 0) print_zero_memory(result["zero"], dp);
+  print_training(out);
+  return 0;
+}
+
+}  // namespace fivefold::commands
