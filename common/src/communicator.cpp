@@ -558,6 +558,18 @@ torch::Tensor Communicator::reduce_scatter(const torch::Tensor& tensor, ReduceOp
   return reduce_scatter_async(tensor, op).wait();
 }
 
+torch::Tensor all_gather_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
+                               const std::vector<int64_t>& sizes) {
+  const auto rows = tensor.movedim(dim, 0).contiguous();
+  const auto gathered = sizes.empty() ? comm.all_gather(rows) : comm.all_gather(rows, sizes);
+  return gathered.movedim(0, dim).contiguous();
+}
+
+torch::Tensor reduce_scatter_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
+                                   ReduceOp op) {
+  return comm.reduce_scatter(tensor.movedim(dim, 0).contiguous(), op).movedim(0, dim).contiguous();
+}
+
 torch::Tensor Communicator::all_to_all(const torch::Tensor& tensor,
                                        const std::vector<int64_t>& send_sizes,
                                        const std::vector<int64_t>& recv_sizes) {

@@ -38,8 +38,7 @@ class GatherVocabulary : public torch::autograd::Function<GatherVocabulary> {
                                dist::CommunicatorPtr tp) {
     ctx->saved_data["first"] = split_offset(vocab, tp->rank(), tp->size());
     ctx->saved_data["rows"] = local.size(-1);
-    auto moved = local.movedim(-1, 0).contiguous();  // the communicator gathers along dim 0
-    return tp->all_gather(moved, split_sizes(vocab, tp->size())).movedim(0, -1).contiguous();
+    return dist::all_gather_along(*tp, local, -1, split_sizes(vocab, tp->size()));
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto mine =

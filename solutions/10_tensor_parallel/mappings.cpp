@@ -83,16 +83,13 @@ torch::Tensor all_gather_sequence(const torch::Tensor& x, int64_t seq, dist::Com
   FIVEFOLD_CHECK(x.size(1) == sizes[static_cast<size_t>(tp.rank())], "all_gather_sequence: rank ",
                  tp.rank(), " holds ", x.size(1), " positions, its part of ", seq, " is ",
                  sizes[static_cast<size_t>(tp.rank())]);
-  // The communicator gathers along dim 0: put the sequence first, and back.
-  auto gathered = tp.all_gather(x.transpose(0, 1).contiguous(), sizes);
-  return gathered.transpose(0, 1).contiguous();
+  return dist::all_gather_along(tp, x, 1, sizes);
 }
 
 torch::Tensor reduce_scatter_sequence(const torch::Tensor& x, dist::Communicator& tp) {
   FIVEFOLD_CHECK(x.dim() >= 2, "reduce_scatter_sequence: x must be [batch, seq, ...], got ",
                  x.sizes());
-  auto part = tp.reduce_scatter(x.transpose(0, 1).contiguous());
-  return part.transpose(0, 1).contiguous();
+  return dist::reduce_scatter_along(tp, x, 1);
 }
 
 torch::Tensor gather_from_sequence_parallel(const torch::Tensor& x, int64_t seq,

@@ -44,15 +44,13 @@ io::TensorMap gather_shards(const io::TensorMap& local,
                    "gather_shards: ", name, " is part ", s->index, " of ", s->count,
                    ", not this tp rank's");
     const int sharing = tp.size() / static_cast<int>(s->count);
-    // The communicator gathers along dim 0: put the split dimension first, and back.
-    auto moved = t.movedim(s->dim, 0).contiguous();
     std::vector<int64_t> sizes;
     for (int r = 0; r < tp.size(); ++r)
       sizes.push_back(split_sizes(s->full_size, s->count)[static_cast<size_t>(r / sharing)]);
-    auto gathered = tp.all_gather(moved, sizes).split_with_sizes(sizes);
+    auto gathered = dist::all_gather_along(tp, t, s->dim, sizes).split_with_sizes(sizes, s->dim);
     std::vector<torch::Tensor> parts;  // one copy of each part: the first sharing rank's
     for (int r = 0; r < tp.size(); r += sharing) parts.push_back(gathered[static_cast<size_t>(r)]);
-    whole[name] = torch::cat(parts).movedim(0, s->dim).contiguous();
+    whole[name] = torch::cat(parts, s->dim).contiguous();
   }
   return whole;
 }

@@ -144,9 +144,7 @@ class GatherSequence : public torch::autograd::Function<GatherSequence> {
                                std::vector<int64_t> sizes, dist::CommunicatorPtr cp) {
     ctx->saved_data["sizes"] = c10::List<int64_t>(sizes);
     ch10::save_communicator(ctx, cp);
-    // The collectives concatenate along dim 0: move the sequence there and back.
-    auto gathered = cp->all_gather(x.permute({2, 0, 1, 3}).contiguous(), sizes);
-    return gathered.permute({1, 2, 0, 3}).contiguous();
+    return dist::all_gather_along(*cp, x, 2, sizes);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     std::vector<int64_t> sizes;

@@ -125,6 +125,32 @@ TEST(Communicator, ReduceScatterEqualsSplitOfSerialSum) {
   EXPECT_TENSOR_CLOSE(whole, reduced, 1e-5, 1e-6);
 }
 
+TEST(Communicator, GatherAndScatterAlongAnyDimension) {
+  // What a sequence, a vocabulary or a split weight needs: the collectives along dim 1, 2 or the
+  // last, with uneven parts, against the serial concatenation and the split of the serial sum.
+  auto comm = world();
+  const int n = comm->size();
+  for (int64_t dim : {1, 2, -1}) {
+    std::vector<int64_t> sizes;
+    std::vector<torch::Tensor> parts;
+    for (int r = 0; r < n; ++r) {
+      sizes.push_back(r + 1);
+      std::vector<int64_t> shape = {2, 3, 4, 5};
+      shape[static_cast<size_t>(dim < 0 ? dim + 4 : dim)] = sizes.back();
+      parts.push_back(input_of(r, "along" + std::to_string(dim), shape));
+    }
+    EXPECT_TENSOR_EQ(all_gather_along(*comm, parts[comm->rank()], dim, sizes),
+                     torch::cat(parts, dim));
+    const auto equal = input_of(comm->rank(), "along-equal", {2, 3, 4});
+    std::vector<torch::Tensor> all;
+    for (int r = 0; r < n; ++r) all.push_back(input_of(r, "along-equal", {2, 3, 4}));
+    EXPECT_TENSOR_EQ(all_gather_along(*comm, equal, dim), torch::cat(all, dim));
+    const auto total = torch::stack(all).sum(0);
+    EXPECT_TENSOR_CLOSE(reduce_scatter_along(*comm, equal, dim),
+                        torch::tensor_split(total, n, dim)[comm->rank()], 1e-5, 1e-6);
+  }
+}
+
 TEST(Communicator, AllToAllWithSplitSizes) {
   auto comm = world();
   const int n = comm->size();

@@ -224,6 +224,18 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
 /// Shared handle to a communicator (communicators are shared by the mesh, layers and tests).
 using CommunicatorPtr = std::shared_ptr<Communicator>;
 
+/// Communicator::all_gather along dimension `dim` of `tensor` (negative: from the end) instead of
+/// dim 0: rank i holds `sizes[i]` of that dimension (empty: the same on every rank), and the
+/// result holds their sum, rank 0's first. The collective concatenates along dim 0, so the
+/// dimension moves there and back; the bytes sent are the same. The one way every chapter gathers
+/// a sequence, a vocabulary or a weight split along some dimension.
+torch::Tensor all_gather_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
+                               const std::vector<int64_t>& sizes = {});
+/// Communicator::reduce_scatter along dimension `dim`: this rank's part (torch::tensor_split's)
+/// of the reduction over the ranks of `tensor` (the same shape on every rank).
+torch::Tensor reduce_scatter_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
+                                   ReduceOp op = ReduceOp::Sum);
+
 /// A communicator that only knows its place: rank `rank` of `size`, named `name`. Every operation
 /// on it, split included, throws fivefold::Error. For building one rank's part of a model on one
 /// process (`fivefold train --plan`: the layers split over tp, the experts over ep) without the
