@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
-#include <sstream>
 #include <vector>
 
 #include "03_transformer/train.h"
@@ -19,6 +18,7 @@
 #include "fivefold/io.h"
 #include "fivefold/progress.h"
 #include "fivefold/runtime.h"
+#include "fivefold/svg.h"
 #include "fivefold/timer.h"
 
 using namespace fivefold;
@@ -70,42 +70,20 @@ struct Curve {
 
 std::string svg_plot(const std::vector<int64_t>& lengths, const std::vector<Curve>& curves,
                      int64_t trained) {
-  const double w = 680, h = 420, left = 60, right = 230, top = 30, bottom = 50;
-  const double pw = w - left - right, ph = h - top - bottom;
-  auto x = [&](size_t i) {
-    return left + pw * static_cast<double>(i) / static_cast<double>(lengths.size() - 1);
-  };
-  auto y = [&](double a) { return top + ph * (1.0 - a); };
-  std::ostringstream s;
-  s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h
-    << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
-       "fill='white'/>\n";
-  s << "<text x='" << left << "' y='18' font-size='14'>Pass-key retrieval accuracy, trained at "
-    << trained << " tokens</text>\n";
-  for (double a : {0.0, 0.25, 0.5, 0.75, 1.0}) {
-    s << "<line x1='" << left << "' x2='" << left + pw << "' y1='" << y(a) << "' y2='" << y(a)
-      << "' stroke='#ddd'/><text x='" << left - 8 << "' y='" << y(a) + 4 << "' text-anchor='end'>"
-      << a << "</text>\n";
-  }
-  for (size_t i = 0; i < lengths.size(); ++i) {
-    s << "<text x='" << x(i) << "' y='" << top + ph + 18 << "' text-anchor='middle'>" << lengths[i]
-      << "</text>\n";
-  }
-  s << "<text x='" << left + pw / 2 << "' y='" << h - 10
-    << "' text-anchor='middle'>evaluation length (tokens)</text>\n";
-  double legend = top + 10;
+  svg::LineChart chart;
+  chart.title = "Pass-key retrieval accuracy, trained at " + std::to_string(trained) + " tokens";
+  chart.x_label = "evaluation length (tokens)";
+  chart.y_label = "retrieval accuracy";
+  chart.y_min = 0;
+  chart.y_max = 1;
+  for (size_t i = 0; i < lengths.size(); ++i)
+    chart.x_ticks.emplace_back(static_cast<double>(i), std::to_string(lengths[i]));
   for (const Curve& c : curves) {
-    s << "<polyline fill='none' stroke='" << c.colour << "' stroke-width='2'"
-      << (c.dashed ? " stroke-dasharray='6,4'" : "") << " points='";
-    for (size_t i = 0; i < c.accuracy.size(); ++i) s << x(i) << "," << y(c.accuracy[i]) << " ";
-    s << "'/>\n<line x1='" << left + pw + 15 << "' x2='" << left + pw + 45 << "' y1='" << legend
-      << "' y2='" << legend << "' stroke='" << c.colour << "' stroke-width='2'"
-      << (c.dashed ? " stroke-dasharray='6,4'" : "") << "/><text x='" << left + pw + 52 << "' y='"
-      << legend + 4 << "'>" << c.name << "</text>\n";
-    legend += 20;
+    svg::Series series{c.name, {}, c.accuracy, c.colour, c.dashed ? "6,4" : ""};
+    for (size_t i = 0; i < c.accuracy.size(); ++i) series.x.push_back(static_cast<double>(i));
+    chart.series.push_back(series);
   }
-  s << "</svg>\n";
-  return s.str();
+  return svg::line_chart(chart);
 }
 
 }  // namespace

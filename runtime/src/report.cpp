@@ -12,6 +12,7 @@
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 #include "fivefold/memory.h"
+#include "fivefold/svg.h"
 
 namespace fivefold::runtime {
 
@@ -109,72 +110,18 @@ std::string curve_table(const Curve& curve, const Curve& reference, int64_t rows
 
 std::string svg_plot(const std::vector<Curve>& curves, const std::string& title) {
   FIVEFOLD_CHECK(!curves.empty(), "svg_plot: no curves");
-  const double width = 720, height = 420, left = 70, right = 20, top = 40, bottom = 50;
-  double x0 = std::numeric_limits<double>::max(), x1 = std::numeric_limits<double>::lowest();
-  double y0 = x0, y1 = x1;
+  svg::LineChart chart;
+  chart.title = title;
+  chart.x_label = "step";
+  chart.y_label = "training loss";
   for (const Curve& c : curves) {
-    for (size_t i = 0; i < c.steps.size(); ++i) {
-      x0 = std::min(x0, static_cast<double>(c.steps[i]));
-      x1 = std::max(x1, static_cast<double>(c.steps[i]));
-      y0 = std::min(y0, c.loss[i]);
-      y1 = std::max(y1, c.loss[i]);
-    }
+    svg::Series series;
+    series.label = c.label;
+    series.x.assign(c.steps.begin(), c.steps.end());
+    series.y = c.loss;
+    chart.series.push_back(series);
   }
-  if (x1 <= x0) x1 = x0 + 1;
-  if (y1 <= y0) y1 = y0 + 1;
-  const double pad = 0.05 * (y1 - y0);
-  y0 -= pad;
-  y1 += pad;
-  auto px = [&](double x) { return left + (x - x0) / (x1 - x0) * (width - left - right); };
-  auto py = [&](double y) { return top + (y1 - y) / (y1 - y0) * (height - top - bottom); };
-  const char* colours[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"};
-  const char* dashes[] = {"", "6,4", "2,3", "8,3,2,3", "1,2"};
-  std::ostringstream out;
-  out << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width << "\" height=\"" << height
-      << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      << "<text x=\"" << width / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">"
-      << title << "</text>\n";
-  // Axes with five ticks each.
-  out << "<g stroke=\"#444\" fill=\"none\"><path d=\"M" << left << " " << top << " V"
-      << height - bottom << " H" << width - right << "\"/></g>\n";
-  for (int t = 0; t <= 4; ++t) {
-    const double x = x0 + (x1 - x0) * t / 4, y = y0 + (y1 - y0) * t / 4;
-    char label[32];
-    std::snprintf(label, sizeof(label), "%.0f", x);
-    out << "<text x=\"" << px(x) << "\" y=\"" << height - bottom + 18
-        << "\" text-anchor=\"middle\">" << label << "</text>\n";
-    std::snprintf(label, sizeof(label), "%.3g", y);
-    out << "<text x=\"" << left - 8 << "\" y=\"" << py(y) + 4 << "\" text-anchor=\"end\">" << label
-        << "</text>\n"
-        << "<path d=\"M" << left << " " << py(y) << " H" << width - right
-        << "\" stroke=\"#ddd\"/>\n";
-  }
-  out << "<text x=\"" << (left + width - right) / 2 << "\" y=\"" << height - 12
-      << "\" text-anchor=\"middle\">step</text>\n"
-      << "<text x=\"16\" y=\"" << (top + height - bottom) / 2
-      << "\" transform=\"rotate(-90 16 " << (top + height - bottom) / 2
-      << ")\" text-anchor=\"middle\">training loss</text>\n";
-  for (size_t k = 0; k < curves.size(); ++k) {
-    const Curve& c = curves[k];
-    out << "<polyline fill=\"none\" stroke=\"" << colours[k % 5] << "\" stroke-width=\"1.8\"";
-    if (*dashes[k % 5]) out << " stroke-dasharray=\"" << dashes[k % 5] << "\"";
-    out << " points=\"";
-    for (size_t i = 0; i < c.steps.size(); ++i) {
-      char point[64];
-      std::snprintf(point, sizeof(point), "%.1f,%.1f ", px(static_cast<double>(c.steps[i])),
-                    py(c.loss[i]));
-      out << point;
-    }
-    out << "\"/>\n";
-    const double ly = top + 16 + 18 * static_cast<double>(k);
-    out << "<path d=\"M" << width - right - 260 << " " << ly << " h30\" stroke=\"" << colours[k % 5]
-        << "\" stroke-width=\"2\"" << (*dashes[k % 5] ? std::string(" stroke-dasharray=\"") + dashes[k % 5] + "\"" : "")
-        << "/>\n<text x=\"" << width - right - 224 << "\" y=\"" << ly + 4 << "\">" << c.label
-        << "</text>\n";
-  }
-  out << "</svg>\n";
-  return out.str();
+  return svg::line_chart(chart);
 }
 
 RankMeasurement measure_rank(const dist::CommStats& stats) {

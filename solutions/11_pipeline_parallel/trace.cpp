@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <limits>
-#include <sstream>
 
 #include "fivefold/consolidate.h"
+#include "fivefold/svg.h"
 #include "fivefold/trace.h"
 
 namespace fivefold::ch11 {
@@ -100,40 +100,34 @@ std::string timeline_svg(const Timelines& timelines, const std::string& title) {
   const auto [first, last] = span(timelines);
   const double width = 900, row = 28, left = 60, top = 30;
   const double scale = last > first ? width / (last - first) : 1;
-  std::ostringstream svg;
-  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << left + width + 10 << "\" height=\""
-      << top + row * static_cast<double>(timelines.size()) + 30
-      << "\" font-family=\"sans-serif\" font-size=\"11\">\n"
-      << "<text x=\"" << left << "\" y=\"18\" font-size=\"13\">" << title << "</text>\n";
-  for (size_t r = 0; r < timelines.size(); ++r) {
+  const double bottom = top + row * static_cast<double>(timelines.size());
+  svg::Document picture(left + width + 10, bottom + 30, 11);
+  picture.text(left, 18, title, "font-size=\"13\"");
+  for (size_t r = 0; r < timelines.size(); ++r) {  // one row per rank, each action a box
     const double y = top + row * static_cast<double>(r);
-    svg << "<text x=\"4\" y=\"" << y + row / 2 + 4 << "\">rank " << r << "</text>\n"
-        << "<rect x=\"" << left << "\" y=\"" << y + 2 << "\" width=\"" << width << "\" height=\""
-        << row - 4 << "\" fill=\"#f4f4f4\"/>\n";
+    picture.text(4, y + row / 2 + 4, "rank " + std::to_string(r));
+    picture.rect(left, y + 2, width, row - 4, "#f4f4f4");
     for (const auto& a : timelines[r]) {
       const double x = left + (a.start - first) * scale, w = (a.end - a.start) * scale;
-      svg << "<rect x=\"" << x << "\" y=\"" << y + 2 << "\" width=\"" << std::max(w, 0.5)
-          << "\" height=\"" << row - 4 << "\" fill=\"" << colour(a.action.kind)
-          << "\" stroke=\"white\" stroke-width=\"0.5\"><title>" << action_name(a.action.kind)
-          << " micro-batch " << a.action.micro_batch << ", stage " << a.action.stage
-          << "</title></rect>\n";
-      if (w > 14) {
-        svg << "<text x=\"" << x + w / 2 << "\" y=\"" << y + row / 2 + 4
-            << "\" text-anchor=\"middle\" fill=\"white\">" << a.action.micro_batch << "</text>\n";
-      }
+      picture.rect(x, y + 2, std::max(w, 0.5), row - 4, colour(a.action.kind),
+                   "stroke=\"white\" stroke-width=\"0.5\"",
+                   std::string(action_name(a.action.kind)) + " micro-batch " +
+                       std::to_string(a.action.micro_batch) + ", stage " +
+                       std::to_string(a.action.stage));
+      if (w > 14)
+        picture.text(x + w / 2, y + row / 2 + 4, std::to_string(a.action.micro_batch),
+                     "text-anchor=\"middle\" fill=\"white\"");
     }
   }
-  const double y = top + row * static_cast<double>(timelines.size()) + 18;
-  double x = left;
+  double x = left;  // the legend
   for (const auto kind : {ActionKind::Forward, ActionKind::Backward, ActionKind::BackwardInput,
                           ActionKind::BackwardWeight}) {
-    svg << "<rect x=\"" << x << "\" y=\"" << y - 10 << "\" width=\"12\" height=\"12\" fill=\""
-        << colour(kind) << "\"/><text x=\"" << x + 16 << "\" y=\"" << y << "\">"
-        << action_name(kind) << "</text>\n";
+    picture.rect(x, bottom + 8, 12, 12, colour(kind));
+    picture.text(x + 16, bottom + 18, action_name(kind));
     x += 70;
   }
-  svg << "<text x=\"" << x + 10 << "\" y=\"" << y << "\">blank: idle</text>\n</svg>\n";
-  return svg.str();
+  picture.text(x + 10, bottom + 18, "blank: idle");
+  return picture.str();
 }
 
 }  // namespace fivefold::ch11

@@ -12,11 +12,13 @@
 #include "fivefold/memory.h"
 #include "fivefold/runtime.h"
 #include "fivefold/seed.h"
+#include "fivefold/svg.h"
 #include "fivefold/trace.h"
 #include "testing.h"
 
 using fivefold::Error;
 namespace trace = fivefold::trace;
+namespace svg = fivefold::svg;
 
 namespace {
 fivefold::ArgParser make_parser() {
@@ -401,4 +403,35 @@ TEST(Trace, WritesAnyEventsAsChromeTrace) {
   EXPECT_DOUBLE_EQ(events[3]["ts"].get<double>(), 2000.0);
   EXPECT_DOUBLE_EQ(events[3]["dur"].get<double>(), 1000.0);
   EXPECT_EQ(events[3]["args"]["stage"], 1);
+}
+
+// One SVG writer for every picture: shapes in order, text escaped, tooltips; a line chart puts
+// each series where its values say, with its label in the legend.
+TEST(Svg, DrawsShapesAndLineCharts) {
+  svg::Document picture(100, 50, 11);
+  picture.rect(1, 2, 3, 4, "#fff", "", "F <0> & B");
+  picture.text(5, 6, "a < b");
+  const std::string doc = picture.str();
+  EXPECT_EQ(doc.rfind("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"100\" height=\"50\"", 0),
+            0u);
+  EXPECT_NE(doc.find("<title>F &lt;0&gt; &amp; B</title></rect>"), std::string::npos);
+  EXPECT_NE(doc.find(">a &lt; b</text>"), std::string::npos);
+  EXPECT_EQ(doc.substr(doc.size() - 7), "</svg>\n");
+
+  svg::LineChart chart;
+  chart.title = "loss";
+  chart.series = {{"run a", {0, 10}, {1, 2}, "", ""}, {"run b", {0, 10}, {2, 1}, "#123456", ""}};
+  chart.y_min = 0;
+  chart.y_max = 4;
+  const std::string plot = svg::line_chart(chart);
+  // 720 x 420 with margins 70 / 20 / 40 / 50: x 0 -> 70, x 10 -> 700; y 0 -> 370, y 4 -> 40.
+  EXPECT_NE(plot.find("points=\"70.0,287.5 700.0,205.0 \""), std::string::npos) << plot;
+  EXPECT_NE(plot.find("stroke=\"#123456\" stroke-width=\"1.8\" points=\"70.0,205.0 700.0,287.5 \""),
+            std::string::npos);
+  EXPECT_NE(plot.find(">run a</text>"), std::string::npos);
+  EXPECT_NE(plot.find(">run b</text>"), std::string::npos);
+  chart.series.clear();
+  EXPECT_THROW(svg::line_chart(chart), Error);
+  chart.series = {{"empty", {}, {}, "", ""}};
+  EXPECT_THROW(svg::line_chart(chart), Error);
 }
