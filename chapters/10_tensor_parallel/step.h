@@ -11,6 +11,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "03_transformer/train.h"
 #include "09_data_parallel/step.h"
@@ -45,8 +47,54 @@ void load_slices(ch03::Transformer& model, const io::TensorMap& weights);
 ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
                                                  const TensorParallel& tp);
 
-/// One optimizer step of a tp-sliced model over dp x tp ranks (ch03::TrainingStep).
-class TensorParallelStep : public ch03::TrainingStep {
+/// A training step on this rank's part of the model (a tp slice here; a pipeline stage in
+/// chapter 11, some experts in chapter 13), around an inner step that trains the part. From
+/// outside it looks like one process's step: the whole model, AdamW's state and the gradients by
+/// parameter name, through the two maps a chapter gives, gather (this rank's tensors -> the whole
+/// model's; collective) and select (the whole model's -> this rank's).
+class ModelPartStep : public ch03::TrainingStep {
+ public:
+  /// The inner step's.
+  ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override {
+    return inner_->step(micro_batches, step);
+  }
+  /// This rank's part.
+  ch03::Transformer& model() override { return inner_->model(); }
+  /// The single-device model with the gathered parameters (collective). Built on first use: it
+  /// costs the whole model's memory on every rank.
+  ch03::Transformer& full_model() override;
+  /// AdamW's state gathered by parameter name: the single process's layout (collective).
+  io::TensorMap optimizer_state() override { return gather(inner_->optimizer_state()); }
+  /// Keeps this rank's part of a state in that layout.
+  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override {
+    inner_->load_optimizer_state(select(state), source);
+  }
+  /// The gradients the last step applied (after clipping), whole, by name (collective).
+  io::TensorMap gradients() override { return gather(inner_->gradients()); }
+  /// The inner step's: this rank's part.
+  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
+  /// The step it wraps.
+  ch03::TrainingStep& inner() { return *inner_; }
+
+ protected:
+  /// `whole` builds the single-device model that full_model() fills; the derived step sets
+  /// `inner_`.
+  explicit ModelPartStep(ch03::ModelBuilder whole) : whole_(std::move(whole)) {}
+  /// This rank's tensors by name -> the whole model's (collective).
+  virtual io::TensorMap gather(const io::TensorMap& mine) = 0;
+  /// The whole model's tensors by name -> this rank's.
+  virtual io::TensorMap select(const io::TensorMap& whole) = 0;
+
+  std::unique_ptr<ch03::TrainingStep> inner_;  ///< trains this rank's part
+
+ private:
+  ch03::ModelBuilder whole_;
+  ch03::Transformer full_{nullptr};
+};
+
+/// One optimizer step of a tp-sliced model over dp x tp ranks: chapter 09's step on this rank's
+/// slice, every tp rank running the same micro-batches; the slices gathered and cut by name.
+class TensorParallelStep : public ModelPartStep {
  public:
   /// `model`: this rank's slice (make_model over `tp`); `dp`: the ranks holding the same slice;
   /// `stage`: chapter 09's ZeRO stage over dp; `whole`: builds the single-device model that
@@ -54,28 +102,14 @@ class TensorParallelStep : public ch03::TrainingStep {
   TensorParallelStep(ch03::Transformer model, TensorParallelPtr tp, dist::CommunicatorPtr dp,
                      int stage, const ch03::TrainConfig& config, ch03::ModelBuilder whole,
                      const ch09::StepHooks& hooks = {});
-  /// Chapter 09's step on this rank's slice: every tp rank runs the same micro-batches.
-  ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
-  /// This rank's slice.
-  ch03::Transformer& model() override { return inner_->model(); }
-  /// The single-device model with the gathered parameters (collective over tp and, for ZeRO-3,
-  /// dp). Built on first use: it costs the whole model's memory on every rank.
-  ch03::Transformer& full_model() override;
-  /// AdamW's state gathered by parameter name: the single process's layout (collective).
-  io::TensorMap optimizer_state() override;
-  /// Keeps this rank's slices of a state in that layout.
-  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
-  /// The gradients the last step applied (after clipping), whole, by name (collective).
-  io::TensorMap gradients() override;
-  /// The inner step's: this rank's slices.
-  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
+
+ protected:
+  io::TensorMap gather(const io::TensorMap& mine) override;
+  io::TensorMap select(const io::TensorMap& whole) override;
 
  private:
   TensorParallelPtr tp_;
   std::map<std::string, ch03::TensorShard> shards_;
-  std::unique_ptr<ch09::DataParallelStep> inner_;
-  ch03::ModelBuilder whole_;
-  ch03::Transformer full_{nullptr};
 };
 
 /// A ch03::StepFactory making TensorParallelStep: the model the run builds is replaced by this

@@ -18,6 +18,7 @@
 #include "03_transformer/train.h"
 #include "09_data_parallel/step.h"
 #include "10_tensor_parallel/layers.h"
+#include "10_tensor_parallel/step.h"
 #include "11_pipeline_parallel/schedule.h"
 #include "fivefold/dist.h"
 #include "fivefold/io.h"
@@ -130,42 +131,27 @@ struct PipelineLayout {
 /// ranks and counted on the first only.
 ch09::ModelParallelGroups pipeline_groups(ch03::Transformer& model, const PipelineLayout& layout);
 
-/// One optimizer step with the pipeline (ch03::TrainingStep): chapter 09's DataParallelStep on
-/// this rank's part, whose forward and backward are the schedule's run.
-class PipelineParallelStep : public ch03::TrainingStep {
+/// One optimizer step with the pipeline: chapter 09's DataParallelStep on this rank's part, whose
+/// forward and backward are the schedule's run; the parts gathered by name over tp and pp
+/// (chapter 10's ModelPartStep).
+class PipelineParallelStep : public ch10::ModelPartStep {
  public:
   /// `model`: this rank's part (stage_part, sliced over tp when layout.tp); `whole` builds the
   /// single-device model that full_model() fills.
   PipelineParallelStep(ch03::Transformer model, PipelineLayout layout,
                        const ch03::TrainConfig& config, ch03::ModelBuilder whole);
-  /// As ch03::TrainingStep::step: this data-parallel rank's micro-batches through the schedule.
-  ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
-  /// This rank's part.
-  ch03::Transformer& model() override { return inner_->model(); }
-  /// The single-device model, gathered over tp and pp (collective; the whole model's memory on
-  /// every rank).
-  ch03::Transformer& full_model() override;
-  /// AdamW's state in the single process's layout (collective).
-  io::TensorMap optimizer_state() override;
-  /// Keeps this rank's part of a state in that layout.
-  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
-  /// The gradients the last step applied (after clipping), whole, by name (collective).
-  io::TensorMap gradients() override;
-  /// The inner step's: this rank's part.
-  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
   /// The executor (its timeline and peak after a step).
   const PipelineExecutor& executor() const { return *executor_; }
 
- private:
-  io::TensorMap gather(const io::TensorMap& local);  // tp slices, then pp parts
+ protected:
+  io::TensorMap gather(const io::TensorMap& mine) override;  // tp slices, then pp parts
+  io::TensorMap select(const io::TensorMap& whole) override;
 
+ private:
   PipelineLayout layout_;
   std::map<std::string, ch03::TensorShard> shards_;
   std::set<std::string> names_;  // this rank's parameters
   std::unique_ptr<PipelineExecutor> executor_;
-  std::unique_ptr<ch09::DataParallelStep> inner_;
-  ch03::ModelBuilder whole_;
-  ch03::Transformer full_{nullptr};
   std::map<int64_t, Schedule> schedules_;  // by micro-batch count
 };
 

@@ -25,6 +25,7 @@
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/step.h"
+#include "10_tensor_parallel/step.h"
 #include "fivefold/dist.h"
 
 namespace fivefold::ch13 {
@@ -127,31 +128,23 @@ ch09::StepHooks expert_parallel_hooks(const ExpertParallel& group);
 /// over ep and averaged over edp, are all the mean over the dp·cp ranks, as one device computes
 /// it. Checkpoints and optimizer state are gathered by name over ep (the whole model's, as one
 /// process saves them).
-class ExpertParallelStep : public ch03::TrainingStep {
+class ExpertParallelStep : public ch10::ModelPartStep {
  public:
   /// Wraps `inner`, whose model holds this rank's experts and whose full_model() is this rank's
-  /// whole part over tp and pp (make_model over `group`).
+  /// whole part over tp and pp (make_model over `group`). full_model() is chapter 07's model,
+  /// every expert, local dispatch.
   ExpertParallelStep(std::unique_ptr<ch03::TrainingStep> inner, ExpertParallel group);
   /// Runs the inner step with each micro-batch's loss weight divided by ep, then sums the loss
   /// over ep (one all-reduce of a number): the mean over every token.
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
-  ch03::Transformer& model() override { return inner_->model(); }
-  /// The whole model (chapter 07's, every expert, local dispatch), weights gathered over ep.
-  ch03::Transformer& full_model() override;
-  io::TensorMap optimizer_state() override;
-  void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
-  /// The last step's gradients by name, whole (gathered over ep).
-  io::TensorMap gradients() override;
-  /// The step it wraps' (this rank's experts).
-  ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
-  /// The step it wraps.
-  ch03::TrainingStep& inner() { return *inner_; }
+
+ protected:
+  io::TensorMap gather(const io::TensorMap& mine) override;  // by name over ep
+  io::TensorMap select(const io::TensorMap& whole) override;
 
  private:
   ExpertParallel group_;
-  std::unique_ptr<ch03::TrainingStep> inner_;
   std::set<std::string> names_;  // the parameters this rank holds
-  ch03::Transformer full_{nullptr};
 };
 
 /// A ch03::StepFactory making ExpertParallelStep around chapter 09's step over group.edp with

@@ -109,43 +109,30 @@ ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
   return groups;
 }
 
+ch03::Transformer& ModelPartStep::full_model() {
+  const auto whole = gather(named_weights(inner_->full_model()));  // ZeRO-3 gathers over dp first
+  if (!full_) full_ = whole_(inner_->model()->config(), ch03::ModelPart{});
+  load_slices(full_, whole);
+  return full_;
+}
+
 TensorParallelStep::TensorParallelStep(ch03::Transformer model, TensorParallelPtr tp,
                                        dist::CommunicatorPtr dp, int stage,
                                        const ch03::TrainConfig& config, ch03::ModelBuilder whole,
                                        const ch09::StepHooks& hooks)
-    : tp_(std::move(tp)), shards_(model->parameter_shards()), whole_(std::move(whole)) {
+    : ModelPartStep(std::move(whole)), tp_(std::move(tp)), shards_(model->parameter_shards()) {
   auto groups = tensor_parallel_groups(model, *tp_);
   if (hooks.adapt_groups) hooks.adapt_groups(model, groups);
   inner_ = std::make_unique<ch09::DataParallelStep>(std::move(model), std::move(dp), stage, config,
                                                     std::move(groups));
 }
 
-ch03::StepResult TensorParallelStep::step(const std::vector<ch03::Batch>& micro_batches,
-                                          int64_t step) {
-  // Every tp rank runs the same micro-batches (the same rows of the global batch) through its
-  // slice; the loss each computes is the whole model's, the same on every tp rank.
-  return inner_->step(micro_batches, step);
+io::TensorMap TensorParallelStep::gather(const io::TensorMap& mine) {
+  return gather_shards(mine, shards_, *tp_->comm);
 }
 
-ch03::Transformer& TensorParallelStep::full_model() {
-  auto& local = inner_->full_model();  // ZeRO-3 gathers over dp first
-  const auto whole = gather_shards(named_weights(local), shards_, *tp_->comm);
-  if (!full_) full_ = whole_(local->config(), ch03::ModelPart{});
-  load_slices(full_, whole);
-  return full_;
-}
-
-io::TensorMap TensorParallelStep::optimizer_state() {
-  return gather_shards(inner_->optimizer_state(), shards_, *tp_->comm);
-}
-
-void TensorParallelStep::load_optimizer_state(const io::TensorMap& state,
-                                              const std::string& source) {
-  inner_->load_optimizer_state(slice_shards(state, shards_), source);
-}
-
-io::TensorMap TensorParallelStep::gradients() {
-  return gather_shards(inner_->gradients(), shards_, *tp_->comm);
+io::TensorMap TensorParallelStep::select(const io::TensorMap& whole) {
+  return slice_shards(whole, shards_);
 }
 
 ch03::StepFactory tensor_parallel_step(TensorParallelPtr tp, dist::CommunicatorPtr dp, int stage,

@@ -36,7 +36,9 @@ ch09::ModelParallelGroups pipeline_groups(ch03::Transformer& model, const Pipeli
 PipelineParallelStep::PipelineParallelStep(ch03::Transformer model, PipelineLayout layout,
                                            const ch03::TrainConfig& config,
                                            ch03::ModelBuilder whole)
-    : layout_(std::move(layout)), shards_(model->parameter_shards()), whole_(std::move(whole)) {
+    : ModelPartStep(std::move(whole)),
+      layout_(std::move(layout)),
+      shards_(model->parameter_shards()) {
   for (const auto& item : model->named_parameters()) names_.insert(item.key());
   PipelineExecutor::ActivationShape shape;
   if (layout_.tp && layout_.tp->sequence_parallel) {
@@ -64,32 +66,15 @@ PipelineParallelStep::PipelineParallelStep(ch03::Transformer model, PipelineLayo
       });
 }
 
-ch03::StepResult PipelineParallelStep::step(const std::vector<ch03::Batch>& micro_batches,
-                                            int64_t step) {
-  return inner_->step(micro_batches, step);
-}
-
-io::TensorMap PipelineParallelStep::gather(const io::TensorMap& local) {
-  const auto sliced = layout_.tp ? ch10::gather_shards(local, shards_, *layout_.tp->comm) : local;
+io::TensorMap PipelineParallelStep::gather(const io::TensorMap& mine) {
+  const auto sliced = layout_.tp ? ch10::gather_shards(mine, shards_, *layout_.tp->comm) : mine;
   return gather_named_tensors(sliced, *layout_.links->pp);
 }
 
-ch03::Transformer& PipelineParallelStep::full_model() {
-  const auto whole = gather(ch10::named_weights(inner_->full_model()));
-  if (!full_) full_ = whole_(inner_->model()->config(), ch03::ModelPart{});
-  ch10::load_slices(full_, whole);
-  return full_;
+io::TensorMap PipelineParallelStep::select(const io::TensorMap& whole) {
+  const auto mine = select_parameters(whole, names_);
+  return layout_.tp ? ch10::slice_shards(mine, shards_) : mine;
 }
-
-io::TensorMap PipelineParallelStep::optimizer_state() { return gather(inner_->optimizer_state()); }
-
-void PipelineParallelStep::load_optimizer_state(const io::TensorMap& state,
-                                                const std::string& source) {
-  const auto mine = select_parameters(state, names_);
-  inner_->load_optimizer_state(layout_.tp ? ch10::slice_shards(mine, shards_) : mine, source);
-}
-
-io::TensorMap PipelineParallelStep::gradients() { return gather(inner_->gradients()); }
 
 ch03::StepFactory pipeline_parallel_step(PipelineLayout layout, ch03::ModelBuilder whole) {
   return [layout, whole](ch03::Transformer model, const ch03::TrainConfig& config) {

@@ -13,7 +13,11 @@ namespace fivefold::ch13 {
 
 ExpertParallelStep::ExpertParallelStep(std::unique_ptr<ch03::TrainingStep> inner,
                                        ExpertParallel group)
-    : group_(std::move(group)), inner_(std::move(inner)) {
+    : ModelPartStep([](const ch03::ModelConfig& c, const ch03::ModelPart&) {
+        return ch07::make_model(c);
+      }),
+      group_(std::move(group)) {
+  inner_ = std::move(inner);
   FIVEFOLD_CHECK(inner_ != nullptr && group_.ep != nullptr && group_.edp != nullptr,
                  "ExpertParallelStep: needs a step and its groups");
   for (const auto& item : inner_->model()->named_parameters()) names_.insert(item.key());
@@ -31,26 +35,14 @@ ch03::StepResult ExpertParallelStep::step(const std::vector<ch03::Batch>& micro_
   return result;
 }
 
-ch03::Transformer& ExpertParallelStep::full_model() {
+io::TensorMap ExpertParallelStep::gather(const io::TensorMap& mine) {
   // The inner step's whole part over tp and pp holds this rank's experts: gathered over ep by
   // name, every expert of every layer.
-  const auto whole = gather_named_tensors(ch10::named_weights(inner_->full_model()), *group_.ep);
-  if (!full_) full_ = ch07::make_model(inner_->model()->config());
-  ch10::load_slices(full_, whole);
-  return full_;
+  return gather_named_tensors(mine, *group_.ep);
 }
 
-io::TensorMap ExpertParallelStep::optimizer_state() {
-  return gather_named_tensors(inner_->optimizer_state(), *group_.ep);
-}
-
-void ExpertParallelStep::load_optimizer_state(const io::TensorMap& state,
-                                              const std::string& source) {
-  inner_->load_optimizer_state(select_parameters(state, names_), source);
-}
-
-io::TensorMap ExpertParallelStep::gradients() {
-  return gather_named_tensors(inner_->gradients(), *group_.ep);
+io::TensorMap ExpertParallelStep::select(const io::TensorMap& whole) {
+  return select_parameters(whole, names_);
 }
 
 ch03::StepFactory expert_parallel_step(ExpertParallel group, int stage) {
