@@ -189,6 +189,13 @@ class AttentionLayer : public torch::nn::Module {
   /// The positions of the keys attention sees: the cached ones (0 .. cached - 1), then
   /// `positions`.
   static torch::Tensor key_positions(const torch::Tensor& positions, int64_t cached);
+  /// Multi-head attention of projected tokens, before the output projection: q [batch, seq,
+  /// heads·head_dim] and k, v [batch, seq, kv_heads·head_dim] -> [batch, seq, heads·head_dim].
+  /// Splits the heads, encodes the positions, extends the cache, runs the kernel, merges the
+  /// heads. (Chapter 10's tensor-parallel attention runs it on each rank's heads.)
+  torch::Tensor attend_heads(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             int64_t heads, int64_t kv_heads, int64_t head_dim,
+                             const torch::Tensor& positions, LayerCache* cache) const;
 };
 
 /// Self-attention with q/k/v/o projections (no biases).

@@ -201,18 +201,20 @@ torch::Tensor AttentionLayer::key_positions(const torch::Tensor& positions, int6
   return cached == 0 ? positions : torch::cat({position_range(0, cached), positions});
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
-                                     LayerCache* cache) {
-  const int64_t batch = x.size(0), seq = x.size(1);
+torch::Tensor AttentionLayer::attend_heads(const torch::Tensor& q_rows, const torch::Tensor& k_rows,
+                                           const torch::Tensor& v_rows, int64_t heads,
+                                           int64_t kv_heads, int64_t head_dim,
+                                           const torch::Tensor& positions,
+                                           LayerCache* cache) const {
+  const int64_t batch = q_rows.size(0), seq = q_rows.size(1);
   // [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]
-  auto heads = [&](const torch::Tensor& t, int64_t n) {
-    return t.view({batch, seq, n, head_dim_}).transpose(1, 2);
+  auto split = [&](const torch::Tensor& t, int64_t n) {
+    return t.view({batch, seq, n, head_dim}).transpose(1, 2);
   };
-  auto q = heads(q_proj(x), n_heads_);
-  auto k = heads(k_proj(x), n_kv_heads_), v = heads(v_proj(x), n_kv_heads_);
+  auto q = split(q_rows, heads), k = split(k_rows, kv_heads), v = split(v_rows, kv_heads);
   if (encoding) std::tie(q, k) = encoding->encode(q, k, positions);
   const int64_t cached = cache != nullptr && cache->keys.defined() ? cache->keys.size(2) : 0;
-  if (cache != nullptr) {  // prepend the cached positions: [batch, n_kv_heads, cached + seq, hd]
+  if (cache != nullptr) {  // prepend the cached positions: [batch, kv_heads, cached + seq, hd]
     if (cached > 0) {
       k = torch::cat({cache->keys, k}, 2);
       v = torch::cat({cache->values, v}, 2);
@@ -220,10 +222,16 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
     cache->keys = k;
     cache->values = v;
   }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   auto out = kernel->attend(q, k, v, positions, key_positions(positions, cached), scale).output;
   // [batch, heads, seq, head_dim] -> [batch, seq, heads * head_dim]
-  return o_proj(out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_}));
+  return out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& positions,
+                                     LayerCache* cache) {
+  return o_proj(attend_heads(q_proj(x), k_proj(x), v_proj(x), n_heads_, n_kv_heads_, head_dim_,
+                             positions, cache));
 }
 
 MlpImpl::MlpImpl(const ModelConfig& c) {

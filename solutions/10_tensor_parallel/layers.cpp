@@ -143,25 +143,9 @@ torch::Tensor TensorParallelAttentionImpl::forward(const torch::Tensor& x,
                                                    ch03::LayerCache* cache) {
   tp_->sequence = positions.size(0);  // the whole sequence, for the gathers of this forward
   auto h = tp_->enter(x);             // [batch, seq, d_model] on every rank
-  const int64_t batch = h.size(0), seq = h.size(1);
-  auto heads = [&](const torch::Tensor& t, int64_t n) {
-    return t.view({batch, seq, n, head_dim_}).transpose(1, 2);
-  };
-  auto q = heads(q_proj(h), n_heads_);
-  auto k = heads(k_proj(h), n_kv_heads_), v = heads(v_proj(h), n_kv_heads_);
-  if (encoding) std::tie(q, k) = encoding->encode(q, k, positions);
-  const int64_t cached = cache != nullptr && cache->keys.defined() ? cache->keys.size(2) : 0;
-  if (cache != nullptr) {
-    if (cached > 0) {
-      k = torch::cat({cache->keys, k}, 2);
-      v = torch::cat({cache->values, v}, 2);
-    }
-    cache->keys = k;
-    cache->values = v;
-  }
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
-  auto out = kernel->attend(q, k, v, positions, key_positions(positions, cached), scale).output;
-  auto partial = o_proj(out.transpose(1, 2).reshape({batch, seq, n_heads_ * head_dim_}));
+  // Chapter 03's attention on this rank's heads: no head attends to another's.
+  auto partial = o_proj(attend_heads(q_proj(h), k_proj(h), v_proj(h), n_heads_, n_kv_heads_,
+                                     head_dim_, positions, cache));
   return tp_->leave(partial);
 }
 
