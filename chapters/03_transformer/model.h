@@ -99,6 +99,10 @@ class CausalAttentionKernel : public AttentionKernel {
   AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& q_positions, const torch::Tensor& k_positions,
                          double scale) const override;
+  /// Whether queries at `q_positions` and keys at `k_positions` (int64) are the layout a causal
+  /// kernel of one process computes: keys at consecutive positions, the queries the last of them
+  /// (any other, such as a context-parallel rank's, needs chapter 12's kernel).
+  static bool causal_layout(const torch::Tensor& q_positions, const torch::Tensor& k_positions);
 };
 
 /// The positions first .. first + count - 1, int64 [count].

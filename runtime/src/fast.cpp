@@ -105,16 +105,6 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
   }
 };
 
-// Whether `positions` (int64 [n]) are first, first + 1, ...
-bool consecutive(const torch::Tensor& positions, int64_t first) {
-  const auto p = positions.contiguous();
-  const int64_t* x = p.data_ptr<int64_t>();
-  for (int64_t i = 0; i < p.numel(); ++i) {
-    if (x[i] != first + i) return false;
-  }
-  return true;
-}
-
 class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
@@ -214,11 +204,9 @@ AttentionOutput TiledCausalAttentionKernel::attend(const torch::Tensor& q, const
                                                    const torch::Tensor& q_positions,
                                                    const torch::Tensor& k_positions,
                                                    double scale) const {
-  const int64_t seq_q = q.size(2), seq_k = k.size(2);
-  FIVEFOLD_CHECK(seq_q <= seq_k && q_positions.size(0) == seq_q && k_positions.size(0) == seq_k &&
-                     (seq_k == 0 || consecutive(k_positions, k_positions[0].item<int64_t>())) &&
-                     (seq_k == 0 || consecutive(q_positions, k_positions[0].item<int64_t>() +
-                                                                 seq_k - seq_q)),
+  const int64_t seq_q = q.size(2);
+  FIVEFOLD_CHECK(q_positions.size(0) == seq_q && k_positions.size(0) == k.size(2) &&
+                     CausalAttentionKernel::causal_layout(q_positions, k_positions),
                  "the tiled attention kernel needs keys at consecutive positions and queries at "
                  "the last of them; other layouts need another kernel (chapter 12)");
   FIVEFOLD_CHECK(q.size(1) % k.size(1) == 0, "attention: ", k.size(1),
