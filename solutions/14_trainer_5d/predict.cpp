@@ -9,8 +9,10 @@
 #include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/pipeline.h"
+#include "11_pipeline_parallel/plan.h"
 #include "12_context_parallel/attention.h"
 #include "12_context_parallel/plan.h"
+#include "13_expert_parallel/expert_parallel.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
 
@@ -211,22 +213,20 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   const int64_t rows = work.rows, m = run.micro_batches;
   const int64_t cp_positions = work.cp_positions, positions = work.positions;
   const std::vector<int64_t>& layers = work.layers;
-  const int64_t v = layout.virtual_stages, stages = layout.pp * v;
+  const int64_t v = layout.virtual_stages;
   const bool first_stage = work.first_stage, last_stage = work.last_stage;
   const auto held_layers = static_cast<int64_t>(layers.size());
   std::map<std::string, int64_t> bytes;
 
-  // Chapter 11: the first stage receives no activation, the last sends none (and the other way
-  // for gradients), each row's `positions`.
+  // Chapter 11's pipeline_traffic: what this rank sends, activations forward and gradients back,
+  // each row's `positions`. It receives on each communicator what it sends on the other (the
+  // activation it sends forward comes back as a gradient), so each is handed the same bytes.
   if (layout.pp > 1) {
-    const int64_t per_link = rows * positions * model.d_model * 4;
-    int64_t links = 0;  // stage boundaries this rank is an end of, each way
-    for (int64_t k = 0; k < v; ++k) {
-      const int64_t stage = k * layout.pp + pp_rank;
-      links += (stage > 0) + (stage < stages - 1);
-    }
-    bytes["pp-activations"] = links * per_link;
-    bytes["pp-gradients"] = links * per_link;
+    const int64_t sent =
+        ch11::pipeline_traffic(layout.pp, v, m, pp_rank, rows, positions, model.d_model)
+            .payload_bytes;
+    bytes["pp-activations"] = sent;
+    bytes["pp-gradients"] = sent;
     bytes["pp"] = 8;     // the last stage's loss, broadcast to the others
     bytes["pp+tp"] = 8;  // the gradient norm's squares of every stage (and tp part), summed
   }
@@ -280,9 +280,13 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   if (experts) {
     int64_t moe_layers = 0;
     for (const int64_t layer : layers) moe_layers += moe.is_moe_layer(layer);
-    // Each rank routes its own tokens (under sequence parallelism its tp part of them).
+    // Each rank routes its own tokens (under sequence parallelism its tp part of them), spread
+    // evenly over the ep ranks and received as evenly: chapter 13's bytes of one layer.
     const int64_t assignments = rows / m * positions * moe.num_experts_per_tok;
-    const int64_t exchange = moe.n_routed_experts * 8 + 4 * assignments * model.d_model * 4;
+    const auto even = split_sizes(assignments, layout.ep);
+    const int64_t exchange =
+        ch13::expert_parallel_traffic(even, even, 0, moe.n_routed_experts, model.d_model, 4)
+            .payload_bytes;
     std::vector<int64_t> shared = held.by_unit;  // the partial gradients the step sums over ep
     for (size_t u = 0; u < held.routed_by_unit.size() && u < shared.size(); ++u)
       shared[u] -= held.routed_by_unit[u];
