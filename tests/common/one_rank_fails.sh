@@ -106,7 +106,15 @@ for pid in $(pgrep -P "$launcher"); do
 done
 [ -n "$rank0" ] || fail "rank 0's process not found"
 good=$(cat "$work/midrun/latest")
-mkdir -p "$work/midrun/latest.tmp.$rank0/blocked"
+# Rank 0 may be writing that very file now (write, fsync, rename): then mkdir fails with "Not a
+# directory", no fault is planted and the healthy job would run on (CI, 2026-12-05). Try again
+# until the rename has moved it.
+planted=0
+for _ in $(seq 1 100); do
+  mkdir -p "$work/midrun/latest.tmp.$rank0/blocked" 2>/dev/null && planted=1 && break
+  sleep 0.05
+done
+[ "$planted" = 1 ] || fail "could not plant the folder latest.tmp.$rank0 in 5 s"
 begin=$SECONDS
 finish 30
 elapsed=$((SECONDS - begin))
