@@ -5,7 +5,7 @@ namespace fivefold::commands {
 
 /// `fivefold plan`: a transformer's parameters, FLOPs, time and each parallelism's terms.
 int plan(int argc, char** argv);
-/// `fivefold train`: the chapters' training run, on one process or in any layout (chapter 14).
+/// `fivefold train`: the chapters' training run, on one process or in any layout (chapter 15).
 int train(int argc, char** argv);
 /// `fivefold generate`: continue a prompt from a checkpoint.
 int generate(int argc, char** argv);

@@ -60,7 +60,7 @@ void usage() {
       "  info      what this process sees: launcher, rank, backend, threads, BLAS\n"
       "  plan      parameters, FLOPs, training time and memory of a transformer\n"
       "  train     train the chapters' transformer, on one process or under mpirun in any\n"
-      "            layout (dp, tp, pp, cp, ep; chapter 14), with checkpoints and resume\n"
+      "            layout (dp, tp, pp, cp, ep; chapter 15), with checkpoints and resume\n"
       "  generate  continue a prompt from a checkpoint (greedy, temperature, top-k; KV cache)\n"
       "  eval      loss, perplexity and exact match of a checkpoint, or the logits of a "
       "sequence\n"

@@ -23,8 +23,8 @@
 #include "03_transformer/generate.h"
 #include "07_moe/moe.h"
 #include "11_pipeline_parallel/pipeline.h"
-#include "14_trainer_5d/predict.h"
-#include "14_trainer_5d/trainer_5d.h"
+#include "15_trainer_5d/predict.h"
+#include "15_trainer_5d/trainer_5d.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -58,8 +58,8 @@ std::vector<int64_t> token_ids(const ArgParser& args, const std::string& flag, i
 // `fivefold train --plan N`: what the formulas say each of N ranks of `layout` holds and carries
 // in one training step of `c`, printed as a table; nothing is trained and no process is started.
 // Parameters and memory are counted from the rank's part of the model, built here on one
-// process over offline communicators (ch14::rank_parameters).
-int print_plan(const ch14::Layout& layout, const ch14::Workload& c, int64_t world_size) {
+// process over offline communicators (ch15::rank_parameters).
+int print_plan(const ch15::Layout& layout, const ch15::Workload& c, int64_t world_size) {
   std::printf("plan: %s on %lld processes; %lld rows of %lld tokens a step, %lld micro-batch(es)\n\n",
               layout.describe().c_str(), static_cast<long long>(world_size),
               static_cast<long long>(c.batch), static_cast<long long>(c.seq_len),
@@ -69,32 +69,32 @@ int print_plan(const ch14::Layout& layout, const ch14::Workload& c, int64_t worl
               "|\n|---:|---|---|---:|---:|---:|---|\n");
   std::string unbuilt;  // why a rank's part could not be built here, if one could not
   for (int64_t r = 0; r < world_size; ++r) {
-    const ch14::Layout::Place at = layout.place(r);
+    const ch15::Layout::Place at = layout.place(r);
     const ModelPart part = layout.pp > 1 ? ch11::stage_part(c.model.n_layers, layout.pp,
                                                             layout.virtual_stages, at.pp)
                                          : ModelPart{};
     std::string layers;
     for (const auto layer : part.layers(c.model.n_layers))
       layers += (layers.empty() ? "" : ",") + std::to_string(layer);
-    ch14::HeldParameters held;
+    ch15::HeldParameters held;
     try {
-      held = ch14::rank_parameters(layout, c, r);
+      held = ch15::rank_parameters(layout, c, r);
     } catch (const Error& e) {
       unbuilt = e.what();
     }
     std::string memory = "-", parameters = "-", flops = "-";
     if (held.elements > 0) {
-      memory = std::to_string(ch14::predicted_state_bytes(layout, held).total()) + " B";
+      memory = std::to_string(ch15::predicted_state_bytes(layout, held).total()) + " B";
       parameters = std::to_string(held.elements);
       try {
-        flops = std::to_string(ch14::predicted_flops(layout, c, r, held).total());
+        flops = std::to_string(ch15::predicted_flops(layout, c, r, held).total());
         if (layout.ep > 1) flops = "~" + flops;  // what the router sends this rank's experts
       } catch (const Error&) {
         // experts with a capacity: what they compute follows the routing
       }
     }
     std::string bytes;
-    for (const auto& [group, b] : ch14::predicted_traffic(layout, c, r, held))
+    for (const auto& [group, b] : ch15::predicted_traffic(layout, c, r, held))
       bytes += (bytes.empty() ? "" : ", ") + group + " " + std::to_string(b);
     std::printf("| %lld | %lld, %lld, %lld, %lld | %s | %s | %s | %s | %s |\n",
                 static_cast<long long>(r), static_cast<long long>(at.pp),
@@ -148,12 +148,12 @@ int train(int argc, char** argv) {
   args.config_file(
       "a TOML file of settings, `name = value` for any option above (flags: true/false); "
       "options on the command line win; --data and --model-config there are read from the "
-      "file's folder, --out is where you run (presets: chapters/14_trainer_5d/presets/)");
+      "file's folder, --out is where you run (presets: chapters/15_trainer_5d/presets/)");
   if (!args.parse(argc, argv)) return 0;
   // Every rank sees the same flags and the same world size, so every rank refuses the same way,
   // before any communication: the layout, the settings (a resumed run's own) and then the two
-  // together (chapter 14's resolve_layout).
-  ch14::Layout layout = layout_from_flags(args);
+  // together (chapter 15's resolve_layout).
+  ch15::Layout layout = layout_from_flags(args);
   FIVEFOLD_CHECK(!args.on("trace") || !args.str("out").empty(),
                  "--trace writes into --out: give a folder");
   // --plan N: the layout on N processes, planned on this one; otherwise the launched world.
@@ -168,7 +168,7 @@ int train(int argc, char** argv) {
   if (plan_world == 0) runtime.emplace();
   const dist::CommunicatorPtr world = runtime ? runtime->world() : nullptr;
   const int64_t world_size = runtime ? world->size() : plan_world;
-  layout = ch14::resolve_layout(layout, world_size, workload_of(c));
+  layout = ch15::resolve_layout(layout, world_size, workload_of(c));
   if (plan_world > 0) return print_plan(layout, workload_of(c), world_size);
   check_fits_in_memory(c.model, layout, runtime->launch().local_size);
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";

@@ -8,7 +8,7 @@
 # chapters 09-13's formulas where they apply (scripts/check-predicted.cmake). Writes a Markdown
 # table to OUT/RESULTS.md; exits 1 if any layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [BUILD_DIR] [OUT_DIR]
-# --reduced runs five of them (what ctest runs: ch14_parity_matrix); the README has the full
+# --reduced runs five of them (what ctest runs: ch15_parity_matrix); the README has the full
 # matrix's last results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,8 +28,8 @@ common=(--steps 4 --batch 24 --synthetic-examples 300 --warmup 1 --grad-clip 0.5
 # moe-15: sequences of 15 tokens, which contiguous CP, sequence parallelism and the pipeline's
 # links split unevenly.
 declare -A model=(
-  [moe]="--model-config chapters/14_trainer_5d/presets/moe-mla.json --seq 16"
-  [moe-15]="--model-config chapters/14_trainer_5d/presets/moe-mla.json --seq 15"
+  [moe]="--model-config chapters/15_trainer_5d/presets/moe-mla.json --seq 16"
+  [moe-15]="--model-config chapters/15_trainer_5d/presets/moe-mla.json --seq 15"
   [llama]="--d-model 32 --n-layers 4 --n-heads 4 --n-kv-heads 2 --d-ff 64 --seq 16"
 )
 

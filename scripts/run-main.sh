@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sets up the machine, builds, and runs the main job: chapter 14's 5D run. DeepSeek-V3 in
+# Sets up the machine, builds, and runs the main job: chapter 15's 5D run. DeepSeek-V3 in
 # miniature (MLA + experts) trains on the built-in corpus on 16 processes under mpirun, dp 2 x
-# tp 2 x pp 2 x cp 2 with the experts over ep 2 (chapters/14_trainer_5d/presets/main.toml); then
+# tp 2 x pp 2 x cp 2 with the experts over ep 2 (chapters/15_trainer_5d/presets/main.toml); then
 # the same settings train on one process, and the two loss curves are compared: a table, the
 # largest difference, and an SVG plot (runs/main/curves.svg). Extra arguments go to both runs
 # (e.g. --steps 20).
@@ -11,7 +11,7 @@ scripts/setup.sh
 cmake --preset default
 cmake --build --preset default --target fivefold
 export OMP_WAIT_POLICY=passive  # 16 processes share the cores: idle threads must sleep
-preset=chapters/14_trainer_5d/presets/main.toml
+preset=chapters/15_trainer_5d/presets/main.toml
 mkdir -p runs/main
 rm -rf runs/main/5d runs/main/single  # this script's own runs, from an earlier time
 mpi_flags=(--oversubscribe)

@@ -2,7 +2,7 @@
 /// @file mappings.h
 /// @brief Chapter 10: communication inside autograd. Each function here is one communication
 /// pattern with its conjugate in backward, as Megatron-LM's `mappings.py` has them; the parallel
-/// layers of chapters 10-14 are built from these and nothing else.
+/// layers of chapters 10-15 are built from these and nothing else.
 ///
 /// Tensor parallelism splits a layer's matrix over the tp ranks. Two operators make the split
 /// layer compute, and differentiate, exactly as the whole one (Shoeybi et al. 2019, Megatron-LM):

@@ -1,4 +1,4 @@
-// A run in chapter 14's layouts.
+// A run in chapter 15's layouts.
 
 #include "runtime/layout.h"
 
@@ -8,7 +8,7 @@
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "12_context_parallel/context_parallel.h"
-#include "14_trainer_5d/predict.h"
+#include "15_trainer_5d/predict.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
@@ -50,8 +50,8 @@ void declare_layout_flags(ArgParser& args) {
               "experts; with --dp, --cp, --tp, --pp and --zero");
 }
 
-ch14::Layout layout_from_flags(const ArgParser& args) {
-  ch14::Layout layout;
+ch15::Layout layout_from_flags(const ArgParser& args) {
+  ch15::Layout layout;
   layout.dp = args.given("dp") ? args.integer("dp") : 0;
   layout.tp = args.integer("tp");
   layout.pp = args.integer("pp");
@@ -64,7 +64,7 @@ ch14::Layout layout_from_flags(const ArgParser& args) {
   layout.cp_layout = ch12::parse_cp_layout(args.str("cp-layout"));
   layout.cp_attention = ch12::parse_cp_attention(args.str("cp-attention"));
   // The defaults themselves may stand, as in a settings.toml read back on one process.
-  const ch14::Layout defaults;
+  const ch15::Layout defaults;
   FIVEFOLD_CHECK(layout.pp > 1 || (layout.schedule == defaults.schedule &&
                                    layout.virtual_stages == defaults.virtual_stages),
                  "--schedule and --virtual-stages choose how a pipeline runs: they need --pp 2 "
@@ -76,7 +76,7 @@ ch14::Layout layout_from_flags(const ArgParser& args) {
   return layout;
 }
 
-ch14::Workload workload_of(const RunConfig& run) {
+ch15::Workload workload_of(const RunConfig& run) {
   return {run.model, run.seq_len, run.batch, run.micro_batches,
           run.fast ? TiledCausalAttentionKernel::kDefaultTile : 0};
 }
@@ -96,7 +96,7 @@ int64_t available_memory() {
 
 }  // namespace
 
-void check_fits_in_memory(const ch03::ModelConfig& model, const ch14::Layout& layout,
+void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& layout,
                           int local_ranks) {
   const int64_t available = available_memory();
   if (available <= 0) return;
@@ -114,8 +114,8 @@ void check_fits_in_memory(const ch03::ModelConfig& model, const ch14::Layout& la
                  "higher --zero stage");
 }
 
-void use_layout(const ch14::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run) {
-  const ch14::RankSetup setup = ch14::apply_layout(layout, world);
+void use_layout(const ch15::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run) {
+  const ch15::RankSetup setup = ch15::apply_layout(layout, world);
   run.build_model = setup.build_model;
   run.make_step = setup.make_step;
   run.after_step = setup.after_step;
@@ -126,14 +126,14 @@ namespace {
 
 // This rank's measurement beside the predictions for its part of the model, built again here
 // offline (what `fivefold train --plan` counts).
-RankMeasurement measure_against_plan(const ch14::Layout& layout, const ch14::Workload& work,
+RankMeasurement measure_against_plan(const ch15::Layout& layout, const ch15::Workload& work,
                                      int64_t rank, const StepMeter& meter, int64_t steps) {
   ch03::Transformer held_model = meter.held();
-  const ch14::TrainableCounts counted = ch14::count_trainable(held_model);
-  ch14::HeldParameters held;
-  static_cast<ch14::TrainableCounts&>(held) = counted;
+  const ch15::TrainableCounts counted = ch15::count_trainable(held_model);
+  ch15::HeldParameters held;
+  static_cast<ch15::TrainableCounts&>(held) = counted;
   try {
-    held = ch14::rank_parameters(layout, work, rank);
+    held = ch15::rank_parameters(layout, work, rank);
   } catch (const Error&) {
     // a part that cannot be built offline: the run's own counts, and no tp prediction
   }
@@ -143,16 +143,16 @@ RankMeasurement measure_against_plan(const ch14::Layout& layout, const ch14::Wor
                         << counted.elements << " in " << counted.tensors
                         << ": the predictions below follow the plan's";
   RankMeasurement mine = measure_rank(meter.training_comm());
-  mine.predicted_bytes = ch14::predicted_run_traffic(layout, work, rank, held, steps,
+  mine.predicted_bytes = ch15::predicted_run_traffic(layout, work, rank, held, steps,
                                                      meter.steps_after_whole_model());
   if (steps > 0) {
     mine.state_bytes = meter.state().total();
     mine.matmul_flops = meter.step_flops();
   }
   if (held.elements > 0)
-    mine.predicted_state_bytes = ch14::predicted_state_bytes(layout, held).total();
+    mine.predicted_state_bytes = ch15::predicted_state_bytes(layout, held).total();
   try {
-    mine.predicted_matmul_flops = ch14::predicted_flops(layout, work, rank, held).total();
+    mine.predicted_matmul_flops = ch15::predicted_flops(layout, work, rank, held).total();
   } catch (const Error&) {
     // no matrices known (a part not built offline) or experts with a capacity: not predicted
   }
@@ -162,7 +162,7 @@ RankMeasurement measure_against_plan(const ch14::Layout& layout, const ch14::Wor
 
 }  // namespace
 
-void report_measurements(const ch14::Layout& layout, const dist::CommunicatorPtr& world,
+void report_measurements(const ch15::Layout& layout, const dist::CommunicatorPtr& world,
                          const RunConfig& run, const StepMeter& meter, int64_t steps) {
   const auto measured = gather_measurements(
       world, measure_against_plan(layout, workload_of(run), world->rank(), meter, steps));

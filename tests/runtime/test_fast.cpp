@@ -84,7 +84,7 @@ TEST(TiledCausalAttention, ExecutesTheFlopsItsCountSays) {
     EXPECT_EQ(lesson, static_cast<double>(rows * heads * seq * seq * 6 * (d + dv)));
   }
   EXPECT_EQ(TiledCausalAttentionKernel(4).scores(11), 4 * 4 + 4 * 8 + 3 * 11);
-  // Chapter 14 predicts it with chapter 12's count of the visible tiles.
+  // Chapter 15 predicts it with chapter 12's count of the visible tiles.
   const auto positions = torch::arange(11, torch::kLong);
   EXPECT_EQ(TiledCausalAttentionKernel(4).scores(11),
             fivefold::ch12::visible_scores(positions, positions, 4));

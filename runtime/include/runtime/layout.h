@@ -1,12 +1,12 @@
 #pragma once
 /// @file layout.h
-/// @brief A run in chapter 14's layouts: the layout flags, the workload a run's settings
+/// @brief A run in chapter 15's layouts: the layout flags, the workload a run's settings
 /// describe, the run made to train this rank's part of a layout, the memory check before it
 /// starts, and the report after it of what each rank measured beside the chapters' formulas.
 
 #include <cstdint>
 
-#include "14_trainer_5d/trainer_5d.h"
+#include "15_trainer_5d/trainer_5d.h"
 #include "fivefold/cli.h"
 #include "fivefold/dist.h"
 #include "runtime/measure.h"
@@ -18,32 +18,32 @@ namespace fivefold::runtime {
 /// --virtual-stages, --cp, --cp-layout, --cp-attention, --ep. A resume may change every one.
 void declare_layout_flags(ArgParser& args);
 
-/// The layout the parsed flags ask for (dp 0 when --dp is not given: ch14::resolve_layout works
+/// The layout the parsed flags ask for (dp 0 when --dp is not given: ch15::resolve_layout works
 /// it out). Refuses a choice of how a dimension runs, other than its default, without the
 /// dimension (--schedule without --pp, --cp-layout without --cp).
-ch14::Layout layout_from_flags(const ArgParser& args);
+ch15::Layout layout_from_flags(const ArgParser& args);
 
-/// What chapter 14 checks a layout against and predicts for: `run`'s model, sequence, batch,
+/// What chapter 15 checks a layout against and predicts for: `run`'s model, sequence, batch,
 /// micro-batches, and the tile of the fast paths' attention kernel (0 without the fast paths).
-ch14::Workload workload_of(const RunConfig& run);
+ch15::Workload workload_of(const RunConfig& run);
 
 /// Refuses, before anything is allocated, a model whose fp32 weights, gradients and AdamW state
 /// (chapter 09's ZeRO formula over the layout's dp x cp ranks) for `local_ranks` processes on this
 /// machine do not fit in its available memory (MemAvailable in /proc/meminfo; unknown: no check).
 /// Activations come on top: passing is necessary, not sufficient.
-void check_fits_in_memory(const ch03::ModelConfig& model, const ch14::Layout& layout,
+void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& layout,
                           int local_ranks);
 
-/// Makes `run` train this rank's part of `layout` (from ch14::resolve_layout) on `world`:
-/// ch14::apply_layout's model builder, step, balancing update and placement. Collective over
+/// Makes `run` train this rank's part of `layout` (from ch15::resolve_layout) on `world`:
+/// ch15::apply_layout's model builder, step, balancing update and placement. Collective over
 /// `world`.
-void use_layout(const ch14::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run);
+void use_layout(const ch15::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run);
 
 /// After `steps` training steps of `run` in `layout`: every rank's measurement (`meter`'s bytes,
-/// state, FLOPs, and its peak memory) beside what chapter 14's predictions say for its part,
+/// state, FLOPs, and its peak memory) beside what chapter 15's predictions say for its part,
 /// gathered on `world` (collective); the writer prints the table and writes OUT/measured.json.
 /// Nothing is printed for a run of no steps.
-void report_measurements(const ch14::Layout& layout, const dist::CommunicatorPtr& world,
+void report_measurements(const ch15::Layout& layout, const dist::CommunicatorPtr& world,
                          const RunConfig& run, const StepMeter& meter, int64_t steps);
 
 }  // namespace fivefold::runtime

@@ -2,7 +2,7 @@
 /// @file measure.h
 /// @brief What one process's training steps did, measured as a run goes (a RunObserver): the
 /// bytes it handed each communicator, the state it kept, the matmul FLOPs of one step, and how
-/// many steps began with the whole model gathered. Chapter 14's report compares them with the
+/// many steps began with the whole model gathered. Chapter 15's report compares them with the
 /// chapters' formulas.
 
 #include <cstdint>

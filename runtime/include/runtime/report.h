@@ -3,7 +3,7 @@
 /// @brief What a run did, side by side with another run or with the plan: training curves read
 /// back from metrics.jsonl and compared step by step (a table, the largest difference, an SVG
 /// plot of both), and what each rank measured (bytes per communicator, model state, matmul
-/// FLOPs, peak memory) gathered and tabulated beside chapter 14's predictions (predict.h).
+/// FLOPs, peak memory) gathered and tabulated beside chapter 15's predictions (predict.h).
 
 #include <cstdint>
 #include <map>

@@ -1,4 +1,4 @@
-// Chapter 14 on one process: a layout resolved and refused with its reason, and the reports
+// Chapter 15 on one process: a layout resolved and refused with its reason, and the reports
 // (curves compared and plotted, measurements tabulated).
 
 #include <filesystem>
@@ -6,17 +6,17 @@
 
 #include "../10_tensor_parallel/fixtures.h"
 #include "07_moe/moe.h"
-#include "14_trainer_5d/predict.h"
+#include "15_trainer_5d/predict.h"
 #include "runtime/fast.h"
 #include "runtime/measure.h"
 #include "runtime/run.h"
 #include "fixtures.h"
-#include "14_trainer_5d/trainer_5d.h"
+#include "15_trainer_5d/trainer_5d.h"
 #include "testing.h"
 
 using namespace fivefold;
-using namespace fivefold::ch14;
-using fivefold::ch14::testing::sizes;
+using namespace fivefold::ch15;
+using fivefold::ch15::testing::sizes;
 using fivefold::testing::throws_error_containing;
 
 namespace {

@@ -31,7 +31,7 @@ if(EXISTS ${WORK}/bad)
 endif()
 
 # The main preset names its model beside it ("moe-mla.json"): it plans from any folder.
-execute_process(COMMAND ${FIVEFOLD} train --config ${ROOT}/chapters/14_trainer_5d/presets/main.toml
+execute_process(COMMAND ${FIVEFOLD} train --config ${ROOT}/chapters/15_trainer_5d/presets/main.toml
                         --plan 16 WORKING_DIRECTORY ${WORK}/elsewhere
                 RESULT_VARIABLE status OUTPUT_VARIABLE out ERROR_VARIABLE out TIMEOUT 120)
 message("$ (cd elsewhere) fivefold train --config .../main.toml --plan 16\n${out}")

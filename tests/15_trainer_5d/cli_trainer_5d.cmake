@@ -1,7 +1,7 @@
 # `fivefold train` in the main job's 5D layout and across layouts, as a user runs it:
 #   cmake -DFIVEFOLD=<program> -DMPIRUN=<mpirun and its flags> -DWORK=<scratch> -DROOT=<repo>
 #         -P cli_trainer_5d.cmake
-# The main preset (chapters/14_trainer_5d/presets/main.toml: MLA + experts, dp 2 x tp 2 (SP) x
+# The main preset (chapters/15_trainer_5d/presets/main.toml: MLA + experts, dp 2 x tp 2 (SP) x
 # pp 2 x cp 2, ep 2, ZeRO-1) shortened to 4 steps of 8 rows of 16 tokens; command-line options
 # win over the file's. Every step's loss and gradient norm equal the single process's, and every
 # dimension's group carried bytes (measured.json); the run's settings.toml trains the same run
@@ -20,8 +20,8 @@ file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
 include(${CMAKE_CURRENT_LIST_DIR}/../support/parallel_cli.cmake)
 
-set(preset ${ROOT}/chapters/14_trainer_5d/presets/main.toml)
-set(short --model-config ${ROOT}/chapters/14_trainer_5d/presets/moe-mla.json --steps 4 --batch 8
+set(preset ${ROOT}/chapters/15_trainer_5d/presets/main.toml)
+set(short --model-config ${ROOT}/chapters/15_trainer_5d/presets/moe-mla.json --steps 4 --batch 8
     --accum 2 --seq 16 --synthetic-examples 300 --warmup 1 --eval-every 0 --eval-batches 1
     --save-every 2 --peak-gflops 100 --no-progress)
 set(one_process --tp 1 --pp 1 --cp 1 --ep 1 --zero 0 --sequence-parallel=false)
@@ -62,7 +62,7 @@ foreach(group tp pp cp ep edp)
   endif()
 endforeach()
 # Between the two stages, per step and rank: (B/dp) rows x s/(cp x tp under SP) tokens x d x 4
-# bytes = 4 x 4 x 64 x 4 (notes/14_trainer_5d.md §3), activations forward and gradients back.
+# bytes = 4 x 4 x 64 x 4 (notes/15_trainer_5d.md §3), activations forward and gradients back.
 foreach(link pp-activations pp-gradients)
   foreach(stat mean max)
     string(JSON bytes GET "${measured}" per_step_bytes ${link} ${stat})

@@ -1,4 +1,4 @@
-// Chapter 14 under mpirun (8 ranks): compose_step's step in layouts that use three or four of
+// Chapter 15 under mpirun (8 ranks): compose_step's step in layouts that use three or four of
 // the dimensions at once, against one process on the same global batch: at step 1 the loss, the
 // gradient norm and every parameter's gradient (gathered by name); over 3 steps, with AdamW
 // without clipping (a constant factor changes the curve) and with clipping, the losses, norms,
@@ -18,7 +18,7 @@
 #include "../10_tensor_parallel/fixtures.h"
 #include "03_transformer/data.h"
 #include "07_moe/moe.h"
-#include "14_trainer_5d/trainer_5d.h"
+#include "15_trainer_5d/trainer_5d.h"
 #include "fivefold/comm_stats.h"
 #include "fixtures.h"
 #include "fivefold/mesh.h"
@@ -26,8 +26,8 @@
 #include "testing.h"
 
 using namespace fivefold;
-using namespace fivefold::ch14;
-using fivefold::ch14::testing::sizes;
+using namespace fivefold::ch15;
+using fivefold::ch15::testing::sizes;
 using fivefold::testing::clipping;
 using fivefold::testing::no_clipping;
 using fivefold::testing::split;

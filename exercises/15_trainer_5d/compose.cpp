@@ -1,8 +1,8 @@
-// Chapter 14, the exercise: which chapter's step runs over which group.
-#include "14_trainer_5d/trainer_5d.h"
+// Chapter 15, the exercise: which chapter's step runs over which group.
+#include "15_trainer_5d/trainer_5d.h"
 #include "fivefold/error.h"
 
-namespace fivefold::ch14 {
+namespace fivefold::ch15 {
 
 ch03::StepFactory compose_step(const Layout& layout, const Groups& groups, int64_t world_size) {
   // Hint: start from the innermost step and wrap outwards (README, "Composing the steps").
@@ -19,7 +19,7 @@ ch03::StepFactory compose_step(const Layout& layout, const Groups& groups, int64
   (void)layout;
   (void)groups;
   (void)world_size;
-  throw NotImplemented("ch14: compose_step (chapters/14_trainer_5d/README.md, \"Composing the steps\")");
+  throw NotImplemented("ch15: compose_step (chapters/15_trainer_5d/README.md, \"Composing the steps\")");
 }
 
-}  // namespace fivefold::ch14
+}  // namespace fivefold::ch15

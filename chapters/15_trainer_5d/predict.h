@@ -1,6 +1,6 @@
 #pragma once
 /// @file predict.h
-/// @brief Chapter 14: what each rank of a layout holds, carries and computes, from the chapters'
+/// @brief Chapter 15: what each rank of a layout holds, carries and computes, from the chapters'
 /// own formulas: its part of the model counted, the model state chapter 09's ZeRO formulas give,
 /// the bytes each group carries (chapters 09-13), and the matmul FLOPs of a step (chapter 02's
 /// count). `fivefold train --plan N` prints them before a run, and the trainer prints them beside
@@ -13,9 +13,9 @@
 
 #include "03_transformer/model.h"
 #include "03_transformer/train.h"
-#include "14_trainer_5d/trainer_5d.h"
+#include "15_trainer_5d/trainer_5d.h"
 
-namespace fivefold::ch14 {
+namespace fivefold::ch15 {
 
 /// The trainable parameters (requires_grad) of a model or model part.
 struct TrainableCounts {
@@ -89,7 +89,7 @@ HeldParameters rank_parameters(const Layout& layout, const Workload& run, int64_
 ///   its activations on unless it is the last stage and receives them unless it is the first
 ///   (gradients the other way), (B/dp) rows x s/(cp·t) positions (the rank's own count where
 ///   contiguous CP's or sequence parallelism's slices differ by one) x d x 4 bytes each over
-///   the m micro-batches, t = tp under sequence parallelism, else 1 (notes/14_trainer_5d.md
+///   the m micro-batches, t = tp under sequence parallelism, else 1 (notes/15_trainer_5d.md
 ///   §3), and
 ///   per step `pp` the loss (8 bytes, broadcast from the last stage) and `pp+tp` the norm's
 ///   squares (8 bytes);
@@ -165,4 +165,4 @@ struct StepFlops {
 StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t world_rank,
                           const HeldParameters& held);
 
-}  // namespace fivefold::ch14
+}  // namespace fivefold::ch15

@@ -1,5 +1,5 @@
-// Chapter 14: what each rank of a layout holds, carries and computes, from the chapters' formulas.
-#include "14_trainer_5d/predict.h"
+// Chapter 15: what each rank of a layout holds, carries and computes, from the chapters' formulas.
+#include "15_trainer_5d/predict.h"
 
 #include <set>
 
@@ -16,7 +16,7 @@
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
 
-namespace fivefold::ch14 {
+namespace fivefold::ch15 {
 
 size_t parameter_unit(const std::string& name) {
   const std::string prefix = "model.layers.";
@@ -383,4 +383,4 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
   return bytes;
 }
 
-}  // namespace fivefold::ch14
+}  // namespace fivefold::ch15

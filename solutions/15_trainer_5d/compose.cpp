@@ -1,7 +1,7 @@
-// Chapter 14, the exercise: which chapter's step runs over which group.
-#include "14_trainer_5d/trainer_5d.h"
+// Chapter 15, the exercise: which chapter's step runs over which group.
+#include "15_trainer_5d/trainer_5d.h"
 
-namespace fivefold::ch14 {
+namespace fivefold::ch15 {
 
 ch03::StepFactory compose_step(const Layout& layout, const Groups& groups, int64_t world_size) {
   // Experts split over ep: the step below runs over the ranks holding the same experts (edp),
@@ -45,4 +45,4 @@ ch03::StepFactory compose_step(const Layout& layout, const Groups& groups, int64
   return step;
 }
 
-}  // namespace fivefold::ch14
+}  // namespace fivefold::ch15

@@ -1,12 +1,12 @@
-// Chapter 14: a layout checked, cut into groups, and handed to this rank's training run.
+// Chapter 15: a layout checked, cut into groups, and handed to this rank's training run.
 #include <sstream>
 
 #include "07_moe/moe.h"
-#include "14_trainer_5d/trainer_5d.h"
+#include "15_trainer_5d/trainer_5d.h"
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 
-namespace fivefold::ch14 {
+namespace fivefold::ch15 {
 
 std::string Layout::describe() const {
   std::ostringstream out;
@@ -108,4 +108,4 @@ RankSetup apply_layout(const Layout& layout, const dist::CommunicatorPtr& world)
   return setup;
 }
 
-}  // namespace fivefold::ch14
+}  // namespace fivefold::ch15

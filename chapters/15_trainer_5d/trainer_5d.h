@@ -1,6 +1,6 @@
 #pragma once
 /// @file trainer_5d.h
-/// @brief Chapter 14: the five parallelisms together. A Layout names how many ranks each
+/// @brief Chapter 15: the five parallelisms together. A Layout names how many ranks each
 /// dimension has and how each runs; resolve_layout checks it against the world, the model and the
 /// batch before anything talks to anyone; apply_layout builds the mesh (pp slowest, then dp, cp,
 /// tp fastest, with ep folded into dp·cp) and gives this rank's training run (the run loop below
@@ -29,7 +29,7 @@
 #include "fivefold/dist.h"
 #include "fivefold/mesh.h"
 
-namespace fivefold::ch14 {
+namespace fivefold::ch15 {
 
 /// What a layout is checked against and predicted for: the model and each step's batch.
 struct Workload {
@@ -128,4 +128,4 @@ struct RankSetup {
 /// must come from resolve_layout. Collective over `world`.
 RankSetup apply_layout(const Layout& layout, const dist::CommunicatorPtr& world);
 
-}  // namespace fivefold::ch14
+}  // namespace fivefold::ch15

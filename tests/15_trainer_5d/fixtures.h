@@ -1,9 +1,9 @@
 #pragma once
-// What chapter 14's tests share.
+// What chapter 15's tests share.
 
-#include "14_trainer_5d/trainer_5d.h"
+#include "15_trainer_5d/trainer_5d.h"
 
-namespace fivefold::ch14::testing {
+namespace fivefold::ch15::testing {
 
 /// A layout of the given sizes (dp 0: from the world size), the other settings their defaults.
 inline Layout sizes(int64_t dp, int64_t tp, int64_t pp, int64_t cp, int64_t ep = 1,
@@ -18,4 +18,4 @@ inline Layout sizes(int64_t dp, int64_t tp, int64_t pp, int64_t cp, int64_t ep =
   return l;
 }
 
-}  // namespace fivefold::ch14::testing
+}  // namespace fivefold::ch15::testing
