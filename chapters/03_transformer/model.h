@@ -378,6 +378,14 @@ class TransformerImpl : public torch::nn::Module {
   void set_embedding(std::shared_ptr<TokenEmbedding> embedding);
   /// Puts `output` in the output slot (lm_head.*).
   void set_output_layer(std::shared_ptr<OutputLayer> output);
+  /// How forward_layers runs block `layer` on x (without a cache): the block's own forward until
+  /// one is set. Chapter 14's activation recomputation runs blocks without keeping what their
+  /// backward needs.
+  using LayerRunner = std::function<torch::Tensor(BlockImpl& block, int64_t layer,
+                                                  const torch::Tensor& x,
+                                                  const torch::Tensor& positions)>;
+  /// Installs `runner` (an empty one: the blocks' own forward).
+  void set_layer_runner(LayerRunner runner) { run_layer_ = std::move(runner); }
   /// Draws every matrix again from its (seed, name) generator (chapter 01), a sliced one (see
   /// parameter_shards) as its slice of the full matrix; the constructor does it once. A chapter
   /// that replaces a module after construction calls it, and every matrix the replacement left
@@ -392,6 +400,7 @@ class TransformerImpl : public torch::nn::Module {
  private:
   ModelConfig config_;
   ModelPart part_;
+  LayerRunner run_layer_;
 };
 TORCH_MODULE(Transformer);
 

@@ -12,6 +12,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/checkpoint.h"
+#include "14_memory/recompute.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
@@ -94,12 +95,19 @@ void truncate_metrics(const std::string& path, int64_t first_step) {
   io::write_file_atomic(path, kept);
 }
 
+// The recomputation a run trains with, in words.
+std::string recompute_text(const RunConfig& c) {
+  if (c.recompute != "full" || c.recompute_every == 1) return c.recompute;
+  return "full, every " + std::to_string(c.recompute_every) + " blocks";
+}
+
 }  // namespace
 
 RunResult run_training(const RunConfig& requested, bool resume) {
   RunConfig c = requested;
   RunResult result;
   std::string start;  // the checkpoint folder resumed from
+  std::string trained_with;  // the resumed run's recomputation so far
   if (!c.out_dir.empty()) {
     // A run's folder holds checkpoint folders; it must not be one (a later pruning of the
     // enclosing run would delete this one with it).
@@ -113,6 +121,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     FIVEFOLD_CHECK(!requested.out_dir.empty(), "resume: no output folder given");
     start = resolve_checkpoint(requested.out_dir);
     const RunState state = load_run_state(start);
+    trained_with = recompute_text(state.run);
     // The run's own settings; only those that do not change what it computes come from
     // `requested` (how long, how often to evaluate and save, how it is laid out): settings.h.
     c = resume_with(state.run, requested);
@@ -165,6 +174,15 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     install_fast_paths(trainer->model());
   } else {
     set_matmul_kernel(nullptr);
+  }
+  // Chapter 14, after every kernel is in place: selective recomputation wraps the one installed.
+  ch14::apply_recompute(trainer->model(),
+                        {ch14::parse_recompute(c.recompute), c.recompute_every});
+  if (c.recompute != "none" || (resume && recompute_text(c) != trained_with)) {
+    log0() << "activation recomputation: " << recompute_text(c)
+           << (resume && recompute_text(c) != trained_with
+                   ? " (the run trained with " + trained_with + " until now)"
+                   : "");
   }
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "03_transformer/checkpoint.h"
+#include "14_memory/recompute.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 
@@ -136,6 +137,24 @@ std::vector<Setting> make_table() {
                     "micro-batches per data-parallel rank and step (gradient accumulation, and "
                     "the pipeline's micro-batches; dp x accum divides --batch)",
                     [](auto& c) -> auto& { return c.micro_batches; }));
+  Setting recompute = field("recompute", "recompute", kept,
+                            "activation recomputation (chapter 14): none, full (whole blocks: "
+                            "keep each block's input, run it again in backward) or selective "
+                            "(the attention core)",
+                            [](auto& c) -> auto& { return c.recompute; });
+  recompute.read = [](const ArgParser& args, RunConfig& c) {
+    c.recompute = ch14::to_string(ch14::parse_recompute(args.str("recompute")));
+  };
+  t.push_back(recompute);
+  Setting every = field("recompute-every", "recompute_every", kept,
+                        "with --recompute full: every K-th block only (blocks 0, K, 2K, ...)",
+                        [](auto& c) -> auto& { return c.recompute_every; });
+  every.read = [](const ArgParser& args, RunConfig& c) {
+    c.recompute_every = args.integer("recompute-every");
+    FIVEFOLD_CHECK(c.recompute_every >= 1, "--recompute-every must be >= 1, got ",
+                   c.recompute_every);
+  };
+  t.push_back(every);
   t.push_back(field("lr", "train.lr", fixed, "peak learning rate",
                     [](auto& c) -> auto& { return c.train.lr; }));
   t.push_back(field("min-lr", "train.min_lr", fixed, "final learning rate",

@@ -460,7 +460,11 @@ torch::Tensor TransformerImpl::forward_layers(torch::Tensor x, const torch::Tens
                    "Transformer: the config has rope_theta = ", config_.rope_theta,
                    " but no position encoding is installed: build the model with chapter 04's "
                    "make_model (or load_model)");
-    x = layer.forward(x, positions, cache ? &cache->layers[static_cast<size_t>(i)] : nullptr);
+    if (cache != nullptr) {
+      x = layer.forward(x, positions, &cache->layers[static_cast<size_t>(i)]);
+    } else {
+      x = run_layer_ ? run_layer_(layer, i, x, positions) : layer.forward(x, positions);
+    }
   }
   return x;
 }

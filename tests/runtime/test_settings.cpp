@@ -40,13 +40,15 @@ void keys(const nlohmann::json& json, const std::string& prefix, std::vector<std
 }  // namespace
 
 TEST(Settings, SavedUnderTheCheckpointsKeys) {
-  // trainer_state.json's "run" object: checkpoints written before the table still resume.
+  // trainer_state.json's "run" object: checkpoints written before the table still resume (and
+  // those without a later setting's key, recompute, resume with its default).
   std::vector<std::string> saved;
   keys(run_to_json(RunConfig{}), "", saved);
   const std::vector<std::string> expected = {
       "batch",        "data.path",      "data.seed",          "data.synthetic_examples",
       "data.val_fraction", "eval_batches", "eval_every",      "exact_match_examples",
-      "keep_checkpoints",  "micro_batches", "model",          "save_every",
+      "keep_checkpoints",  "micro_batches", "model",          "recompute",
+      "recompute_every",   "save_every",
       "seq_len",      "steps",          "train.beta1",        "train.beta2",
       "train.decay_embeddings", "train.eps", "train.grad_clip", "train.lr",
       "train.min_lr", "train.total_steps", "train.warmup_steps", "train.weight_decay"};

@@ -5,7 +5,8 @@
 string(REPLACE ";" " " launcher "${MPIRUN}")  # a CMake list or a command line
 separate_arguments(mpirun UNIX_COMMAND "${launcher}")
 
-# Runs `np` ranks (1: the program alone) and fails unless it exits 0.
+# Runs `np` ranks (1: the program alone) and fails unless it exits 0. What it printed is left in
+# the caller's `train_output`.
 function(train np out)
   set(launch ${FIVEFOLD})
   if(np GREATER 1)
@@ -14,6 +15,7 @@ function(train np out)
   execute_process(COMMAND ${launch} train --out ${out} ${ARGN} RESULT_VARIABLE status
                   OUTPUT_VARIABLE text ERROR_VARIABLE text TIMEOUT 300)
   message("$ [${np} ranks] fivefold train --out ${out} ${ARGN}\n${text}")
+  set(train_output "${text}" PARENT_SCOPE)
   if(NOT status EQUAL 0)
     message(FATAL_ERROR "exit status ${status}")
   endif()
@@ -86,6 +88,7 @@ function(expect_resumed np saved out expected label)
   file(COPY ${saved}/metrics.jsonl DESTINATION ${out})
   file(WRITE ${out}/latest "step-00000002\n")
   train(${np} ${out} --resume --steps 4 --peak-gflops 100 --no-progress ${ARGN})
+  set(train_output "${train_output}" PARENT_SCOPE)
   curve(${out} got)
   expect_same_curve("${got}" "${${expected}}" "${label}")
 endfunction()

@@ -71,6 +71,9 @@ struct RunConfig {
   int64_t seq_len = 64;              ///< tokens per row
   int64_t batch = 16;                ///< rows per optimizer step (global batch)
   int64_t micro_batches = 1;         ///< gradient accumulation: micro-batches per data rank
+  /// Activation recomputation (chapter 14): "none", "full" or "selective" (ch14::Recompute).
+  std::string recompute = "none";
+  int64_t recompute_every = 1;  ///< with "full": every recompute_every-th block only
   int64_t steps = 300;               ///< train until this many steps are done
   std::string out_dir;               ///< metrics and checkpoints; empty: write nothing
   std::string settings_toml;         ///< written to out_dir/settings.toml as the run starts

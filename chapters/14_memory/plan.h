@@ -1,0 +1,37 @@
+#pragma once
+/// @file plan.h
+/// @brief Chapter 14's plan terms: what recomputation costs in FLOPs and saves in memory, as
+/// formulas that the chapter's tests check against the counts of the real code (chapter 02's
+/// FLOP counter, fivefold::MemoryTracker).
+
+#include <cstdint>
+
+#include "02_flops_6np/flops.h"
+#include "03_transformer/model.h"
+#include "14_memory/recompute.h"
+
+namespace fivefold::ch14 {
+
+/// Training matmul FLOPs per token of a sequence of `context` tokens with `config`'s
+/// recomputation: chapter 02's 3 x forward, plus the forward run again in backward: every
+/// recomputed block's (Full: ceil(n_layers / every) blocks, all but the head, ~8NP in all) or
+/// every block's attention core (Selective: the scores and the weighted values).
+double training_flops_per_token(const ch02::TransformerShape& shape, int64_t context,
+                                const RecomputeConfig& config);
+
+/// The blocks Full recomputation runs again: global indices i < n_layers with i % every == 0.
+int64_t recomputed_layers(int64_t n_layers, int64_t every);
+
+/// Bytes of tensor storage one block of chapter 03's Llama (RMSNorm, grouped-query attention with
+/// RoPE, SwiGLU) allocates in forward and keeps until backward, in fp32 with the lesson's kernels
+/// (causal_attention, chapter 03's RMSNorm), for `batch` rows of `seq` tokens, when the block is
+/// run with `mode` (derived in notes/14_memory.md; measured by the tests with MemoryTracker):
+///   None       4bs(12d + 4f + 2) + 4·b·h·s² + s² + 4s·hd (+ 16h with grouped-query attention)
+///   Selective  4bs(10d + 2·h_kv·hd + 4f + 2) + 4s·hd: the s² terms are gone
+///   Full       4bsd: the block's output, which the next block keeps as its input
+/// (d d_model, f d_ff, h heads, h_kv key/value heads, hd head_dim). Full "every k" is Full for
+/// the blocks it recomputes and None for the others.
+int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t batch, int64_t seq,
+                               Recompute mode);
+
+}  // namespace fivefold::ch14
