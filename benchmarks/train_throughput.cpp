@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "02_flops_6np/flops.h"
+#include "14_memory/precision.h"
 #include "runtime/fast.h"
 #include "03_transformer/train.h"
 #include "fivefold/blas.h"
@@ -39,7 +40,7 @@ struct Timing {
   double step, forward, backward, update;  // update: clipping + AdamW
 };
 
-Timing median_times(const Size& s, int64_t steps, bool fast) {
+Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) {
   using namespace fivefold::ch03;
   using namespace fivefold::runtime;
   ModelConfig config;
@@ -52,6 +53,8 @@ Timing median_times(const Size& s, int64_t steps, bool fast) {
   if (fast) train.make_adamw = fused_adamw;
   // The matmul kernel is process-wide: the lesson's step, timed after a fast one, unsets it.
   if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
+  // Chapter 14: the products in bf16, the rest as it was.
+  if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
   auto optimizer = make_optimizer(model, train);
   auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
   const Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
@@ -171,6 +174,8 @@ int run(int argc, char** argv) {
   args.flag("json", "print JSON lines instead of a table");
   args.flag("lesson-kernels", "the lesson's code alone, without the fast paths (fast.h)");
   args.flag("compare", "time the lesson's code too: its tokens/s and the fast paths' speed-up");
+  args.flag("bf16", "time each size in bf16 too, right after fp32 (chapter 14's --precision "
+            "bf16): its tokens/s and speed-up");
   args.flag("parts",
             "time each part of the step on its own instead (attention, MLP, norms, head + loss, "
             "clip + AdamW; forward and backward), with its GFLOP/s against the peak");
@@ -220,9 +225,10 @@ int run(int argc, char** argv) {
         "threads %d, matmul peak %.1f GFLOP/s (%s, fp32, best of 1024^3 and 2048^3, in this "
         "run);\nlast columns: GFLOP/s of the model's own MLP matmul and attention-score bmm\n\n",
         torch::get_num_threads(), peak / 1e9, library);
-    std::printf("%-22s %11s %12s %9s %22s %10s %6s %9s %9s%s\n", "model", "parameters",
+    std::printf("%-22s %11s %12s %9s %22s %10s %6s %9s %9s%s%s\n", "model", "parameters",
                 "MFLOP/token", "step ms", "fwd / bwd / update ms", "tokens/s", "MFU", "MLP mm",
-                "QK^T bmm", args.on("compare") ? "  vs lesson" : "");
+                "QK^T bmm", args.on("compare") ? "  vs lesson" : "",
+                args.on("bf16") ? "  bf16 tok/s  x fp32" : "");
   }
   for (const Size& s : sizes) {
     fivefold::ch02::TransformerShape shape;
@@ -239,6 +245,12 @@ int run(int argc, char** argv) {
     // The lesson's step on the same size, right after (with --compare): the fast paths' gain.
     const double lesson =
         args.on("compare") ? median_times(s, args.integer("steps"), false).step : 0.0;
+    // The same step with bf16 products, right after (with --bf16).
+    const double bf16 =
+        args.on("bf16")
+            ? median_times(s, args.integer("steps"), !args.on("lesson-kernels"), true).step
+            : 0.0;
+    fivefold::ch03::set_matmul_kernel(kernel);
     const double seconds = t.step;
     const double tokens_per_s = static_cast<double>(s.batch * s.seq) / seconds;
     const double mfu = fivefold::ch02::model_flops_utilization(tokens_per_s, flops, peak);
@@ -251,10 +263,11 @@ int run(int argc, char** argv) {
           "{\"model\":\"%s\",\"parameters\":%lld,\"flops_per_token\":%.0f,\"step_s\":%.6f,"
           "\"forward_s\":%.6f,\"backward_s\":%.6f,\"update_s\":%.6f,"
           "\"tokens_per_s\":%.1f,\"mfu\":%.4f,\"peak_gflops\":%.1f,\"mlp_mm_gflops\":%.1f,"
-          "\"scores_bmm_gflops\":%.1f,\"lesson_tokens_per_s\":%.1f}\n",
+          "\"scores_bmm_gflops\":%.1f,\"lesson_tokens_per_s\":%.1f,\"bf16_tokens_per_s\":%.1f}\n",
           s.name, static_cast<long long>(parameters), flops, seconds, t.forward, t.backward,
           t.update, tokens_per_s, mfu, peak / 1e9, mlp, scores,
-          lesson > 0 ? static_cast<double>(s.batch * s.seq) / lesson : 0.0);
+          lesson > 0 ? static_cast<double>(s.batch * s.seq) / lesson : 0.0,
+          bf16 > 0 ? static_cast<double>(s.batch * s.seq) / bf16 : 0.0);
     } else {
       char parts[64];
       std::snprintf(parts, sizeof(parts), "%.1f / %.1f / %.1f", t.forward * 1e3, t.backward * 1e3,
@@ -263,6 +276,7 @@ int run(int argc, char** argv) {
                   static_cast<long long>(parameters), flops / 1e6, seconds * 1e3, parts,
                   tokens_per_s, mfu, mlp, scores);
       if (lesson > 0) std::printf(" %10.2fx", lesson / seconds);
+      if (bf16 > 0) std::printf(" %10.0f %6.2fx", static_cast<double>(s.batch * s.seq) / bf16, seconds / bf16);
       std::printf("\n");
     }
   }

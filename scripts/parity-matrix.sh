@@ -7,20 +7,27 @@
 # data-parallel groups carried per step, each rank's model state and its matmul FLOPs equal
 # chapters 09-13's formulas where they apply (scripts/check-predicted.cmake). Writes a Markdown
 # table to OUT/RESULTS.md; exits 1 if any layout is outside.
-#   scripts/parity-matrix.sh [--reduced] [--with "FLAGS"] [BUILD_DIR] [OUT_DIR]
+#   scripts/parity-matrix.sh [--reduced] [--with "FLAGS"] [--both "FLAGS"] [--tolerance T]
+#                            [BUILD_DIR] [OUT_DIR]
 # --reduced runs five of them (what ctest runs: ch15_parity_matrix); the README has the full
 # matrix's last results. --with adds FLAGS to every layout's run but not to the single
 # process's (chapter 14: `--with "--recompute full"` must give the curve of the run without
 # recomputation); the bytes and FLOPs are then not compared with the formulas, which count each
-# forward once.
+# forward once. --both adds FLAGS to the single process's runs too (`--both "--precision bf16"`),
+# and --tolerance replaces 1e-4 (bf16 rounds each product to 8 bits of mantissa, in another order
+# in each layout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reduced=0
 with=""
+both=""
+tolerance=1e-4
 while [ $# -gt 0 ]; do
   case "$1" in
     --reduced) reduced=1; shift ;;
     --with) with=$2; shift 2 ;;
+    --both) both=$2; shift 2 ;;
+    --tolerance) tolerance=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -92,7 +99,8 @@ rm -rf "$out"
 mkdir -p "$out"
 for name in "${!model[@]}"; do  # the references: one process, the same settings
   # shellcheck disable=SC2086
-  "$fivefold" train --out "$out/single-$name" "${common[@]}" ${model[$name]} >"$out/single-$name.log" 2>&1 ||
+  "$fivefold" train --out "$out/single-$name" "${common[@]}" ${model[$name]} $both \
+    >"$out/single-$name.log" 2>&1 ||
     { cat "$out/single-$name.log"; exit 1; }
 done
 
@@ -110,7 +118,7 @@ for entry in "${layouts[@]}"; do
   start=$(date +%s)
   # shellcheck disable=SC2086
   if ! "${mpi[@]}" -np "$np" "$fivefold" train --out "$run" "${common[@]}" ${model[$name]} $flags \
-      $with >"$run.log" 2>&1; then
+      $with $both >"$run.log" 2>&1; then
     echo "| $np | $name | \`$flags\` | | | | FAILED to run (see $run.log) |" >>"$results"
     echo "parity-matrix: $np ranks, $name, $flags: the run failed" >&2
     tail -5 "$run.log" >&2
@@ -119,7 +127,7 @@ for entry in "${layouts[@]}"; do
   fi
   seconds=$(($(date +%s) - start))
   verdict=ok
-  report=$("$fivefold" compare --runs "$run,$out/single-$name" --tolerance 1e-4 --rows 2) || verdict=FAILED
+  report=$("$fivefold" compare --runs "$run,$out/single-$name" --tolerance "$tolerance" --rows 2) || verdict=FAILED
   # The pipeline's and context parallelism's bytes per step, measured, equal the formulas'.
   if [ -z "$with" ]; then
     cmake -DMEASURED="$run/measured.json" -P scripts/check-predicted.cmake >"$run.predicted" 2>&1 ||
@@ -127,11 +135,11 @@ for entry in "${layouts[@]}"; do
   fi
   loss=$(sed -n 's/.*loss differs by at most \([^ ]*\) .*/\1/p' <<<"$report")
   norm=$(sed -n 's/.*gradient norm by at most \([^ ]*\)$/\1/p' <<<"$report")
-  echo "| $np | $name | \`$flags${with:+ $with}\` | $loss | $norm | $seconds | $verdict |" >>"$results"
+  echo "| $np | $name | \`$flags${with:+ $with}${both:+ $both}\` | $loss | $norm | $seconds | $verdict |" >>"$results"
   echo "$np ranks, $name, $flags: $verdict (loss $loss, norm $norm, ${seconds} s)"
   [ "$verdict" = ok ] || failures=$((failures + 1))
 done
 echo
 cat "$results"
-echo "parity-matrix: ${#layouts[@]} layouts, $failures outside 1e-4 or failed"
+echo "parity-matrix: ${#layouts[@]} layouts, $failures outside $tolerance or failed"
 [ $failures -eq 0 ]

@@ -12,6 +12,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/checkpoint.h"
+#include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
@@ -108,6 +109,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   RunResult result;
   std::string start;  // the checkpoint folder resumed from
   std::string trained_with;  // the resumed run's recomputation so far
+  std::string trained_in;    // and its precision
   if (!c.out_dir.empty()) {
     // A run's folder holds checkpoint folders; it must not be one (a later pruning of the
     // enclosing run would delete this one with it).
@@ -122,6 +124,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     start = resolve_checkpoint(requested.out_dir);
     const RunState state = load_run_state(start);
     trained_with = recompute_text(state.run);
+    trained_in = state.run.precision;
     // The run's own settings; only those that do not change what it computes come from
     // `requested` (how long, how often to evaluate and save, how it is laid out): settings.h.
     c = resume_with(state.run, requested);
@@ -174,6 +177,29 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     install_fast_paths(trainer->model());
   } else {
     set_matmul_kernel(nullptr);
+  }
+  // Chapter 14: the products in bf16, after a look at whether this CPU computes bf16 faster.
+  if (ch14::parse_precision(c.precision) == ch14::Precision::Bf16) {
+    // The model's own MLP product on one micro-batch of this rank.
+    const int64_t rows = std::max<int64_t>(
+        1, c.batch * c.seq_len / (place.data_ranks * c.micro_batches));
+    const ch14::ProductSpeed speed = ch14::measure_product_speed(rows, c.model.d_model,
+                                                                 c.model.d_ff);
+    log0() << "precision: bf16 products (the MLP's [" << rows << ", " << c.model.d_model
+           << "] x [" << c.model.d_model << ", " << c.model.d_ff << "]: "
+           << static_cast<int>(speed.bf16) << " GFLOP/s in bf16, " << static_cast<int>(speed.fp32)
+           << " in fp32); weights, gradients and AdamW in fp32"
+           << (resume && c.precision != trained_in ? " (the run trained in " + trained_in +
+                                                         " until now)"
+                                                   : "");
+    if (speed.bf16 < speed.fp32) {
+      log0() << "warning: this model's products are " << speed.fp32 / speed.bf16
+             << "x slower in bf16 than in fp32 here (too small to pay for the roundings, or no "
+                "AVX-512 BF16 or AMX on this CPU): --precision fp32 trains faster";
+    }
+    ch14::use_precision(ch14::Precision::Bf16, nullptr);
+  } else if (resume && trained_in != c.precision) {
+    log0() << "precision: fp32 (the run trained in " << trained_in << " until now)";
   }
   // Chapter 14, after every kernel is in place: selective recomputation wraps the one installed.
   ch14::apply_recompute(trainer->model(),

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "03_transformer/checkpoint.h"
+#include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
@@ -155,6 +156,15 @@ std::vector<Setting> make_table() {
                    c.recompute_every);
   };
   t.push_back(every);
+  Setting precision = field("precision", "precision", kept,
+                            "what the matrix products compute in (chapter 14): fp32, or bf16 "
+                            "(operands rounded to bf16; weights, activations, gradients and "
+                            "AdamW stay fp32)",
+                            [](auto& c) -> auto& { return c.precision; });
+  precision.read = [](const ArgParser& args, RunConfig& c) {
+    c.precision = ch14::to_string(ch14::parse_precision(args.str("precision")));
+  };
+  t.push_back(precision);
   t.push_back(field("lr", "train.lr", fixed, "peak learning rate",
                     [](auto& c) -> auto& { return c.train.lr; }));
   t.push_back(field("min-lr", "train.min_lr", fixed, "final learning rate",

@@ -47,7 +47,7 @@ TEST(Settings, SavedUnderTheCheckpointsKeys) {
   const std::vector<std::string> expected = {
       "batch",        "data.path",      "data.seed",          "data.synthetic_examples",
       "data.val_fraction", "eval_batches", "eval_every",      "exact_match_examples",
-      "keep_checkpoints",  "micro_batches", "model",          "recompute",
+      "keep_checkpoints",  "micro_batches", "model",          "precision",       "recompute",
       "recompute_every",   "save_every",
       "seq_len",      "steps",          "train.beta1",        "train.beta2",
       "train.decay_embeddings", "train.eps", "train.grad_clip", "train.lr",

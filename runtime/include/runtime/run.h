@@ -74,6 +74,8 @@ struct RunConfig {
   /// Activation recomputation (chapter 14): "none", "full" or "selective" (ch14::Recompute).
   std::string recompute = "none";
   int64_t recompute_every = 1;  ///< with "full": every recompute_every-th block only
+  /// What the matrix products compute in (chapter 14): "fp32" or "bf16" (ch14::Precision).
+  std::string precision = "fp32";
   int64_t steps = 300;               ///< train until this many steps are done
   std::string out_dir;               ///< metrics and checkpoints; empty: write nothing
   std::string settings_toml;         ///< written to out_dir/settings.toml as the run starts

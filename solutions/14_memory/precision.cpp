@@ -1,0 +1,57 @@
+// Chapter 14: mixed precision through chapter 03's matmul slot.
+#include "14_memory/precision.h"
+
+#include <algorithm>
+
+#include "fivefold/error.h"
+#include "fivefold/timer.h"
+
+namespace fivefold::ch14 {
+
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::Fp32;
+  if (name == "bf16") return Precision::Bf16;
+  throw Error("precision: '" + name + "' is not one of fp32, bf16");
+}
+
+std::string to_string(Precision precision) {
+  return precision == Precision::Bf16 ? "bf16" : "fp32";
+}
+
+torch::Tensor Bf16MatmulKernel::mm(const torch::Tensor& a, const torch::Tensor& b) const {
+  return a.to(torch::kBFloat16).mm(b.to(torch::kBFloat16)).to(a.scalar_type());
+}
+
+torch::Tensor Bf16MatmulKernel::bmm(const torch::Tensor& a, const torch::Tensor& b) const {
+  return a.to(torch::kBFloat16).bmm(b.to(torch::kBFloat16)).to(a.scalar_type());
+}
+
+void use_precision(Precision precision, std::shared_ptr<const ch03::MatmulKernel> fp32) {
+  ch03::set_matmul_kernel(precision == Precision::Bf16 ? std::make_shared<Bf16MatmulKernel>()
+                                                       : std::move(fp32));
+}
+
+namespace {
+
+// GFLOP/s of a·b through `product`: the best of 10 after 2 warm-up products.
+double gflops(const torch::Tensor& a, const torch::Tensor& b, const ch03::MatmulKernel* product) {
+  auto run = [&] { return product != nullptr ? product->mm(a, b) : a.mm(b); };
+  double best = 1e30;
+  for (int i = 0; i < 12; ++i) {
+    Timer timer;
+    run();
+    if (i >= 2) best = std::min(best, timer.seconds());
+  }
+  return 2.0 * static_cast<double>(a.size(0) * a.size(1) * b.size(1)) / best / 1e9;
+}
+
+}  // namespace
+
+ProductSpeed measure_product_speed(int64_t rows, int64_t inner, int64_t cols) {
+  FIVEFOLD_CHECK(rows >= 1 && inner >= 1 && cols >= 1, "measure_product_speed: empty product");
+  const auto a = torch::randn({rows, inner}), b = torch::randn({inner, cols});
+  const Bf16MatmulKernel bf16;
+  return {gflops(a, b, ch03::matmul_kernel()), gflops(a, b, &bf16)};
+}
+
+}  // namespace fivefold::ch14

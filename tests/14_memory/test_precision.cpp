@@ -1,0 +1,88 @@
+// Chapter 14: mixed precision. The bf16 kernel's products are the fp32 operands rounded to bf16,
+// multiplied, rounded again; a training step in bf16 keeps its weights, gradients and AdamW's
+// state in fp32, and lands near the fp32 step (bf16 keeps 8 bits of mantissa: ~0.4% a product).
+
+#include "../10_tensor_parallel/fixtures.h"
+#include "03_transformer/train.h"
+#include "07_moe/moe.h"
+#include "14_memory/precision.h"
+#include "fivefold/error.h"
+#include "fivefold/seed.h"
+#include "testing.h"
+
+using namespace fivefold;
+using namespace fivefold::ch14;
+using torch::Tensor;
+
+namespace {
+
+// Puts the process-wide matmul kernel back (at::mm) when the test ends.
+struct Fp32Afterwards {
+  ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
+};
+
+double relative(const Tensor& got, const Tensor& want) {
+  return ((got - want).norm() / want.norm()).item<double>();
+}
+
+}  // namespace
+
+TEST(Precision, ParsesItsNamesAndRefusesOthers) {
+  for (const char* name : {"fp32", "bf16"}) EXPECT_EQ(to_string(parse_precision(name)), name);
+  try {
+    parse_precision("fp16");
+    FAIL() << "fp16 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fp32, bf16"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Precision, Bf16ProductsRoundTheOperandsAndTheResult) {
+  const auto a = torch::randn({37, 64}, generator_for(1, "a"));
+  const auto b = torch::randn({64, 29}, generator_for(2, "b"));
+  const Bf16MatmulKernel kernel;
+  const auto got = kernel.mm(a, b);
+  EXPECT_EQ(got.scalar_type(), torch::kFloat);
+  const auto rounded = [](const Tensor& t) { return t.to(torch::kBFloat16).to(torch::kFloat); };
+  // The operands rounded, multiplied in fp32 (oneDNN accumulates in fp32), the result rounded.
+  EXPECT_TENSOR_CLOSE(got, rounded(rounded(a).mm(rounded(b))), 0, 1e-2);
+  EXPECT_EQ(got.to(torch::kBFloat16).to(torch::kFloat).equal(got), true) << "a bf16 value";
+  const double error = relative(got, a.mm(b));
+  EXPECT_GT(error, 1e-4) << "not rounded at all";
+  EXPECT_LT(error, 1e-2);
+  const auto x = torch::randn({3, 5, 8}, generator_for(3, "x"));
+  const auto y = torch::randn({3, 8, 4}, generator_for(4, "y"));
+  EXPECT_LT(relative(kernel.bmm(x, y), x.bmm(y)), 1e-2);
+}
+
+// One AdamW step of chapter 10's MLA + MoE model in bf16 against the same in fp32: the loss and
+// every gradient within bf16's rounding, every parameter, gradient and moment stored in fp32.
+TEST(Precision, ABf16StepKeepsFp32StateAndLandsNearTheFp32Step) {
+  Fp32Afterwards restore;
+  const auto batch = ch10::testing::tp_batches().batch(0, 0, 1);
+  std::map<std::string, Tensor> grads[2];
+  double loss[2] = {0, 0};
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    use_precision(precision, nullptr);
+    ch03::Transformer model = ch07::make_model(ch10::testing::deepseek_config());
+    ch03::SingleProcessStep step(model, ch03::TrainConfig{});
+    const auto result = step.step({batch}, 0);
+    const int i = precision == Precision::Bf16;
+    loss[i] = result.loss;
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_EQ(item.value().scalar_type(), torch::kFloat) << item.key();
+      if (!item.value().grad().defined()) continue;
+      EXPECT_EQ(item.value().grad().scalar_type(), torch::kFloat) << item.key();
+      grads[i][item.key()] = item.value().grad().clone();
+    }
+    for (const auto& [name, t] : step.optimizer_state())  // the moments (and integer step counts)
+      if (t.is_floating_point()) EXPECT_EQ(t.scalar_type(), torch::kFloat) << name;
+  }
+  EXPECT_NEAR(loss[1], loss[0], 1e-2 * loss[0]);
+  EXPECT_NE(loss[1], loss[0]) << "the bf16 step computed in fp32";
+  ASSERT_EQ(grads[1].size(), grads[0].size());
+  for (const auto& [name, want] : grads[0]) {
+    if (want.norm().item<double>() == 0) continue;
+    EXPECT_LT(relative(grads[1].at(name), want), 5e-2) << name;
+  }
+}
