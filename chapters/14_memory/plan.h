@@ -22,6 +22,13 @@ double training_flops_per_token(const ch02::TransformerShape& shape, int64_t con
 /// The blocks Full recomputation runs again: global indices i < n_layers with i % every == 0.
 int64_t recomputed_layers(int64_t n_layers, int64_t every);
 
+/// One rank's share of a tensor-parallel group (chapter 10), for block_activation_bytes.
+struct TensorParallelShare {
+  int64_t ranks = 1;               ///< t, the ranks of the group
+  int64_t rank = 0;                ///< this rank
+  bool sequence_parallel = false;  ///< the residual stream and the norms split by sequence
+};
+
 /// Bytes of tensor storage one block of chapter 03's Llama (RMSNorm, grouped-query attention with
 /// RoPE, SwiGLU) allocates in forward and keeps until backward, in fp32 with the lesson's kernels
 /// (causal_attention, chapter 03's RMSNorm), for `batch` rows of `seq` tokens, when the block is
@@ -30,8 +37,11 @@ int64_t recomputed_layers(int64_t n_layers, int64_t every);
 ///   Selective  4bs(10d + 2·h_kv·hd + 4f + 2) + 4s·hd: the s² terms are gone
 ///   Full       4bsd: the block's output, which the next block keeps as its input
 /// (d d_model, f d_ff, h heads, h_kv key/value heads, hd head_dim). Full "every k" is Full for
-/// the blocks it recomputes and None for the others.
+/// the blocks it recomputes and None for the others. On a rank of chapter 10's tensor parallelism
+/// (`tp`) the heads and d_ff are this rank's share, and with sequence parallelism so are the
+/// tokens of the norms and the residual stream, while the norms' outputs are kept gathered over
+/// the whole sequence (notes §1, "Under tensor parallelism").
 int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t batch, int64_t seq,
-                               Recompute mode);
+                               Recompute mode, const TensorParallelShare& tp = {});
 
 }  // namespace fivefold::ch14
