@@ -35,6 +35,11 @@ struct PipelinePlan {
   std::vector<RankPlan> ranks;  ///< per pipeline rank
 };
 
+/// The bytes of fp32 activations one block keeps for `rows` sequences of `seq` tokens: the
+/// per-block term of stage_activation_bytes below (chapter 14 builds on it: recomputation, and a
+/// rank's share under tensor parallelism).
+int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t rows, int64_t seq);
+
 /// The bytes of fp32 activations one micro-batch of `rows` sequences of `seq` tokens leaves alive
 /// after its forward through a stage of `layers` blocks of this course's Llama-shaped model
 /// (RMSNorm, RoPE, attention written out as in chapter 03, SwiGLU), counting the stage's input

@@ -33,7 +33,8 @@ struct TensorParallelShare {
 /// RoPE, SwiGLU) allocates in forward and keeps until backward, in fp32 with the lesson's kernels
 /// (causal_attention, chapter 03's RMSNorm), for `batch` rows of `seq` tokens, when the block is
 /// run with `mode` (derived in notes/14_memory.md; measured by the tests with MemoryTracker):
-///   None       4bs(12d + 4f + 2) + 4·b·h·s² + s² + 4s·hd (+ 16h with grouped-query attention)
+///   None       chapter 11's ch11::block_activation_bytes:
+///              4bs(12d + 4f + 2) + 4·b·h·s² + s² + 4s·hd (+ 16h with grouped-query attention)
 ///   Selective  4bs(10d + 2·h_kv·hd + 4f + 2) + 4s·hd: the s² terms are gone
 ///   Full       4bsd: the block's output, which the next block keeps as its input
 /// (d d_model, f d_ff, h heads, h_kv key/value heads, hd head_dim). Full "every k" is Full for

@@ -9,8 +9,7 @@
 
 namespace fivefold::ch11 {
 
-int64_t stage_activation_bytes(const ch02::TransformerShape& shape, int64_t layers, bool head,
-                               int64_t rows, int64_t seq) {
+int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t rows, int64_t seq) {
   FIVEFOLD_CHECK(
       shape.gated_mlp && !shape.layer_norm && !shape.biases && shape.learned_positions == 0,
       "activation memory: the formula is for Llama-shaped models (RMSNorm, SwiGLU, "
@@ -26,6 +25,13 @@ int64_t stage_activation_bytes(const ch02::TransformerShape& shape, int64_t laye
   block += seq * seq;                                    // the causal mask (bool)
   block += 4 * seq * d;                                  // RoPE's cos and sin rows, [seq, d/2] each
   if (shape.n_kv_heads < heads) block += 8 * 2 * heads;  // repeat_interleave's index, for k and v
+  return block;
+}
+
+int64_t stage_activation_bytes(const ch02::TransformerShape& shape, int64_t layers, bool head,
+                               int64_t rows, int64_t seq) {
+  const int64_t n = rows * seq, h = shape.d_model;
+  const int64_t block = block_activation_bytes(shape, rows, seq);
   int64_t bytes = 4 * n * h + layers * block;
   // The final norm (3h + 1) and log-softmax of the logits; the loss and nll's total weight.
   if (head) bytes += 4 * n * (3 * h + 1 + shape.vocab_size) + 8;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "11_pipeline_parallel/plan.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
 
@@ -32,34 +33,34 @@ int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t batch, i
                  "block_activation_bytes: rank ", r, " of ", t, " tensor-parallel ranks for ",
                  config.n_heads, " heads");
   const int64_t d = config.d_model, hd = config.resolved_head_dim();
-  // This rank's share: its heads, key/value heads (one, shared, when there are fewer than
-  // ranks), MLP width, and the tokens of the norms and the residual stream.
+  // This rank's share (its heads, key/value heads (one, shared, when there are fewer than ranks)
+  // and MLP width) as a model of its own: chapter 11's block formula counts what it keeps without
+  // recomputation. With sequence parallelism, also its share of the tokens.
   const int64_t h = config.n_heads / t, kv = std::max<int64_t>(1, config.n_kv_heads / t);
-  const int64_t f = split_sizes(config.d_ff, t)[static_cast<size_t>(r)];
+  ch02::TransformerShape mine = config.shape();
+  mine.n_heads = h;
+  mine.n_kv_heads = kv;
+  mine.d_ff = split_sizes(config.d_ff, t)[static_cast<size_t>(r)];
   const int64_t own = tp.sequence_parallel ? split_sizes(seq, t)[static_cast<size_t>(r)] : seq;
-  // The residual stream's, per token of this rank: each norm keeps x², 1/rms and x/rms (2d + 1),
-  // the residual after attention d, the block's output d. Without sequence parallelism each
-  // norm's output (d) is kept too, by the products it feeds; with it, the all-gathered output
-  // over the whole sequence is (2d a token of the sequence, below).
-  const int64_t residual = 4 * batch * own * (6 * d + 2);
-  const int64_t gathered = 4 * batch * seq * 2 * d;
-  // RoPE's cos and sin, [seq, hd / 2] each: made in every layer's forward, kept by its products.
-  const int64_t rotary = 4 * seq * hd;
+  // Under sequence parallelism the residual stream's part (each norm's x², 1/rms and x/rms, the
+  // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
+  // only; the norms' outputs are kept all-gathered, over the whole sequence.
+  const int64_t none = ch11::block_activation_bytes(mine, batch, seq) -
+                       4 * batch * (seq - own) * (6 * d + 2);
   switch (mode) {
-    case Recompute::Full:
+    case Recompute::Full:  // the block's output, which the next block keeps as its input
       return 4 * batch * own * d;
-    case Recompute::Selective:  // the core's inputs: q and, at h_kv heads, k and v
-      return residual + gathered +
-             4 * batch * seq * (2 * h * hd + 2 * kv * hd + 4 * f) + rotary;
+    case Recompute::Selective: {
+      // The core's inputs (q before scaling, k and v at h_kv heads) instead of what it kept: q/√hd,
+      // k and v at h heads, the probabilities, the causal mask, the index that repeats k and v.
+      const int64_t core = 4 * batch * seq * 3 * h * hd + 4 * batch * h * seq * seq + seq * seq +
+                           (kv < h ? 2 * 8 * h : 0);
+      return none - core + 4 * batch * seq * (h + 2 * kv) * hd;
+    }
     case Recompute::None:
       break;
   }
-  // q/√hd, k and v repeated to h heads, the heads' output merged; the probabilities [b, h, s, s]
-  // (fp32) and the causal mask [s, s] (bool), and with fewer key/value heads than heads the index
-  // repeat_interleave gathers them with ([h] int64, twice).
-  const int64_t grouped = kv < h ? 2 * 8 * h : 0;
-  return residual + gathered + 4 * batch * seq * (4 * h * hd + 4 * f) +
-         4 * batch * h * seq * seq + seq * seq + rotary + grouped;
+  return none;
 }
 
 }  // namespace fivefold::ch14
