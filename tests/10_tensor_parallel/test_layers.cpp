@@ -11,6 +11,7 @@
 // squares not summed over tp, or the replicated norms counted on every tp rank, fails
 // GradientsEqualOneDevice (the global norm).
 
+#include "../02_flops_6np/shapes.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/layers.h"
@@ -306,4 +307,18 @@ TEST(TensorParallelPlan, SequenceParallelSavesTheActivationsOutsideTheSplitLayer
   if (comm->size() > 1) {
     EXPECT_LT(kept[1], kept[0]);
   }
+}
+
+// notes/10_tensor_parallel.md's figures for Llama-2-7B at t = 8, one sequence of 4096 tokens:
+// A = 67.1 MB; 133 all-reduces, 8.72 GB handed over and 15.3 GB on the wire per rank per
+// micro-batch; sequence parallelism moves the same wire bytes; 842,534,912 parameters per rank.
+TEST(TensorParallelPlan, Llama2SevenBFiguresOfTheNotes) {
+  const auto shape = ch02::shape_from_hf_config(ch02_test::llama2_7b());
+  const auto plain = tensor_parallel_traffic(shape, 8, 1, 4096, false);
+  EXPECT_NEAR(4096.0 * 4096 * 4 / 1e6, 67.1, 0.05);
+  EXPECT_EQ(plain.all_reduce.calls, 133);
+  EXPECT_NEAR(static_cast<double>(plain.all_reduce.payload_bytes) / 1e9, 8.72, 0.005);
+  EXPECT_NEAR(plain.wire_bytes() / 1e9, 15.3, 0.05);
+  EXPECT_DOUBLE_EQ(tensor_parallel_traffic(shape, 8, 1, 4096, true).wire_bytes(), plain.wire_bytes());
+  EXPECT_EQ(parameters_per_rank(shape, 8), 842534912);
 }

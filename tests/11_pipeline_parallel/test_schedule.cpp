@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include "../02_flops_6np/shapes.h"
+#include "11_pipeline_parallel/plan.h"
 #include "11_pipeline_parallel/schedule.h"
 #include "testing.h"
 
@@ -130,4 +132,19 @@ TEST(Schedule, RefusesWhatCannotRun) {
       {K::Backward, 0, 0}, {K::Forward, 0, 0}, {K::Forward, 1, 0}, {K::Backward, 1, 0}};
   EXPECT_TRUE(throws_error_containing([&] { simulate(add_communication(deadlock)); },
                                       "rank 0 waits in B+W of micro-batch 0 at stage 0"));
+}
+
+// notes/11_pipeline_parallel.md §4's figures for Llama-2-7B, one sequence of 4096 tokens per
+// micro-batch, pp 4 (8 blocks a stage): 3.7 GB a block, 2.1 GB of it the probabilities; 29.6 GB a
+// stage; 1F1B's first rank keeps 118 GB at its peak.
+TEST(Plan, Llama2SevenBActivationFiguresOfTheNotes) {
+  const auto shape = fivefold::ch02::shape_from_hf_config(ch02_test::llama2_7b());
+  const double block = static_cast<double>(block_activation_bytes(shape, 1, 4096));
+  EXPECT_NEAR(block / 1e9, 3.7, 0.05);
+  EXPECT_NEAR(4.0 * shape.n_heads * 4096 * 4096 / 1e9, 2.1, 0.05);
+  const double stage = static_cast<double>(stage_activation_bytes(shape, 8, false, 1, 4096));
+  EXPECT_NEAR(stage / 1e9, 29.6, 0.05);
+  const auto plan = pipeline_plan(shape, 4, 1, 8, "1f1b", 1, 4096);
+  EXPECT_EQ(plan.ranks[0].peak_in_flight, 4);
+  EXPECT_NEAR(static_cast<double>(plan.ranks[0].peak_activation_bytes) / 1e9, 118, 0.5);
 }

@@ -5,6 +5,7 @@
 // gradients fails KernelsEqualFullAttention (dk, dv); a loss weight of 1 for every rank (no
 // cp·n_r/n) fails GradientsEqualTheSingleDevice with the contiguous layout of 13 tokens.
 
+#include "../02_flops_6np/shapes.h"
 #include "../10_tensor_parallel/fixtures.h"
 #include "02_flops_6np/flops.h"
 #include "03_transformer/checkpoint.h"
@@ -390,4 +391,19 @@ TEST(ContextParallel, ActivationBytesEqualThePlan) {
       }
     }
   }
+}
+
+// notes/12_context_parallel.md's figures for Llama-2-7B at 32,768 tokens: the probabilities take
+// 137 GB a block; without them one device keeps 415 GB, a rank of cp 4 (zig-zag, ring) 104 GB.
+TEST(ContextParallelPlan, Llama2SevenBFiguresOfTheNotes) {
+  const auto shape = ch02::shape_from_hf_config(ch02_test::llama2_7b());
+  const int64_t s = 32768;
+  EXPECT_NEAR(4.0 * shape.n_heads * s * s / 1e9, 137, 0.5);
+  const auto bytes = [&](int64_t cp) {
+    return static_cast<double>(
+               cp_activation_bytes(shape, cp, 0, 1, s, CpLayout::Zigzag, CpAttention::Ring)) /
+           1e9;
+  };
+  EXPECT_NEAR(bytes(1), 415, 0.5);
+  EXPECT_NEAR(bytes(4), 104, 0.5);
 }
