@@ -3,7 +3,8 @@
 # 200 steps of a small Llama on the synthetic corpus in fp32 and in bf16 (the products' operands
 # rounded to bf16, everything else fp32): the held-out loss at every evaluation within 1% of
 # fp32's (measured 2026-12-05: 0.12% at step 200, at most 1.9% between training losses), and
-# the checkpoint fp32. A bad --precision is refused on every rank.
+# the checkpoint fp32; resumed in bf16, the fp32 run says so. A bad --precision is refused on
+# every rank.
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
@@ -49,4 +50,10 @@ endforeach()
 file(READ ${WORK}/bf16/step-00000200/model.safetensors header OFFSET 8 LIMIT 2000)
 if(header MATCHES "BF16" OR NOT header MATCHES "F32")
   message(FATAL_ERROR "the bf16 run's checkpoint is not fp32")
+endif()
+
+# The fp32 run resumed in bf16 says so, and trains on from its step.
+train(1 ${WORK}/fp32 --resume --steps 202 --precision bf16 --no-progress --peak-gflops 100)
+if(NOT train_output MATCHES "precision: bf16 products[^\n]*\\(the run trained in fp32 until now\\)")
+  message(FATAL_ERROR "the run resumed in bf16 did not say that its precision changed")
 endif()
