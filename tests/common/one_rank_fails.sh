@@ -155,21 +155,30 @@ echo "ok: a file as --out, a live lock and an unmakeable folder refused on every
 #     of its ranks within seconds (it printed its layout, then hung until killed, 2026-12-04).
 # (Each with a session folder of its own: two mpiruns starting at once in one can collide,
 # open-mpi/ompi#8510.)
-OMPI_MCA_orte_tmpdir_base=$work/first mpirun --oversubscribe -np 2 "$program" train \
-  --out "$work/shared" --steps 30 "${small[@]}" >"$work/first.log" 2>&1 &
-first=$!
-OMPI_MCA_orte_tmpdir_base=$work/second mpirun --oversubscribe -np 2 "$program" train \
-  --out "$work/shared" --steps 30 "${small[@]}" >"$work/second.log" 2>&1 &
-launcher=$!
-finish 60
-second=$status
-launcher=$first
-finish 60
-cat "$work/first.log" "$work/second.log" >"$work/log"
-statuses=$(printf '%s\n' "$status" "$second" | sort | tr '\n' ' ')
+# A Gloo job whose start failed on the transport (the flake transport_flake describes) is run
+# once more, both jobs, saying so.
+for attempt in 1 2; do
+  rm -rf "$work/shared"
+  OMPI_MCA_orte_tmpdir_base=$work/first mpirun --oversubscribe -np 2 "$program" train \
+    --out "$work/shared" --steps 30 "${small[@]}" >"$work/first.log" 2>&1 &
+  first=$!
+  OMPI_MCA_orte_tmpdir_base=$work/second mpirun --oversubscribe -np 2 "$program" train \
+    --out "$work/shared" --steps 30 "${small[@]}" >"$work/second.log" 2>&1 &
+  launcher=$!
+  finish 60
+  second=$status
+  launcher=$first
+  finish 60
+  cat "$work/first.log" "$work/second.log" >"$work/log"
+  statuses=$(printf '%s\n' "$status" "$second" | sort | tr '\n' ' ')
+  said=$(grep -cE "is in use by process [0-9]+ on |already holds a training run" "$work/log")
+  [ "$attempt" = 1 ] && { [ "$statuses" != "0 1 " ] || [ "$said" -ne 2 ]; } && transport_flake ||
+    break
+  cat "$work/log"
+  echo "RETRY: the jobs above failed on Gloo's TCP transport; running both once more"
+done
 [ "$statuses" = "0 1 " ] || fail "two jobs into one folder exited $statuses, not one 0 and one 1"
-[ "$(grep -cE "is in use by process [0-9]+ on |already holds a training run" "$work/log")" -eq 2 ] ||
-  fail "the refused job did not say why on both ranks"
+[ "$said" -eq 2 ] || fail "the refused job did not say why on both ranks"
 echo "ok: of two jobs started together into one folder, one trained and one was refused"
 
 # 4. SIGTERM to mpirun mid-run (as a scheduler ending a job sends it).
