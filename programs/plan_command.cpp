@@ -23,6 +23,7 @@
 #include "11_pipeline_parallel/plan.h"
 #include "12_context_parallel/plan.h"
 #include "13_expert_parallel/plan.h"
+#include "14_memory/plan.h"
 #include "commands.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -244,6 +245,29 @@ nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int6
           {"sequence_parallel_activation_savings_bytes",
            ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b,
                                                       context)}};
+}
+
+// Chapter 14: what a block keeps for backward, and a step's FLOPs, in each recomputation mode.
+void print_activations(const nlohmann::json& a) {
+  auto modes = [](const nlohmann::json& bytes) {
+    return "none " + si(bytes["none"].get<double>(), "B") + ", selective " +
+           si(bytes["selective"].get<double>(), "B") + ", full " +
+           si(bytes["full"].get<double>(), "B");
+  };
+  std::printf("activations per block, micro-batch of %lld x %lld tokens (fp32, the lesson's "
+              "kernels; chapter 14): %s\n",
+              a["rows"].get<long long>(), a["tokens"].get<long long>(),
+              modes(a["bytes_per_block"]).c_str());
+  if (a.contains("tensor_parallel")) {
+    const auto& t = a["tensor_parallel"];
+    std::printf("  tp %lld rank 0: %s; with sequence parallelism: %s\n",
+                t["ranks"].get<long long>(), modes(t["plain"]).c_str(),
+                modes(t["sequence_parallel"]).c_str());
+  }
+  const auto& f = a["training_flops_per_token"];
+  std::printf("  training FLOPs per token: none %s, selective %s, full %s\n",
+              si(f["none"].get<double>()).c_str(), si(f["selective"].get<double>()).c_str(),
+              si(f["full"].get<double>()).c_str());
 }
 
 // Chapter 11: each pipeline rank's layers, parameters, activations in flight and sends per step.
@@ -497,11 +521,14 @@ int plan(int argc, char** argv) {
   if (cp > 0)
     result["context_parallel"] = context_parallel_section(
         shape, cp, args.str("cp-layout"), args.str("cp-attention"), b, context);
+  const auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1));
+  if (!activations.empty()) result["activations"] = activations;
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
     return 0;
   }
   print_model(out, context);
+  if (!activations.empty()) print_activations(activations);
   if (tp > 0) print_tensor_parallel(result["tensor_parallel"], context);
   if (pp > 0) print_pipeline(result["pipeline"], context);
   if (cp > 0) print_context_parallel(result["context_parallel"], context);

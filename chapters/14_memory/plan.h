@@ -6,8 +6,9 @@
 
 #include <cstdint>
 
+#include <nlohmann/json.hpp>
+
 #include "02_flops_6np/flops.h"
-#include "03_transformer/model.h"
 #include "14_memory/recompute.h"
 
 namespace fivefold::ch14 {
@@ -42,7 +43,14 @@ struct TensorParallelShare {
 /// (`tp`) the heads and d_ff are this rank's share, and with sequence parallelism so are the
 /// tokens of the norms and the residual stream, while the norms' outputs are kept gathered over
 /// the whole sequence (notes §1, "Under tensor parallelism").
-int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t batch, int64_t seq,
+int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
                                Recompute mode, const TensorParallelShare& tp = {});
+
+/// What `fivefold plan` prints for a Llama-shaped model: block_activation_bytes in each mode for
+/// one micro-batch of `rows` sequences of `seq` tokens, on one device and, with tp > 1, on rank 0
+/// of tp with and without sequence parallelism; and the training FLOPs per token in each mode.
+/// Empty for another architecture (GPT-2's LayerNorm and GELU), which the formulas do not count.
+nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,
+                               int64_t tp);
 
 }  // namespace fivefold::ch14

@@ -26,21 +26,21 @@ double training_flops_per_token(const ch02::TransformerShape& shape, int64_t con
   return 3 * forward.total() + again;
 }
 
-int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t batch, int64_t seq,
+int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
                                Recompute mode, const TensorParallelShare& tp) {
   const int64_t t = tp.ranks, r = tp.rank;
-  FIVEFOLD_CHECK(t >= 1 && r >= 0 && r < t && config.n_heads % t == 0,
+  FIVEFOLD_CHECK(t >= 1 && r >= 0 && r < t && shape.n_heads % t == 0,
                  "block_activation_bytes: rank ", r, " of ", t, " tensor-parallel ranks for ",
-                 config.n_heads, " heads");
-  const int64_t d = config.d_model, hd = config.resolved_head_dim();
+                 shape.n_heads, " heads");
+  const int64_t d = shape.d_model, hd = shape.head_dim;
   // This rank's share (its heads, key/value heads (one, shared, when there are fewer than ranks)
   // and MLP width) as a model of its own: chapter 11's block formula counts what it keeps without
   // recomputation. With sequence parallelism, also its share of the tokens.
-  const int64_t h = config.n_heads / t, kv = std::max<int64_t>(1, config.n_kv_heads / t);
-  ch02::TransformerShape mine = config.shape();
+  const int64_t h = shape.n_heads / t, kv = std::max<int64_t>(1, shape.n_kv_heads / t);
+  ch02::TransformerShape mine = shape;
   mine.n_heads = h;
   mine.n_kv_heads = kv;
-  mine.d_ff = split_sizes(config.d_ff, t)[static_cast<size_t>(r)];
+  mine.d_ff = split_sizes(shape.d_ff, t)[static_cast<size_t>(r)];
   const int64_t own = tp.sequence_parallel ? split_sizes(seq, t)[static_cast<size_t>(r)] : seq;
   // Under sequence parallelism the residual stream's part (each norm's x², 1/rms and x/rms, the
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
@@ -61,6 +61,32 @@ int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t batch, i
       break;
   }
   return none;
+}
+
+nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,
+                               int64_t tp) {
+  if (!shape.gated_mlp || shape.layer_norm || shape.biases || shape.learned_positions != 0)
+    return nlohmann::json::object();
+  const std::pair<const char*, Recompute> modes[] = {
+      {"none", Recompute::None}, {"selective", Recompute::Selective}, {"full", Recompute::Full}};
+  auto per_mode = [&](const TensorParallelShare& share) {
+    nlohmann::json bytes;
+    for (const auto& [name, mode] : modes)
+      bytes[name] = block_activation_bytes(shape, rows, seq, mode, share);
+    return bytes;
+  };
+  nlohmann::json flops;
+  for (const auto& [name, mode] : modes) flops[name] = training_flops_per_token(shape, seq, {mode, 1});
+  nlohmann::json plan = {{"rows", rows},
+                         {"tokens", seq},
+                         {"bytes_per_block", per_mode({})},
+                         {"training_flops_per_token", flops}};
+  if (tp > 1) {
+    plan["tensor_parallel"] = {{"ranks", tp},
+                               {"plain", per_mode({tp, 0, false})},
+                               {"sequence_parallel", per_mode({tp, 0, true})}};
+  }
+  return plan;
 }
 
 }  // namespace fivefold::ch14

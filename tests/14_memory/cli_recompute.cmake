@@ -2,7 +2,8 @@
 #   cmake -DFIVEFOLD=<program> -DMPIRUN=<mpirun and its flags> -DWORK=<scratch> -P cli_recompute.cmake
 # A bad mode or --recompute-every is refused on every rank before anything is written; a run
 # saved without recomputation resumes with it (and with full on every 2nd block on 2 ranks of
-# tp), says so, and continues the curve of the run that never recomputed.
+# tp), says so, and continues the curve of the run that never recomputed. `fivefold plan` prints
+# the activation formulas.
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
@@ -32,3 +33,27 @@ endfunction()
 
 resume_with_recompute(selective 1 --recompute selective)
 resume_with_recompute(full-every-2 2 --tp 2 --recompute full --recompute-every 2)
+
+# `fivefold plan` prints what a block keeps in each mode (chapter 14's formulas): Llama-2-7B at
+# 4096 tokens, one device and rank 0 of tp 8 with sequence parallelism; nothing for GPT-2, whose
+# LayerNorm and GELU blocks the formulas do not count.
+set(configs ${CMAKE_CURRENT_LIST_DIR}/../02_flops_6np/configs)
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096 --tp 8 --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+if(NOT status EQUAL 0)
+  message(FATAL_ERROR "fivefold plan failed:\n${plan}")
+endif()
+string(JSON none GET "${plan}" activations bytes_per_block none)
+string(JSON selective GET "${plan}" activations bytes_per_block selective)
+string(JSON sp_full GET "${plan}" activations tensor_parallel sequence_parallel full)
+message("plan: a Llama-2-7B block keeps ${none} bytes, ${selective} with selective recomputation; "
+        "tp 8 with SP and full recomputation ${sp_full} on rank 0")
+if(NOT none EQUAL 3693117440 OR NOT selective EQUAL 1528856576 OR NOT sp_full EQUAL 8388608)
+  message(FATAL_ERROR "fivefold plan's activation figures are not chapter 14's formulas")
+endif()
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/gpt2.json --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+string(JSON has ERROR_VARIABLE missing GET "${plan}" activations)
+if(NOT status EQUAL 0 OR NOT missing)
+  message(FATAL_ERROR "fivefold plan printed activation figures for GPT-2")
+endif()

@@ -239,7 +239,7 @@ TEST(Recompute, KeptActivationsEqualTheFormula) {
           const Recompute as = again ? Recompute::Full
                                : recompute.mode == Recompute::Full ? Recompute::None
                                                                    : recompute.mode;
-          EXPECT_EQ(kept[layer] - kept[layer - 1], block_activation_bytes(config, batch, seq, as))
+          EXPECT_EQ(kept[layer] - kept[layer - 1], block_activation_bytes(config.shape(), batch, seq, as))
               << "block " << layer;
         }
       }
@@ -253,7 +253,7 @@ TEST(Recompute, Llama2SevenBFigures) {
   c.d_model = 4096;
   c.d_ff = 11008;
   c.n_heads = c.n_kv_heads = 32;
-  EXPECT_EQ(block_activation_bytes(c, 1, 4096, Recompute::None), 3693117440);
-  EXPECT_EQ(block_activation_bytes(c, 1, 4096, Recompute::Selective), 1528856576);
-  EXPECT_EQ(block_activation_bytes(c, 1, 4096, Recompute::Full), 67108864);
+  EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::None), 3693117440);
+  EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Selective), 1528856576);
+  EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Full), 67108864);
 }
