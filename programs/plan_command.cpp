@@ -25,6 +25,7 @@
 #include "13_expert_parallel/plan.h"
 #include "14_memory/plan.h"
 #include "commands.h"
+#include "plan_sections.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
@@ -32,43 +33,6 @@
 namespace fivefold::commands {
 
 namespace {
-
-// 1234567 -> "1.23 M" (for the readable table).
-std::string si(double value, const char* unit = "") {
-  const char* prefixes[] = {"", " K", " M", " G", " T", " P", " E", " Z", " Y"};
-  int i = 0;
-  while (std::abs(value) >= 1000 && i < 8) {
-    value /= 1000;
-    ++i;
-  }
-  char text[64];
-  std::snprintf(text, sizeof(text), "%.3g%s%s", value, prefixes[i], unit);
-  return text;
-}
-
-// Chapter 09: what each of `dp` data-parallel ranks keeps per ZeRO stage (0: DDP) for psi
-// parameters in fp32 AdamW, as plan's JSON writes it.
-nlohmann::json zero_memory(int64_t psi, int64_t dp) {
-  nlohmann::json zero;
-  for (int stage = 0; stage <= 3; ++stage) {
-    const auto m = ch09::zero_memory_formula(psi, dp, stage);
-    zero[std::to_string(stage)] = {{"parameters", m.parameters},
-                                   {"gradients", m.gradients},
-                                   {"optimizer", m.optimizer},
-                                   {"total", m.parameters + m.gradients + m.optimizer}};
-  }
-  return zero;
-}
-
-// The table's line for zero_memory's figures.
-void print_zero_memory(const nlohmann::json& zero, int64_t dp) {
-  std::printf("memory/rank     dp %lld, fp32 AdamW (weights + gradients + Adam):",
-              static_cast<long long>(dp));
-  const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
-  for (int stage = 0; stage <= 3; ++stage)
-    std::printf("  %s %s", names[stage], si(zero[std::to_string(stage)]["total"], "B").c_str());
-  std::printf("\n");
-}
 
 // `fivefold plan` for a deepseek_v3 config (MLA and experts, chapters 06-07), which chapter 02's
 // shape does not describe: parameters total and active (count_parameters), the 6N rule on the
@@ -219,117 +183,6 @@ ch02::TransformerShape shape_from_flags(const ArgParser& args) {
   return shape;
 }
 
-// Chapter 10: each tp rank's parameters and memory, and the communication of one micro-batch of
-// b sequences, with and without sequence parallelism.
-nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int64_t tp,
-                                       int64_t psi, int64_t b, int64_t context) {
-  nlohmann::json traffic;
-  for (bool sp : {false, true}) {
-    const auto t = ch10::tensor_parallel_traffic(shape, static_cast<int>(tp), b, context, sp);
-    nlohmann::json ops;
-    const std::pair<const char*, ch10::Traffic> kinds[] = {{"all_reduce", t.all_reduce},
-                                                           {"all_gather", t.all_gather},
-                                                           {"reduce_scatter", t.reduce_scatter}};
-    for (const auto& [name, k] : kinds) {
-      ops[name] = {
-          {"calls", k.calls}, {"payload_bytes", k.payload_bytes}, {"wire_bytes", k.wire_bytes}};
-    }
-    ops["wire_bytes"] = t.wire_bytes();
-    traffic[sp ? "sequence_parallel" : "plain"] = ops;
-  }
-  return {{"tp", tp},
-          {"parameters_per_rank", psi},
-          {"memory_per_rank_bytes", 16 * psi},
-          {"micro_batch", {{"sequences", b}, {"tokens", b * context}}},
-          {"communication_per_micro_batch", traffic},
-          {"sequence_parallel_activation_savings_bytes",
-           ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b,
-                                                      context)}};
-}
-
-// Chapter 14: what a block keeps for backward, and a step's FLOPs, in each recomputation mode.
-void print_activations(const nlohmann::json& a) {
-  auto modes = [](const nlohmann::json& bytes) {
-    return "none " + si(bytes["none"].get<double>(), "B") + ", selective " +
-           si(bytes["selective"].get<double>(), "B") + ", full " +
-           si(bytes["full"].get<double>(), "B");
-  };
-  std::printf("activations per block, micro-batch of %lld x %lld tokens (fp32, the lesson's "
-              "kernels; chapter 14): %s\n",
-              a["rows"].get<long long>(), a["tokens"].get<long long>(),
-              modes(a["bytes_per_block"]).c_str());
-  if (a.contains("tensor_parallel")) {
-    const auto& t = a["tensor_parallel"];
-    std::printf("  tp %lld rank 0: %s; with sequence parallelism: %s\n",
-                t["ranks"].get<long long>(), modes(t["plain"]).c_str(),
-                modes(t["sequence_parallel"]).c_str());
-  }
-  const auto& f = a["training_flops_per_token"];
-  std::printf("  training FLOPs per token: none %s, selective %s, full %s\n",
-              si(f["none"].get<double>()).c_str(), si(f["selective"].get<double>()).c_str(),
-              si(f["full"].get<double>()).c_str());
-}
-
-// Chapter 11: each pipeline rank's layers, parameters, activations in flight and sends per step.
-nlohmann::json pipeline_section(const ch02::TransformerShape& shape, int64_t pp, int64_t v,
-                                int64_t m, const std::string& schedule, int64_t b,
-                                int64_t context) {
-  FIVEFOLD_CHECK(pp * v <= shape.n_layers, "--pp ", pp, " x --virtual-stages ", v,
-                 " stages, but the model has only ", shape.n_layers, " layers");
-  const auto plan = ch11::pipeline_plan(shape, pp, v, m, schedule, b, context);
-  nlohmann::json ranks = nlohmann::json::array();
-  for (int64_t r = 0; r < pp; ++r) {
-    const auto& rank = plan.ranks[static_cast<size_t>(r)];
-    const auto t = ch11::pipeline_traffic(pp, v, m, r, b * m, context, shape.d_model);
-    ranks.push_back({{"layers", rank.layers},
-                     {"parameters", rank.parameters},
-                     {"memory_bytes", 16 * rank.parameters},
-                     {"peak_micro_batches_in_flight", rank.peak_in_flight},
-                     {"activation_bytes_per_micro_batch", rank.activation_bytes},
-                     {"peak_activation_bytes", rank.peak_activation_bytes},
-                     {"sends_per_step", t.sends},
-                     {"send_bytes_per_step", t.payload_bytes}});
-  }
-  return {{"pp", pp},           {"schedule", schedule},      {"virtual_stages", v},
-          {"micro_batches", m}, {"micro_batch_sequences", b}, {"bubble", plan.bubble},
-          {"ranks", ranks}};
-}
-
-// Chapter 12: each context-parallel rank's tokens, activations and what it sends.
-nlohmann::json context_parallel_section(const ch02::TransformerShape& shape, int64_t cp,
-                                        const std::string& layout_name,
-                                        const std::string& attention_name, int64_t b,
-                                        int64_t context) {
-  using namespace ch12;
-  const auto layout = parse_cp_layout(layout_name);
-  const auto attention = parse_cp_attention(attention_name);
-  check_context_parallel(context, cp, layout);
-  nlohmann::json ranks = nlohmann::json::array();
-  for (int64_t r = 0; r < cp; ++r) {
-    const auto t = context_parallel_traffic(cp, r, b, context, shape.n_kv_heads, shape.head_dim,
-                                            shape.head_dim, layout, attention);
-    nlohmann::json ops;
-    const std::pair<const char*, CpOps> kinds[] = {
-        {"all_gather", t.all_gather}, {"send_recv", t.send_recv}, {"all_to_all", t.all_to_all}};
-    int64_t bytes = 0;
-    for (const auto& [name, k] : kinds) {
-      ops[name] = {{"calls", k.calls}, {"payload_bytes", k.payload_bytes}};
-      bytes += k.payload_bytes;
-    }
-    ranks.push_back(
-        {{"tokens", shard_positions(context, cp, r, layout).size(0)},
-         {"activation_bytes", cp_activation_bytes(shape, cp, r, b, context, layout, attention)},
-         {"per_layer", ops},
-         {"bytes_per_layer", bytes},
-         {"bytes_per_micro_batch", bytes * shape.n_layers}});
-  }
-  return {{"cp", cp},
-          {"layout", layout_name},
-          {"attention", attention_name},
-          {"micro_batch_sequences", b},
-          {"ranks", ranks}};
-}
-
 // Parameters, FLOPs per token and memory (chapter 02's plan) as the readable table.
 void print_model(const nlohmann::json& out, int64_t context) {
   const auto& p = out["parameters"];
@@ -349,86 +202,6 @@ void print_model(const nlohmann::json& out, int64_t context) {
       "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes a parameter; "
       "activations not included; no sharding)\n",
       si(out["memory_per_device_bytes"]["total_without_activations"], "B").c_str());
-}
-
-void print_tensor_parallel(const nlohmann::json& t, int64_t context) {
-  const auto b = t["micro_batch"]["sequences"].get<long long>();
-  std::printf(
-      "tensor parallel tp %lld: %s parameters per rank, %s per rank (fp32 AdamW, "
-      "activations not included)\n",
-      t["tp"].get<long long>(), si(t["parameters_per_rank"].get<double>()).c_str(),
-      si(t["memory_per_rank_bytes"].get<double>(), "B").c_str());
-  for (const char* mode : {"plain", "sequence_parallel"}) {
-    const auto& c = t["communication_per_micro_batch"][mode];
-    std::printf(
-        "  %-17s per micro-batch of %lld x %lld tokens (fp32): all-reduce %lld x, "
-        "all-gather %lld x, reduce-scatter %lld x; %s handed over, %s on the wire per "
-        "rank\n",
-        mode, b, static_cast<long long>(context),
-        static_cast<long long>(c["all_reduce"]["calls"]),
-        static_cast<long long>(c["all_gather"]["calls"]),
-        static_cast<long long>(c["reduce_scatter"]["calls"]),
-        si(c["all_reduce"]["payload_bytes"].get<double>() +
-               c["all_gather"]["payload_bytes"].get<double>() +
-               c["reduce_scatter"]["payload_bytes"].get<double>(),
-           "B")
-            .c_str(),
-        si(c["wire_bytes"].get<double>(), "B").c_str());
-  }
-  std::printf(
-      "  sequence parallelism keeps %s fewer activation bytes per micro-batch on rank 0 "
-      "(fp32: what the norms keep for the tokens other ranks hold)\n",
-      si(t["sequence_parallel_activation_savings_bytes"].get<double>(), "B").c_str());
-}
-
-void print_pipeline(const nlohmann::json& pl, int64_t context) {
-  std::printf(
-      "pipeline        pp %lld, %s, v %lld, m %lld: bubble %.1f%% of the time (F = B = W); "
-      "per step, micro-batches of %lld x %lld tokens:\n",
-      pl["pp"].get<long long>(), pl["schedule"].get<std::string>().c_str(),
-      static_cast<long long>(pl["virtual_stages"]), static_cast<long long>(pl["micro_batches"]),
-      100 * pl["bubble"].get<double>(), pl["micro_batch_sequences"].get<long long>(),
-      static_cast<long long>(context));
-  for (size_t r = 0; r < pl["ranks"].size(); ++r) {
-    const auto& rank = pl["ranks"][r];
-    std::string layers;
-    for (const auto& range : rank["layers"]) {
-      layers += (layers.empty() ? "" : ", ") + std::to_string(range[0].get<int64_t>()) + "-" +
-                std::to_string(range[1].get<int64_t>() - 1);
-    }
-    std::string one;
-    for (const auto& bytes : rank["activation_bytes_per_micro_batch"]) {
-      one += (one.empty() ? "" : " / ") + si(bytes.get<double>(), "B");
-    }
-    std::printf(
-        "  rank %zu  layers %-10s %s parameters (%s fp32 AdamW); activations %lld in "
-        "flight x %s = %s; %lld sends, %s\n",
-        r, layers.c_str(), si(rank["parameters"].get<double>()).c_str(),
-        si(rank["memory_bytes"].get<double>(), "B").c_str(),
-        static_cast<long long>(rank["peak_micro_batches_in_flight"]), one.c_str(),
-        si(rank["peak_activation_bytes"].get<double>(), "B").c_str(),
-        static_cast<long long>(rank["sends_per_step"]),
-        si(rank["send_bytes_per_step"].get<double>(), "B").c_str());
-  }
-}
-
-void print_context_parallel(const nlohmann::json& c, int64_t context) {
-  std::printf(
-      "context parallel cp %lld, %s, %s attention; per micro-batch of %lld x %lld tokens "
-      "(fp32; activations kept for backward, bytes sent forward and backward):\n",
-      c["cp"].get<long long>(), c["layout"].get<std::string>().c_str(),
-      c["attention"].get<std::string>().c_str(), c["micro_batch_sequences"].get<long long>(),
-      static_cast<long long>(context));
-  for (size_t r = 0; r < c["ranks"].size(); ++r) {
-    const auto& rank = c["ranks"][r];
-    std::printf(
-        "  rank %zu  %lld tokens; activations %s; sends %s per layer, %s per "
-        "micro-batch\n",
-        r, static_cast<long long>(rank["tokens"]),
-        si(rank["activation_bytes"].get<double>(), "B").c_str(),
-        si(rank["bytes_per_layer"].get<double>(), "B").c_str(),
-        si(rank["bytes_per_micro_batch"].get<double>(), "B").c_str());
-  }
 }
 
 // Training time and the compute-optimal split, where asked for.

@@ -1,0 +1,50 @@
+#pragma once
+// `fivefold plan`'s sections for chapters 09-14: each builds its chapter's plan terms as JSON (what
+// --json prints) and prints them as the readable table's lines. plan_command.cpp reads the flags,
+// builds chapter 02's plan and calls the sections asked for.
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "02_flops_6np/flops.h"
+
+namespace fivefold::commands {
+
+/// 1234567 -> "1.23 M" (for the readable table), with `unit` after the prefix.
+std::string si(double value, const char* unit = "");
+
+/// Chapter 09: what each of `dp` data-parallel ranks keeps per ZeRO stage (0: DDP) for psi
+/// parameters in fp32 AdamW.
+nlohmann::json zero_memory(int64_t psi, int64_t dp);
+/// The table's line for zero_memory's figures.
+void print_zero_memory(const nlohmann::json& zero, int64_t dp);
+
+/// Chapter 10: each tp rank's parameters and memory, and the communication of one micro-batch of
+/// b sequences, with and without sequence parallelism.
+nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int64_t tp,
+                                       int64_t psi, int64_t b, int64_t context);
+/// The table's lines for tensor_parallel_section.
+void print_tensor_parallel(const nlohmann::json& t, int64_t context);
+
+/// Chapter 11: each pipeline rank's layers, parameters, activations in flight and sends per step.
+nlohmann::json pipeline_section(const ch02::TransformerShape& shape, int64_t pp, int64_t v,
+                                int64_t m, const std::string& schedule, int64_t b,
+                                int64_t context);
+/// The table's lines for pipeline_section.
+void print_pipeline(const nlohmann::json& pl, int64_t context);
+
+/// Chapter 12: each context-parallel rank's tokens, activations and what it sends.
+nlohmann::json context_parallel_section(const ch02::TransformerShape& shape, int64_t cp,
+                                        const std::string& layout_name,
+                                        const std::string& attention_name, int64_t b,
+                                        int64_t context);
+/// The table's lines for context_parallel_section.
+void print_context_parallel(const nlohmann::json& c, int64_t context);
+
+/// Chapter 14: the table's lines for ch14::activation_plan (what a block keeps, a step's FLOPs,
+/// in each recomputation mode).
+void print_activations(const nlohmann::json& a);
+
+}  // namespace fivefold::commands
