@@ -61,12 +61,17 @@ void restore_stop_handlers() {
   for (int i = 0; i < 2; ++i) ::sigaction(kStopSignals[i], &g_previous[i], nullptr);
 }
 
-// "[rank R on HOST] " in a job of several processes, "" alone.
+LaunchInfo launch_environment_or_single();
+
+// "[rank R on HOST] " in a job of several processes, "" alone. Before the world is made (an
+// input refused while the flags are read) the rank is the launcher's.
 std::string rank_prefix(bool several) {
   if (!several) return "";
   char host[256] = "?";
   ::gethostname(host, sizeof(host) - 1);
-  return "[rank " + std::to_string(dist::detail::global_rank()) + " on " + host + "] ";
+  int rank = dist::detail::global_rank();
+  if (rank == 0) rank = launch_environment_or_single().rank;
+  return "[rank " + std::to_string(rank) + " on " + host + "] ";
 }
 
 // An error that only says a peer's connection closed is the echo of that peer's own end.
@@ -240,16 +245,23 @@ Runtime::~Runtime() {
   g_runtime_alive = false;
 }
 
+namespace {
+// The launcher's environment, or a single process's when it cannot be read (that process's own
+// error says why).
+LaunchInfo launch_environment_or_single() {
+  try {
+    return read_launch_environment();
+  } catch (const std::exception&) {
+    return LaunchInfo{};
+  }
+}
+}  // namespace
+
 int exit_on_error(const std::string& program, const std::string& what) {
   const std::string prefix = program + ": ";
   std::string line =
       prefix + "error: " + explain(what.rfind(prefix, 0) == 0 ? what.substr(prefix.size()) : what);
-  int size = g_failed_world_size;
-  try {
-    size = std::max(size, read_launch_environment().size);
-  } catch (const std::exception&) {
-    // a launcher's environment this process could not read: its own error says why
-  }
+  const int size = std::max<int>(g_failed_world_size, launch_environment_or_single().size);
   line = rank_prefix(size > 1) + line + "\n";
   std::fputs(line.c_str(), stderr);  // one write: lines of ranks failing together stay whole
   std::fflush(stderr);
