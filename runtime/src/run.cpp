@@ -102,6 +102,13 @@ std::string recompute_text(const RunConfig& c) {
   return "full, every " + std::to_string(c.recompute_every) + " blocks";
 }
 
+// " (the run trained <how> <before> until now)" when a resumed run changes a setting, else "".
+std::string changed(bool resume, const std::string& now, const std::string& before,
+                    const char* how) {
+  if (!resume || now == before) return "";
+  return std::string(" (the run trained ") + how + " " + before + " until now)";
+}
+
 }  // namespace
 
 RunResult run_training(const RunConfig& requested, bool resume) {
@@ -179,6 +186,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     set_matmul_kernel(nullptr);
   }
   // Chapter 14: the products in bf16, after a look at whether this CPU computes bf16 faster.
+  const std::string precision_change = changed(resume, c.precision, trained_in, "in");
   if (ch14::parse_precision(c.precision) == ch14::Precision::Bf16) {
     // The model's own MLP product on one micro-batch of this rank.
     const int64_t rows = std::max<int64_t>(
@@ -189,27 +197,22 @@ RunResult run_training(const RunConfig& requested, bool resume) {
            << "] x [" << c.model.d_model << ", " << c.model.d_ff << "]: "
            << static_cast<int>(speed.bf16) << " GFLOP/s in bf16, " << static_cast<int>(speed.fp32)
            << " in fp32); weights, gradients and AdamW in fp32"
-           << (resume && c.precision != trained_in ? " (the run trained in " + trained_in +
-                                                         " until now)"
-                                                   : "");
+           << precision_change;
     if (speed.bf16 < speed.fp32) {
       log0() << "warning: this model's products are " << speed.fp32 / speed.bf16
              << "x slower in bf16 than in fp32 here (too small to pay for the roundings, or no "
                 "AVX-512 BF16 or AMX on this CPU): --precision fp32 trains faster";
     }
     ch14::use_precision(ch14::Precision::Bf16, nullptr);
-  } else if (resume && trained_in != c.precision) {
-    log0() << "precision: fp32 (the run trained in " << trained_in << " until now)";
+  } else if (!precision_change.empty()) {
+    log0() << "precision: fp32" << precision_change;
   }
   // Chapter 14, after every kernel is in place: selective recomputation wraps the one installed.
   ch14::apply_recompute(trainer->model(),
                         {ch14::parse_recompute(c.recompute), c.recompute_every});
-  if (c.recompute != "none" || (resume && recompute_text(c) != trained_with)) {
-    log0() << "activation recomputation: " << recompute_text(c)
-           << (resume && recompute_text(c) != trained_with
-                   ? " (the run trained with " + trained_with + " until now)"
-                   : "");
-  }
+  const std::string recompute_change = changed(resume, recompute_text(c), trained_with, "with");
+  if (c.recompute != "none" || !recompute_change.empty())
+    log0() << "activation recomputation: " << recompute_text(c) << recompute_change;
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";
     trainer->load_optimizer_state(io::load_safetensors(path), path);

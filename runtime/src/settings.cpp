@@ -102,6 +102,15 @@ Setting or_else(Setting s, std::function<void(RunConfig&)> otherwise) {
   return s;
 }
 
+// A row of text naming one of a few choices: read through `check`, which returns the name as
+// its chapter spells it or throws fivefold::Error naming the choices (before any rank talks).
+Setting one_of(Setting s, std::function<std::string(const std::string&)> check) {
+  s.read = [flag = s.flag, check, load = s.load](const ArgParser& args, RunConfig& c) {
+    load(nlohmann::json(check(args.str(flag))), c);
+  };
+  return s;
+}
+
 // A flag that turns a setting, on by default, off.
 template <class Ref>
 Setting turns_off(const char* flag, const char* help, Ref ref) {
@@ -138,15 +147,12 @@ std::vector<Setting> make_table() {
                     "micro-batches per data-parallel rank and step (gradient accumulation, and "
                     "the pipeline's micro-batches; dp x accum divides --batch)",
                     [](auto& c) -> auto& { return c.micro_batches; }));
-  Setting recompute = field("recompute", "recompute", kept,
-                            "activation recomputation (chapter 14): none, full (whole blocks: "
-                            "keep each block's input, run it again in backward) or selective "
-                            "(the attention core)",
-                            [](auto& c) -> auto& { return c.recompute; });
-  recompute.read = [](const ArgParser& args, RunConfig& c) {
-    c.recompute = ch14::to_string(ch14::parse_recompute(args.str("recompute")));
-  };
-  t.push_back(recompute);
+  t.push_back(one_of(field("recompute", "recompute", kept,
+                           "activation recomputation (chapter 14): none, full (whole blocks: "
+                           "keep each block's input, run it again in backward) or selective "
+                           "(the attention core)",
+                           [](auto& c) -> auto& { return c.recompute; }),
+                     [](const std::string& v) { return ch14::to_string(ch14::parse_recompute(v)); }));
   Setting every = field("recompute-every", "recompute_every", kept,
                         "with --recompute full: every K-th block only (blocks 0, K, 2K, ...)",
                         [](auto& c) -> auto& { return c.recompute_every; });
@@ -156,15 +162,12 @@ std::vector<Setting> make_table() {
                    c.recompute_every);
   };
   t.push_back(every);
-  Setting precision = field("precision", "precision", kept,
-                            "what the matrix products compute in (chapter 14): fp32, or bf16 "
-                            "(operands rounded to bf16; weights, activations, gradients and "
-                            "AdamW stay fp32)",
-                            [](auto& c) -> auto& { return c.precision; });
-  precision.read = [](const ArgParser& args, RunConfig& c) {
-    c.precision = ch14::to_string(ch14::parse_precision(args.str("precision")));
-  };
-  t.push_back(precision);
+  t.push_back(one_of(field("precision", "precision", kept,
+                           "what the matrix products compute in (chapter 14): fp32, or bf16 "
+                           "(operands rounded to bf16; weights, activations, gradients and "
+                           "AdamW stay fp32)",
+                           [](auto& c) -> auto& { return c.precision; }),
+                     [](const std::string& v) { return ch14::to_string(ch14::parse_precision(v)); }));
   t.push_back(field("lr", "train.lr", fixed, "peak learning rate",
                     [](auto& c) -> auto& { return c.train.lr; }));
   t.push_back(field("min-lr", "train.min_lr", fixed, "final learning rate",
