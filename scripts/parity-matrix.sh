@@ -8,26 +8,31 @@
 # chapters 09-13's formulas where they apply (scripts/check-predicted.cmake). Writes a Markdown
 # table to OUT/RESULTS.md; exits 1 if any layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [--with "FLAGS"] [--both "FLAGS"] [--tolerance T]
-#                            [BUILD_DIR] [OUT_DIR]
+#                            [--hosts NAME N] [BUILD_DIR] [OUT_DIR]
 # --reduced runs five of them (what ctest runs: ch15_parity_matrix); the README has the full
 # matrix's last results. --with adds FLAGS to every layout's run but not to the single
 # process's (chapter 14: `--with "--recompute full"` must give the curve of the run without
 # recomputation); the bytes and FLOPs are then not compared with the formulas, which count each
 # forward once. --both adds FLAGS to the single process's runs too (`--both "--precision bf16"`),
 # and --tolerance replaces 1e-4 (bf16 rounds each product to 8 bits of mantissa, in another order
-# in each layout).
+# in each layout). --hosts NAME N runs each layout across the N hosts NAME-1..N that
+# `scripts/hosts.sh up N NAME` made (network namespaces: MPI and Gloo over TCP), an equal share of
+# the ranks on each, consecutive ranks on one host; the single process runs where the script runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reduced=0
 with=""
 both=""
 tolerance=1e-4
+hosts_name=""
+hosts_count=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --reduced) reduced=1; shift ;;
     --with) with=$2; shift 2 ;;
     --both) both=$2; shift 2 ;;
     --tolerance) tolerance=$2; shift 2 ;;
+    --hosts) hosts_name=$2; hosts_count=$3; shift 3 ;;
     *) break ;;
   esac
 done
@@ -116,8 +121,13 @@ for entry in "${layouts[@]}"; do
   i=$((i + 1))
   run="$out/$i"
   start=$(date +%s)
+  launcher=("${mpi[@]}")
+  if [ -n "$hosts_name" ]; then
+    launcher=(scripts/hosts.sh mpirun "$hosts_name" --per-host
+              $(((np + hosts_count - 1) / hosts_count)) --)
+  fi
   # shellcheck disable=SC2086
-  if ! "${mpi[@]}" -np "$np" "$fivefold" train --out "$run" "${common[@]}" ${model[$name]} $flags \
+  if ! "${launcher[@]}" -np "$np" "$fivefold" train --out "$run" "${common[@]}" ${model[$name]} $flags \
       $with $both >"$run.log" 2>&1; then
     echo "| $np | $name | \`$flags\` | | | | FAILED to run (see $run.log) |" >>"$results"
     echo "parity-matrix: $np ranks, $name, $flags: the run failed" >&2

@@ -10,7 +10,10 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -292,8 +295,8 @@ void remove_stale_rendezvous_files(const std::filesystem::path& dir) {
     const std::string name = entry.path().filename().string();
     if (name.rfind(prefix, 0) != 0) continue;
     const auto last = name.rfind('-');
-    const auto before = last == std::string::npos || last == 0 ? std::string::npos
-                                                               : name.rfind('-', last - 1);
+    const auto before =
+        last == std::string::npos || last == 0 ? std::string::npos : name.rfind('-', last - 1);
     if (before == std::string::npos || before < prefix.size()) continue;  // not one of ours
     long pid = 0;
     long long start = 0;
@@ -312,6 +315,39 @@ void remove_stale_rendezvous_files(const std::filesystem::path& dir) {
       fivefold::log(LogLevel::Info)
           << "removed the rendezvous file of a finished job: " << entry.path();
   }
+}
+
+// The local address of the route to HOST: a UDP socket "connected" to it (no packet is sent)
+// is bound by the kernel to the address its packets would leave from.
+std::string local_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int status =
+      ::getaddrinfo(host.c_str(), std::to_string(port > 0 ? port : 9).c_str(), &hints, &found);
+  FIVEFOLD_CHECK(status == 0 && found != nullptr, "Gloo: cannot resolve MASTER_ADDR '", host,
+                 "': ", ::gai_strerror(status));
+  std::string address;
+  for (addrinfo* a = found; a != nullptr && address.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    char text[INET6_ADDRSTRLEN] = {};
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      const void* raw =
+          local.ss_family == AF_INET
+              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (::inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) address = text;
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  FIVEFOLD_CHECK(!address.empty(), "Gloo: this machine has no route to MASTER_ADDR '", host,
+                 "' (set GLOO_SOCKET_IFNAME to the interface to use)");
+  return address;
 }
 
 }  // namespace
@@ -348,6 +384,16 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
                   e.what());
     }
   } else if (!launch.job_id.empty()) {
+    // A file in one machine's /tmp is no meeting place for ranks on several machines: each
+    // machine's ranks would wait on their own file until the timeout. Say so at once instead.
+    FIVEFOLD_CHECK(launch.local_size == launch.size, "Gloo under ", launch.launcher, ": this job",
+                   " spans several machines (", launch.local_size, " of its ", launch.size,
+                   " ranks run on this one), and without MASTER_ADDR the ranks meet through a ",
+                   "file, which works on one machine only. Give every rank rank 0's machine and a ",
+                   "free port: ",
+                   launch.launcher == "mpirun"
+                       ? "mpirun -x MASTER_ADDR=<host of rank 0> -x MASTER_PORT=29500 ..."
+                       : "export MASTER_ADDR=<host of rank 0> MASTER_PORT=29500");
     // mpirun/srun without MASTER_ADDR: a store in a file named after the job and its launcher
     // (the ranks' parent process: pid and start time), so two jobs on one machine never meet (no
     // port to collide on), not even a job whose launcher got the pid of a crashed job's, whose
@@ -355,10 +401,10 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
     const auto dir = std::filesystem::temp_directory_path();
     const long launcher = static_cast<long>(::getppid());
     if (launch.local_rank == 0) remove_stale_rendezvous_files(dir);
-    const std::string path = (dir / ("fivefold-rendezvous-" + launch.job_id + "-" +
-                                     std::to_string(launcher) + "-" +
-                                     std::to_string(process_start_time(launcher))))
-                                 .string();
+    const std::string path =
+        (dir / ("fivefold-rendezvous-" + launch.job_id + "-" + std::to_string(launcher) + "-" +
+                std::to_string(process_start_time(launcher))))
+            .string();
     where = "'" + path + "'";
     store = c10::make_intrusive<c10d::FileStore>(path, launch.size);
     if (path.size() < sizeof(g_rendezvous_path))
@@ -376,6 +422,12 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
     device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
   } else if (launch.local_size == launch.size) {
     device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");  // all on this machine
+  } else if (!launch.master_addr.empty()) {
+    // Several machines: listen on the address this machine reaches rank 0's machine from. Gloo's
+    // default (this machine's hostname) is a loopback address on many systems (Debian maps the
+    // hostname to 127.0.1.1), which the other machines cannot connect to.
+    device = c10d::ProcessGroupGloo::createDeviceForHostname(
+        local_address_towards(launch.master_addr, launch.master_port));
   } else {
     device = c10d::ProcessGroupGloo::createDefaultDevice();
   }
