@@ -21,7 +21,8 @@
 #   hosts.sh down [NAME]              # kill their processes and remove everything `up` made
 #
 # Names are resolved inside the hosts through /etc/netns/HOST/hosts (ip netns exec mounts it over
-# /etc/hosts), so `ff-2` reaches host 2 from every host, and from nowhere else.
+# /etc/hosts), so `ff-2` reaches host 2 from every other host, and from nowhere else; on itself,
+# as on Debian, a host's name is 127.0.1.1.
 set -euo pipefail
 self=$(readlink -f "$0")
 subnet=10.231.0
@@ -73,10 +74,11 @@ up() {
     ip -n "$switch" link set "p$i" master sw
     ip -n "$switch" link set "p$i" up
     mkdir -p "/etc/netns/$host"
-    # As Debian's installer writes it: the host's own name first as 127.0.1.1, so that what
+    # As Debian's installer writes it, the host's own name is 127.0.1.1 (and only that): what
     # looks up its own name (Gloo's default device does) gets a loopback address, as on a real
-    # Debian cluster.
-    printf '127.0.0.1 localhost\n127.0.1.1 %s\n%s\n' "$host" "$table" >"/etc/netns/$host/hosts"
+    # Debian cluster. The other hosts' names give their addresses, as a cluster's DNS would.
+    printf '127.0.0.1 localhost\n127.0.1.1 %s\n%s\n' "$host" "$(grep -v " $host\$" <<<"$table")" \
+      >"/etc/netns/$host/hosts"
     echo "$host" >"/etc/netns/$host/hostname"
   done
   echo "hosts.sh: made $n hosts: $name-1 .. $name-$n ($subnet.1 .. $subnet.$n, switch $switch)"
@@ -177,7 +179,17 @@ case ${1:-} in
     [ $# -eq 3 ] || die "link HOST down|up"
     host=$2
     switch=$(switch_of "${host%-*}")
-    ip -n "$switch" link set "p$(number_of "$host")" "$3" ;;
+    ip -n "$switch" link set "p$(number_of "$host")" "$3"
+    if [ "$3" = up ]; then
+      # Addresses the hosts failed to resolve (ARP) while the cable was out stay "failed" for a
+      # while and make new connections fail at once; forget them, as after a reboot.
+      for other in $(hosts_of "${host%-*}"); do ip -n "$other" neigh flush dev eth0; done
+      for _ in $(seq 1 100); do  # the kernel marks the host's end up a moment later
+        ip -n "$host" link show eth0 | grep -q "state UP" && exit 0
+        sleep 0.05
+      done
+      die "link: $host's eth0 is not up 5 s after its cable was plugged"
+    fi ;;
   kill) kill_host "$2" ;;
   address) address "$2" ;;
   *) sed -n '2,25p' "$self" | sed 's/^# \{0,1\}//'; exit 2 ;;

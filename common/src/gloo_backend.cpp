@@ -11,6 +11,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -317,36 +319,64 @@ void remove_stale_rendezvous_files(const std::filesystem::path& dir) {
   }
 }
 
-// The local address of the route to HOST: a UDP socket "connected" to it (no packet is sent)
-// is bound by the kernel to the address its packets would leave from.
-std::string local_address_towards(const std::string& host, int port) {
+std::string address_text(const sockaddr* address) {
+  char text[INET6_ADDRSTRLEN] = {};
+  const void* raw =
+      address->sa_family == AF_INET
+          ? static_cast<const void*>(&reinterpret_cast<const sockaddr_in*>(address)->sin_addr)
+          : static_cast<const void*>(&reinterpret_cast<const sockaddr_in6*>(address)->sin6_addr);
+  return ::inet_ntop(address->sa_family, raw, text, sizeof(text)) != nullptr ? text : "";
+}
+
+bool is_loopback(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address == "::1";
+}
+
+// The address a machine of a job that spans several machines listens on for Gloo: the source
+// address of its route to rank 0's machine (a UDP socket "connected" there: no packet is sent),
+// found for MASTER_ADDR's first address that is not a loopback. On rank 0's own machine the
+// route may be the loopback (Debian's /etc/hosts names the host 127.0.1.1, and MASTER_ADDR may
+// name nothing else there): then the first interface that is up and not a loopback, said in the
+// log. GLOO_SOCKET_IFNAME chooses the interface instead of either.
+std::string gloo_listen_address(const std::string& master, int port) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* found = nullptr;
   const int status =
-      ::getaddrinfo(host.c_str(), std::to_string(port > 0 ? port : 9).c_str(), &hints, &found);
-  FIVEFOLD_CHECK(status == 0 && found != nullptr, "Gloo: cannot resolve MASTER_ADDR '", host,
+      ::getaddrinfo(master.c_str(), std::to_string(port > 0 ? port : 9).c_str(), &hints, &found);
+  FIVEFOLD_CHECK(status == 0 && found != nullptr, "Gloo: cannot resolve MASTER_ADDR '", master,
                  "': ", ::gai_strerror(status));
   std::string address;
   for (addrinfo* a = found; a != nullptr && address.empty(); a = a->ai_next) {
+    if (is_loopback(address_text(a->ai_addr))) continue;
     const int fd = ::socket(a->ai_family, a->ai_socktype, 0);
     if (fd < 0) continue;
     sockaddr_storage local{};
     socklen_t length = sizeof(local);
-    char text[INET6_ADDRSTRLEN] = {};
     if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
         ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
-      const void* raw =
-          local.ss_family == AF_INET
-              ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
-              : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
-      if (::inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) address = text;
+      address = address_text(reinterpret_cast<const sockaddr*>(&local));
     }
     ::close(fd);
   }
   ::freeaddrinfo(found);
-  FIVEFOLD_CHECK(!address.empty(), "Gloo: this machine has no route to MASTER_ADDR '", host,
-                 "' (set GLOO_SOCKET_IFNAME to the interface to use)");
+  if (!address.empty() && !is_loopback(address)) return address;
+  ifaddrs* interfaces = nullptr;
+  std::string name;
+  if (::getifaddrs(&interfaces) == 0) {
+    for (ifaddrs* i = interfaces; i != nullptr && name.empty(); i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+      if ((i->ifa_flags & IFF_UP) == 0 || (i->ifa_flags & IFF_LOOPBACK) != 0) continue;
+      address = address_text(i->ifa_addr);
+      name = i->ifa_name;
+    }
+    ::freeifaddrs(interfaces);
+  }
+  FIVEFOLD_CHECK(!name.empty(), "Gloo: MASTER_ADDR '", master, "' is a loopback address here ",
+                 "and this machine has no other interface up, yet the job spans several machines");
+  fivefold::log(LogLevel::Info) << "Gloo listens on " << address << " (" << name
+                                << "): MASTER_ADDR '" << master << "' is a loopback address on "
+                                << "this machine; set GLOO_SOCKET_IFNAME to choose the interface";
   return address;
 }
 
@@ -423,11 +453,10 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
   } else if (launch.local_size == launch.size) {
     device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");  // all on this machine
   } else if (!launch.master_addr.empty()) {
-    // Several machines: listen on the address this machine reaches rank 0's machine from. Gloo's
-    // default (this machine's hostname) is a loopback address on many systems (Debian maps the
-    // hostname to 127.0.1.1), which the other machines cannot connect to.
+    // Several machines: Gloo's default (this machine's hostname) is a loopback address on many
+    // systems (Debian maps the hostname to 127.0.1.1), which the other machines cannot reach.
     device = c10d::ProcessGroupGloo::createDeviceForHostname(
-        local_address_towards(launch.master_addr, launch.master_port));
+        gloo_listen_address(launch.master_addr, launch.master_port));
   } else {
     device = c10d::ProcessGroupGloo::createDefaultDevice();
   }

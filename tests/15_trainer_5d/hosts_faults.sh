@@ -46,6 +46,7 @@ for fault in "${faults[@]}"; do
   done
   if [ ! -d "$run/step-00000010" ]; then
     cat "$run.log"
+    for h in 1 2; do echo "$name-$h:"; ip -n "$name-$h" neigh; ip -n "$name-$h" -s link show eth0; done
     echo "FAIL: the job did not train and checkpoint across the hosts"
     exit 1
   fi

@@ -4,7 +4,8 @@
 # - the reduced parity matrix, each layout's ranks split equally over the hosts;
 # - a run saved across the hosts resumes on this machine alone in another layout, and its whole
 #   curve is the one process's;
-# - (MPI) the main preset's 16-rank 5D layout, 8 ranks a host.
+# - (MPI) the main preset's 16-rank 5D layout, 8 ranks a host;
+# - (Gloo) torchrun itself, one agent a host, where Debian's python3-torch is installed.
 # Skipped (exit 77), saying why, where network namespaces cannot be made.
 #   hosts_parity.sh <build dir> <mpi|gloo> <work dir>
 set -euo pipefail
@@ -44,6 +45,26 @@ grep -q "from step 4" "$work/resume.log" ||
 "$fivefold" train --out "$work/single" "${model[@]}" --steps 8 >"$work/single.log" 2>&1 ||
   { cat "$work/single.log"; exit 1; }
 "$fivefold" compare --runs "$work/resumed,$work/single" --tolerance 1e-4 --check-steps 8 --rows 8
+
+if [ "$backend" = gloo ] && ! command -v torchrun >/dev/null; then
+  echo "== torchrun: not installed (Debian's python3-torch), so not run"
+elif [ "$backend" = gloo ]; then
+  echo "== torchrun itself: one agent a host, 2 ranks each, meeting at $name-1 (c10d rendezvous)"
+  # Torch 1.13's torchrun fails in its own argument handling without --redirects and --tee.
+  pids=()
+  for h in 1 2; do
+    "$hosts" run "$name-$h" torchrun --nnodes 2 --nproc_per_node 2 --rdzv_backend c10d \
+      --rdzv_endpoint "$name-1:29400" --rdzv_id "$name" --no_python --redirects 1 --tee 1 \
+      --log_dir "$work/torchrun-logs-$h" "$fivefold" train --out "$work/torchrun" "${model[@]}" \
+      --steps 4 --tp 2 >"$work/torchrun-$h.log" 2>&1 &
+    pids+=($!)
+  done
+  for h in 1 2; do
+    wait "${pids[$((h - 1))]}" ||
+      { cat "$work"/torchrun-*.log; echo "FAIL: torchrun's agent on host $h failed"; exit 1; }
+  done
+  "$fivefold" compare --runs "$work/torchrun,$work/single" --tolerance 1e-4 --check-steps 4 --rows 4
+fi
 
 if [ "$backend" = mpi ]; then
   echo "== the main preset's 5D layout, 16 ranks over 2 hosts"
