@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# `fivefold train` across two hosts made of network namespaces (scripts/hosts.sh: each host its
-# own network stack, hostname and address; the ranks talk over TCP only), against one process:
-# - the reduced parity matrix, each layout's ranks split equally over the hosts;
-# - a run saved across the hosts resumes on this machine alone in another layout, and its whole
+# `fivefold train` across hosts made of network namespaces (scripts/hosts.sh: each host its own
+# network stack, hostname and address; the ranks talk over TCP only), against one process:
+# - the reduced parity matrix, each layout's ranks split equally over the hosts (MPI: 4 hosts,
+#   so its 2-, 4- and 8-rank layouts run 1, 1 and 2 ranks a host; Gloo: 2 hosts);
+# - a run saved across 2 hosts resumes on this machine alone in another layout, and its whole
 #   curve is the one process's;
 # - (MPI) the main preset's 16-rank 5D layout, 8 ranks a host;
 # - (Gloo) torchrun itself, one agent a host, where Debian's python3-torch is installed.
@@ -18,15 +19,17 @@ why=$("$hosts" check 2>&1) || { echo "SKIP: $why"; exit 77; }
 name="hp${backend:0:1}"
 "$hosts" down "$name"  # what an interrupted run of this test left
 trap '"$hosts" down "$name"' EXIT
-"$hosts" up 2 "$name"
+count=2
+[ "$backend" = mpi ] && count=4
+"$hosts" up "$count" "$name"
 export FIVEFOLD_BACKEND=$backend OMP_WAIT_POLICY=passive
 fivefold="$build/bin/fivefold"
 rm -rf "$work"
 mkdir -p "$work"
 cd "$root"
 
-echo "== the reduced parity matrix across 2 hosts ($backend)"
-bash scripts/parity-matrix.sh --reduced --hosts "$name" 2 "$build" "$work/matrix"
+echo "== the reduced parity matrix across $count hosts ($backend)"
+bash scripts/parity-matrix.sh --reduced --hosts "$name" "$count" "$build" "$work/matrix"
 
 echo "== saved across 2 hosts (tp 2 x pp 2), resumed on one machine (dp 2, ZeRO-3)"
 model=(--d-model 32 --n-layers 4 --n-heads 4 --n-kv-heads 2 --d-ff 64 --seq 16 --batch 24
