@@ -17,6 +17,7 @@ packages=(
   libtomlplusplus-dev                           # TOML config files (toml++, a strict parser)
   libsentencepiece-dev                          # fivefold tokenize: SentencePiece models
   doxygen                                       # `docs` target
+  iproute2                                      # ip netns: the tests' hosts (scripts/hosts.sh)
 )
 
 # --benchmarks: also PyTorch for Python (benchmarks/run_vs_pytorch.sh); never needed to build or test.
