@@ -9,7 +9,7 @@
 # table to OUT/RESULTS.md; exits 1 if any layout is outside.
 #   scripts/parity-matrix.sh [--reduced] [--with "FLAGS"] [--both "FLAGS"] [--tolerance T]
 #                            [--hosts NAME N] [BUILD_DIR] [OUT_DIR]
-# --reduced runs five of them (what ctest runs: ch15_parity_matrix); the README has the full
+# --reduced runs six of them (what ctest runs: ch15_parity_matrix); the README has the full
 # matrix's last results. --with adds FLAGS to every layout's run but not to the single
 # process's (chapter 14: `--with "--recompute full"` must give the curve of the run without
 # recomputation); the bytes and FLOPs are then not compared with the formulas, which count each
@@ -97,6 +97,7 @@ ci=(
   "4|moe|--pp 2 --cp 2 --ep 2"
   "4|moe|--dp 2 --cp 2 --ep 4 --zero 3"
   "8|llama|--tp 2 --sequence-parallel --pp 2 --cp 2 --accum 3"
+  "2|llama|--dp 2 --zero 2 --accum 2"
 )
 if [ $reduced -eq 1 ]; then layouts=("${ci[@]}"); else layouts=("${full[@]}"); fi
 
