@@ -331,6 +331,21 @@ TEST(ExpertParallel, PlanEqualsTheModel) {
   EXPECT_EQ(v3.experts_per_rank, 4);
   EXPECT_EQ(v3.moe_layers, 58);
   EXPECT_EQ(v3.expert_parameters, 58LL * 4 * 3 * 7168 * 2048);
+  // The notes' figures (notes/13_expert_parallel.md), from the same code.
+  // §6: 3.70 GB per MoE layer and 214.6 GB over the 58, at 4,096 tokens per micro-batch, fp32.
+  const double wire = static_cast<double>(v3.per_micro_batch.wire_bytes);
+  EXPECT_NEAR(wire / 58 / 1e9, 3.70, 0.005);
+  EXPECT_NEAR(wire / 1e9, 214.6, 0.05);
+  // §1: 671.0 B parameters, 37.6 B active; the routed experts of the 58 MoE layers hold 653.9 B
+  // (97%); 16 bytes each of fp32 training state is 10.7 TB; 10.2 B expert parameters a rank.
+  const auto counts = ch07::count_parameters(ch07::deepseek_v3_config());
+  EXPECT_NEAR(counts.total / 1e9, 671.0, 0.05);
+  EXPECT_NEAR(counts.active / 1e9, 37.6, 0.05);
+  const auto whole = expert_parallel_plan(ch07::deepseek_v3_config(), 1, 4096);
+  EXPECT_NEAR(whole.expert_parameters / 1e9, 653.9, 0.05);
+  EXPECT_NEAR(static_cast<double>(whole.expert_parameters) / counts.total, 0.97, 0.005);
+  EXPECT_NEAR(16.0 * counts.total / 1e12, 10.7, 0.05);
+  EXPECT_NEAR(v3.expert_parameters / 1e9, 10.2, 0.05);
 }
 
 TEST(ExpertParallel, StepEqualsTheSingleDevice) {
