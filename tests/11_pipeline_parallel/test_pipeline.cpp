@@ -244,13 +244,30 @@ TEST(PipelineParallel, AuxiliaryLossesCountWithTheirMicroBatch) {
         EXPECT_TENSOR_CLOSE(grads.at(item.key()), item.value().grad(), 1e-6, 1e-4);
       }
       ch03::SingleProcessStep single_curve(ch07::make_model(config), clipping());
-      auto curve = build({static_cast<int>(p), 1, 1}, schedule, v)
-                       .make(ch07::make_model(config), clipping());
+      auto curve_built = build({static_cast<int>(p), 1, 1}, schedule, v);
+      auto curve = curve_built.make(ch07::make_model(config), clipping());
       for (int s = 0; s < 3; ++s) {
         const auto w = single_curve.step(split(batches().batch(s), m), s);
         const auto g = curve->step(split(batches().batch(s), m), s);
         EXPECT_NEAR(g.loss, w.loss, 1e-6 * w.loss) << "step " << s;
         EXPECT_NEAR(g.grad_norm, w.grad_norm, 1e-5 * w.grad_norm) << "step " << s;
+        // The step's MoE metrics merged over the stages equal one process's: each layer's load
+        // in layer order, the largest load, the dropped share and the auxiliary loss (each
+        // layer's, of the last micro-batch it routed) averaged over the layers. Shown to fail
+        // with merge_stage_metrics averaging the auxiliary loss per stage, not per layer.
+        auto stage_model = curve->model();
+        const auto merged =
+            merge_stage_metrics(ch07::after_step(stage_model), *curve_built.links->pp);
+        auto single_model = single_curve.model();
+        const auto one = ch07::after_step(single_model);
+        EXPECT_EQ(merged["moe_load"], one["moe_load"]) << "step " << s;
+        EXPECT_EQ(merged["moe_layers"], one["moe_layers"]) << "step " << s;
+        for (const char* key : {"moe_max_load", "moe_dropped", "moe_aux_loss"}) {
+          EXPECT_NEAR(merged[key].get<double>(), one[key].get<double>(),
+                      1e-6 * std::abs(one[key].get<double>()))
+              << key << ", step " << s;
+        }
+        EXPECT_GT(one["moe_aux_loss"].get<double>(), 0.0);
       }
     }
   }
