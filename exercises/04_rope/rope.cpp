@@ -8,11 +8,10 @@ namespace fivefold::ch04 {
 
 torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                          RopeLayout layout) {
-  // x [..., seq, d]; cos, sin [seq, d/2]: the angle of pair i at each position.
-  // 1. Find the two members (a, b) of every pair: for HalfSplit the halves of the last dimension,
-  //    for Interleaved the even and odd features (unflatten the last dimension to [d/2, 2]).
-  // 2. Rotate: (a, b) -> (a·cos − b·sin, a·sin + b·cos).
-  // 3. Put the pairs back where they came from, so the output has x's shape and layout.
+  // Contract: x [..., seq, d]; cos, sin [seq, d/2], the angle of pair i at each position
+  // (broadcast over the leading dimensions). Return x with every pair rotated by its angle, in
+  // x's shape and in x's layout: which two features form pair i under HalfSplit, and under
+  // Interleaved? (README, "Walk-through".)
   throw NotImplemented("ch04: apply_rope (chapters/04_rope/README.md, 'The exercise')");
 }
 

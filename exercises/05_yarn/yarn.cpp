@@ -8,12 +8,14 @@ namespace fivefold::ch05 {
 
 torch::Tensor yarn_frequencies(int64_t head_dim, double base, double factor,
                                int64_t original_max_positions, double beta_fast, double beta_slow) {
-  // 1. θ_i = base^(-2i/d) for the d/2 pairs: chapter 04's rope_frequencies.
-  // 2. (low, high) = yarn_correction_range(...): the pair indices where the ramp starts and ends
-  //    (if they are equal, add 0.001 to high, as the reference implementations do).
-  // 3. γ_i = clamp((i − low) / (high − low), 0, 1) for i = 0 .. d/2 − 1.
-  // 4. Blend: θ'_i = θ_i · (1 − γ_i) + (θ_i / factor) · γ_i. (Factor it as
-  //    θ_i · (1 − γ_i·(1 − 1/factor)) and factor 1 gives θ_i exactly, which the tests check.)
+  // Contract: the d/2 rotation frequencies (float32, [head_dim / 2]) YaRN uses when the context is
+  // stretched by `factor`: pairs that turn many times within original_max_positions keep RoPE's
+  // frequency, pairs that turn less than once are interpolated (divided by factor), and the pairs
+  // between are blended along a linear ramp whose ends yarn_correction_range gives (from
+  // beta_fast and beta_slow). Which pairs are which, and how is the ramp built? (README,
+  // "Walk-through": the table and "YaRN in code".) The tests compare every frequency with hand
+  // computation, and require factor 1 to give chapter 04's rope_frequencies bit for bit: write
+  // the blend so that it does.
   throw NotImplemented("ch05: yarn_frequencies (chapters/05_yarn/README.md, 'The exercise')");
 }
 

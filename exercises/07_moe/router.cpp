@@ -7,14 +7,13 @@
 namespace fivefold::ch07 {
 
 Routing route(const torch::Tensor& scores, const torch::Tensor& bias, const MoeConfig& c) {
-  // scores [tokens, E]; bias [E]; c.num_experts_per_tok = k.
-  // 1. choice = scores + bias, both detached: the bias only picks.
-  // 2. If c.n_group > 1: view choice as [tokens, groups, E / groups]; a group's score is the sum
-  //    of its two best entries (topk); keep each token's c.topk_group best groups and set every
-  //    expert outside them to -infinity (masked_fill).
-  // 3. experts = indices of the k largest choices per token (topk).
-  // 4. gates = the *unbiased* scores of those experts (gather); if c.norm_topk_prob divide by
-  //    their sum (+ 1e-20); multiply by c.routed_scaling_factor.
+  // Contract: scores [tokens, E] (the router's, differentiable), bias [E] (the balancing bias),
+  // k = c.num_experts_per_tok. Return each token's k experts [tokens, k] and their gates
+  // [tokens, k]. The bias may change which experts are chosen but never a gate's value, and no
+  // gradient may reach it; with c.n_group > 1 a token chooses only within its c.topk_group best
+  // groups; c.norm_topk_prob and c.routed_scaling_factor shape the gates as DeepSeek-V3 does
+  // (README, "Walk-through": how a group is scored, what the gates are made of). The tests: a
+  // hand-worked routing, the gradient by central differences, and DeepSeek-V3's own forward.
   throw NotImplemented("ch07: route (chapters/07_moe/README.md, 'The exercise')");
 }
 

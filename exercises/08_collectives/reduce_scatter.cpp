@@ -7,12 +7,13 @@
 namespace fivefold::ch08 {
 
 torch::Tensor ring_reduce_scatter(dist::Communicator& comm, const torch::Tensor& tensor) {
-  // n = comm.size(), r = comm.rank(); right = (r + 1) % n, left = (r − 1 + n) % n.
-  // 1. Work on a copy of `tensor`, split into n chunks along dim 0 (tensor_split: views).
-  // 2. For t = 0 .. n − 2: send your running sum of chunk (r − t − 1) mod n to the right while
-  //    receiving the left neighbour's running sum of chunk (r − t − 2) mod n (comm.send_recv:
-  //    never a plain send then recv, which can deadlock); add what you received into that chunk.
-  // 3. Chunk r now holds every rank's contribution: return a copy of it.
+  // Contract: return chunk r (r = comm.rank()) of the element-wise sum of every rank's `tensor`,
+  // the chunks being tensor.tensor_split(n) along dim 0 (n = comm.size(); their sizes may differ
+  // by one, and may be 0). Leave `tensor` unchanged. Talk only to your ring neighbours, with
+  // comm.send_recv (why not a send, then a receive?), n − 1 times, one chunk's running sum each
+  // time. Which chunk does rank r pass on at step t, and which does it receive and add into, so
+  // that chunk r ends on rank r with every contribution? (README, "Walk-through".)
+  // The tests compare with the library's reduce-scatter bit for bit and count the bytes sent.
   throw NotImplemented(
       "ch08: ring_reduce_scatter (chapters/08_collectives/README.md, 'The exercise')");
 }
