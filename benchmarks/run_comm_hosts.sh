@@ -19,6 +19,7 @@ hosts=scripts/hosts.sh
 name=bench
 "$hosts" down "$name"
 trap '"$hosts" down "$name"' EXIT
+trap 'exit 130' INT TERM  # the EXIT trap removes the hosts
 "$hosts" up 2 "$name" >/dev/null
 export OMP_WAIT_POLICY=passive OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 out=$(mktemp -d)

@@ -56,6 +56,9 @@ up() {
   [[ "$name" =~ ^[a-z][a-z0-9]{0,7}$ ]] || die "up: NAME must be 1-8 lower-case letters/digits"
   [ -z "$(hosts_of "$name")" ] || die "up: hosts $name-* exist already ('hosts.sh down $name')"
   check
+  # Interrupted or failed half-way: remove what was made.
+  trap 'down "$name"' EXIT
+  trap 'exit 130' INT TERM
   switch=$(switch_of "$name")
   ip netns add "$switch"
   ip -n "$switch" link add sw type bridge
@@ -81,6 +84,7 @@ up() {
       >"/etc/netns/$host/hosts"
     echo "$host" >"/etc/netns/$host/hostname"
   done
+  trap - EXIT INT TERM
   echo "hosts.sh: made $n hosts: $name-1 .. $name-$n ($subnet.1 .. $subnet.$n, switch $switch)"
 }
 

@@ -23,6 +23,7 @@ why=$("$hosts" check 2>&1) || { echo "SKIP: $why"; exit 77; }
 name="hf${backend:0:1}"
 "$hosts" down "$name"
 trap '"$hosts" down "$name"' EXIT
+trap 'exit 130' INT TERM  # the EXIT trap removes the hosts
 "$hosts" up 2 "$name" || exit 1
 export FIVEFOLD_BACKEND=$backend OMP_WAIT_POLICY=passive FIVEFOLD_COMM_TIMEOUT=20
 fivefold="$build/bin/fivefold"
@@ -40,11 +41,17 @@ for fault in "${faults[@]}"; do
     --synthetic-examples 300 --peak-gflops 100 --no-progress --exact-match 0 --eval-every 0 \
     --save-every 5 >"$run.log" 2>&1 &
   launcher=$!
-  for _ in $(seq 1 600); do  # until two checkpoints exist and training goes on
-    [ -d "$run/step-00000010" ] && [ "$(wc -l <"$run/metrics.jsonl")" -ge 12 ] && break
+  saved() {  # the step `latest` names (0 before the first checkpoint)
+    local step
+    step=$(sed 's/^step-0*//' "$run/latest" 2>/dev/null)
+    echo "${step:-0}"
+  }
+  # Until two checkpoints were written and training goes on (older ones are pruned: --keep).
+  for _ in $(seq 1 600); do
+    [ "$(saved)" -ge 10 ] && [ "$(wc -l <"$run/metrics.jsonl")" -ge 12 ] && break
     sleep 0.1
   done
-  if [ ! -d "$run/step-00000010" ]; then
+  if [ "$(saved)" -lt 10 ]; then
     cat "$run.log"
     for h in 1 2; do echo "$name-$h:"; ip -n "$name-$h" neigh; ip -n "$name-$h" -s link show eth0; done
     echo "FAIL: the job did not train and checkpoint across the hosts"

@@ -19,6 +19,7 @@ why=$("$hosts" check 2>&1) || { echo "SKIP: $why"; exit 77; }
 name="hp${backend:0:1}"
 "$hosts" down "$name"  # what an interrupted run of this test left
 trap '"$hosts" down "$name"' EXIT
+trap 'exit 130' INT TERM  # the EXIT trap removes the hosts
 count=2
 [ "$backend" = mpi ] && count=4
 "$hosts" up "$count" "$name"
