@@ -30,8 +30,13 @@ prefix_len=24
 
 die() { echo "hosts.sh: $*" >&2; exit 1; }
 switch_of() { echo "$1-sw"; }
+namespaces() { ip netns list | awk '{print $1}'; }
 hosts_of() {  # the hosts made by `up NAME`, in order
-  ip netns list | awk '{print $1}' | grep -E "^$1-[0-9]+$" | sort -t- -k2 -n || true
+  namespaces | grep -E "^$1-[0-9]+$" | sort -t- -k2 -n || true
+}
+hostfile_of() {  # an mpirun hostfile of the hosts NAME-*, SLOTS each
+  local host
+  for host in $(hosts_of "$1"); do echo "$host slots=$2"; done
 }
 number_of() { echo "${1##*-}"; }
 
@@ -107,7 +112,7 @@ kill_host() {
 
 run() {  # run HOST CMD...: inside HOST's network, with HOST as the hostname
   local host=$1; shift
-  ip netns list | awk '{print $1}' | grep -qx "$host" || die "no host '$host' (hosts.sh up)"
+  namespaces | grep -qx "$host" || die "no host '$host' (hosts.sh up)"
   exec ip netns exec "$host" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$host" "$@"
 }
 
@@ -115,7 +120,7 @@ resolve() {  # a host's name from a name or an address
   case $1 in
     "$subnet".*)
       local want=$1 host
-      for host in $(ip netns list | awk '{print $1}' | grep -E -- '-[0-9]+$'); do
+      for host in $(namespaces | grep -E -- '-[0-9]+$'); do
         [ "$(address "$host")" = "$want" ] && { echo "$host"; return; }
       done
       die "no host has address $1" ;;
@@ -129,8 +134,7 @@ case ${1:-} in
   check) check; echo "hosts.sh: this machine can make hosts from network namespaces" ;;
   up) shift; up "$@" ;;
   down) shift; down "$@" ;;
-  hostfile)
-    for host in $(hosts_of "${2:-ff}"); do echo "$host slots=${3:-1}"; done ;;
+  hostfile) hostfile_of "${2:-ff}" "${3:-1}" ;;
   run) shift; run "$@" ;;
   agent)  # as ssh: the remote command arrives as words to join and give to a shell
     shift
@@ -159,7 +163,7 @@ case ${1:-} in
     [ -n "$first" ] || die "no hosts $name-* (hosts.sh up N $name)"
     hostfile=$(mktemp)
     trap 'rm -f "$hostfile"' EXIT
-    for host in $(hosts_of "$name"); do echo "$host slots=$slots"; done >"$hostfile"
+    hostfile_of "$name" "$slots" >"$hostfile"
     root=()
     [ "$(id -u)" -eq 0 ] && root=(--allow-run-as-root)
     # What a rank reads from its environment goes with it to every host (ssh would not carry it).
@@ -172,16 +176,15 @@ case ${1:-} in
       # Gloo meets at rank 0's host; the hosts' ports are their own, so any port is free there.
       forward+=(-x "MASTER_ADDR=$first" -x "MASTER_PORT=$((20000 + RANDOM % 20000))")
     fi
-    # Not exec: the trap removes the hostfile afterwards. The hosts share this machine's cores,
+    # In a subshell (run execs): the trap removes the hostfile afterwards. The hosts share this machine's cores,
     # which Open MPI cannot know: a rank waiting for a message would spin on a core and starve
     # the kernel thread (ksoftirqd) that carries packets across the bridge, 4 ms a message
     # (measured); yielding when idle brings that to ~40 us.
-    ip netns exec "$first" unshare --uts /bin/sh -c 'hostname "$0" && exec "$@"' "$first" \
-      mpirun "${root[@]}" --hostfile "$hostfile" --mca plm_rsh_agent "$self agent" \
+    (run "$first" mpirun "${root[@]}" --hostfile "$hostfile" --mca plm_rsh_agent "$self agent" \
       --mca btl tcp,self --mca btl_tcp_if_include "$subnet.0/$prefix_len" \
       --mca oob_tcp_if_include "$subnet.0/$prefix_len" \
       --mca oob_tcp_keepalive_time 5 --mca oob_tcp_keepalive_intvl 2 \
-      --mca oob_tcp_keepalive_probes 3 --mca mpi_yield_when_idle 1 "${forward[@]}" "$@" ;;
+      --mca oob_tcp_keepalive_probes 3 --mca mpi_yield_when_idle 1 "${forward[@]}" "$@") ;;
   link)
     [ $# -eq 3 ] || die "link HOST down|up"
     host=$2

@@ -360,7 +360,7 @@ std::string gloo_listen_address(const std::string& master, int port) {
     ::close(fd);
   }
   ::freeaddrinfo(found);
-  if (!address.empty() && !is_loopback(address)) return address;
+  if (!address.empty()) return address;  // a route to another address leaves from no loopback
   ifaddrs* interfaces = nullptr;
   std::string name;
   if (::getifaddrs(&interfaces) == 0) {
@@ -452,13 +452,12 @@ CommunicatorPtr start_gloo_world(const LaunchInfo& launch) {
     device = c10d::ProcessGroupGloo::createDeviceForInterface(interface);
   } else if (launch.local_size == launch.size) {
     device = c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");  // all on this machine
-  } else if (!launch.master_addr.empty()) {
-    // Several machines: Gloo's default (this machine's hostname) is a loopback address on many
-    // systems (Debian maps the hostname to 127.0.1.1), which the other machines cannot reach.
+  } else {
+    // Several machines, so the rendezvous above was MASTER_ADDR's (a file is refused there).
+    // Gloo's default (this machine's hostname) is a loopback address on many systems (Debian
+    // maps the hostname to 127.0.1.1), which the other machines cannot reach.
     device = c10d::ProcessGroupGloo::createDeviceForHostname(
         gloo_listen_address(launch.master_addr, launch.master_port));
-  } else {
-    device = c10d::ProcessGroupGloo::createDefaultDevice();
   }
   return std::make_shared<GlooCommunicator>(store, "world/", launch.rank, launch.size, device,
                                             "world");
