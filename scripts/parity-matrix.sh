@@ -91,11 +91,14 @@ full=(
   "16|moe|--dp 2 --tp 2 --sequence-parallel --pp 2 --cp 2 --ep 2 --zero 1 --accum 2"
   "16|llama|--dp 2 --tp 2 --pp 2 --cp 2 --zero 2 --schedule zb --accum 3 --cp-layout contiguous"
 )
+# The ZeRO-3 row has ep 2, not the full matrix's ep 4: ZeRO shards over the ranks that hold the
+# same experts (dp * cp / ep of them), and at ep 4 that is one rank, where a missing 1/N cannot
+# show (tried: removing ZeRO's division passed at ep 4 and fails at ep 2).
 ci=(
   "2|moe|--tp 2 --sequence-parallel"
   "2|llama|--pp 2 --schedule interleaved --virtual-stages 2 --accum 2"
   "4|moe|--pp 2 --cp 2 --ep 2"
-  "4|moe|--dp 2 --cp 2 --ep 4 --zero 3"
+  "4|moe|--dp 2 --cp 2 --ep 2 --zero 3"
   "8|llama|--tp 2 --sequence-parallel --pp 2 --cp 2 --accum 3"
   "2|llama|--dp 2 --zero 2 --accum 2"
 )
