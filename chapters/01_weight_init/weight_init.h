@@ -21,11 +21,14 @@ namespace fivefold::ch01 {
 enum class Activation { Linear, ReLU, Tanh, SiLU };
 
 /// E[f(y)²] for y ~ N(0, 1): the factor by which f scales the second moment of a unit-variance
-/// input. Linear 1, ReLU 1/2 exactly; Tanh and SiLU by numerical integration (~0.3943, ~0.3557).
+/// input. Exact where a closed form exists, else within 1e-6 absolute (the test compares with an
+/// independent integral and a 4-million-sample Monte Carlo estimate).
 /// **Exercise** (chapters/01_weight_init/README.md, "The exercise").
 double activation_second_moment(Activation activation);
 
-/// The variance-preserving (He/Kaiming) standard deviation: 1 / sqrt(fan_in · E[f(y)²]).
+/// The variance-preserving (He/Kaiming) standard deviation: weights drawn N(0, std²) for a layer
+/// with `fan_in` inputs, each input f(y) of a unit-variance y, give outputs of unit variance
+/// again (checked on one layer's measured variance and on the growth over 48 layers).
 /// **Exercise**, together with activation_second_moment.
 double variance_preserving_std(int64_t fan_in, Activation activation);
 

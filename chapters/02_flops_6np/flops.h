@@ -61,12 +61,12 @@ ParameterCount count_parameters(const TransformerShape& shape);
 /// is counted as executed by chapter 03's attention: the full [context x context] score matrix,
 /// masked afterwards (a causal kernel would skip half of it).
 struct FlopBreakdown {
-  double qkv = 0;                ///< 2 d (n_heads + 2 n_kv_heads) head_dim per layer
-  double attention_scores = 0;   ///< Q K^T: 2 n_heads head_dim context per layer
-  double attention_values = 0;   ///< softmax(.) V: 2 n_heads head_dim context per layer
-  double output_projection = 0;  ///< 2 n_heads head_dim d per layer
-  double mlp = 0;                ///< 2 d d_ff per matrix per layer (3 matrices gated, 2 plain)
-  double lm_head = 0;            ///< 2 d vocab
+  double qkv = 0;                ///< the query, key and value projections, every layer
+  double attention_scores = 0;   ///< Q K^T: the token's query row against `context` keys
+  double attention_values = 0;   ///< softmax(.) V: its probabilities times `context` values
+  double output_projection = 0;  ///< attention's output projection back to d_model
+  double mlp = 0;                ///< the MLP's matrices (gated: gate, up, down; plain: up, down)
+  double lm_head = 0;            ///< the logits over the vocabulary (once, not per layer)
   /// The sum of the components.
   double total() const {
     return qkv + attention_scores + attention_values + output_projection + mlp + lm_head;
@@ -77,8 +77,8 @@ struct FlopBreakdown {
 /// **Exercise** (chapters/02_flops_6np/README.md, "The exercise").
 FlopBreakdown forward_flops_per_token(const TransformerShape& shape, int64_t context);
 
-/// Training FLOPs per token, forward + backward: 3 x forward, since each product has two of the
-/// same size in backward (the gradients of both operands). **Exercise**.
+/// Training FLOPs per token, forward + backward (the gradients of every product's operands);
+/// the test measures them on the model's real backward. **Exercise**.
 double training_flops_per_token(const TransformerShape& shape, int64_t context);
 
 /// The 6N approximation: 6 x count_parameters(shape).matmul_weights.
