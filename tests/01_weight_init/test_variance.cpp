@@ -84,6 +84,19 @@ TEST(DeepNetwork, PerLayerGrowthMatchesTheDerivation) {
   }
 }
 
+TEST(DeepNetwork, TanhHoldsItsFixedPointAndSiluLeavesIt) {
+  // notes/01 §3: with the variance-preserving std, unit variance is a fixed point of the layer
+  // map for tanh and SiLU alike; tanh's is stable (it saturates), SiLU's is not. The demo's
+  // network (48 layers of 256, batch 512, seed 0) is the one the note quotes: SiLU's std ends
+  // near 2.2e3, tanh's stays at one scale.
+  const auto tanh = mlp_profile(48, 256, 512, {Scheme::Kaiming, Activation::Tanh}, 0);
+  EXPECT_GT(tanh.activation_std.back(), 0.5) << "tanh after 48 layers";
+  EXPECT_LT(tanh.activation_std.back(), 2.0) << "tanh after 48 layers";
+  const auto silu = mlp_profile(48, 256, 512, {Scheme::Kaiming, Activation::SiLU}, 0);
+  EXPECT_GT(silu.activation_std.back(), 1.5e3) << "SiLU after 48 layers (the note says 2.2e3)";
+  EXPECT_LT(silu.activation_std.back(), 3.0e3) << "SiLU after 48 layers (the note says 2.2e3)";
+}
+
 TEST(DeepNetwork, KaimingKeepsGradientsAtOneScale) {
   const auto profile = mlp_profile(48, 256, 512, {Scheme::Kaiming, Activation::ReLU}, 11);
   const double ratio = profile.gradient_std.front() / profile.gradient_std.back();

@@ -123,6 +123,13 @@ TEST(Mla, CacheFormulaWithDeepSeekDimensions) {
   EXPECT_EQ(kv_cache_elements_gqa(128, 128), 32768);
   EXPECT_EQ(kv_cache_elements_gqa(1, 128), 256);  // MQA
   EXPECT_EQ(kv_cache_elements_mla(v3) * 2, 9 * v3.qk_nope_head_dim);
+  // notes/06 §1: times V3's 61 layers and 2 bytes (bf16), per token and over 131,072 tokens.
+  const int64_t layers = 61, bytes = 2, context = 131072;
+  EXPECT_EQ(kv_cache_elements_mla(v3) * layers * bytes, 70272);  // 70.3 KB
+  EXPECT_NEAR(static_cast<double>(kv_cache_elements_mla(v3) * layers * bytes * context), 9.2e9,
+              0.05e9);
+  EXPECT_NEAR(static_cast<double>(kv_cache_elements_gqa(128, 128) * layers * bytes * context),
+              524e9, 0.5e9);
 }
 
 TEST(Mla, SoftmaxScaleUnderYarnIsDeepSeekV3s) {
@@ -170,6 +177,34 @@ TEST(Mla, ParametersMatchTheFormula) {
                          m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) +
                          h * m.v_head_dim * d);
   }
+}
+
+TEST(Mla, TheDemoModelsCountsAreTheNotesWorkedExample) {
+  // notes/06 §6: the demo's model (d 128, 4 layers, 4 heads of 32, MLA latent 32, rotary 16,
+  // query latent 64) has 51,296 attention parameters a layer against MHA's 65,536, and 813,312
+  // in all against chapter 03's 870,272 for the same model with multi-head attention.
+  ModelConfig c;
+  c.d_model = 128;
+  c.n_layers = 4;
+  c.n_heads = c.n_kv_heads = 4;
+  c.d_ff = 352;
+  c.rope_theta = 10000;
+  const auto count = [](const torch::nn::Module& module) {
+    int64_t numel = 0;
+    for (const auto& p : module.parameters()) numel += p.numel();
+    return numel;
+  };
+  const int64_t mha_total = count(*ch03::build_model(c));
+  c.extensions = {{"q_lora_rank", 64},
+                  {"kv_lora_rank", 32},
+                  {"qk_nope_head_dim", 32},
+                  {"qk_rope_head_dim", 16},
+                  {"v_head_dim", 32}};
+  Transformer model = make_model(c);
+  EXPECT_EQ(count(attention(model, 0)), 51296);
+  EXPECT_EQ(mha_total, 870272);
+  EXPECT_EQ(count(*model), 813312);
+  EXPECT_EQ(mha_total - count(*model), 4 * (65536 - 51296));
 }
 
 TEST(Mla, WithoutCompressionIsMultiHeadAttention) {

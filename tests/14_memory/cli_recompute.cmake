@@ -57,3 +57,25 @@ string(JSON has ERROR_VARIABLE missing GET "${plan}" activations)
 if(NOT status EQUAL 0 OR NOT missing)
   message(FATAL_ERROR "fivefold plan printed activation figures for GPT-2")
 endif()
+
+# notes/14 §4: recomputation runs a region's collectives again. tp 2 with sequence parallelism
+# on the MLA + MoE preset (the reduced parity matrix's first layout, its flags): the tp group
+# carries 4,216,584 bytes a step without recomputation, what chapter 15 predicts, and 5,789,448
+# with full recomputation, the blocks' forward all-gathers and reduce-scatters once more.
+set(matrix_row --model-config ${CMAKE_CURRENT_LIST_DIR}/../../chapters/15_trainer_5d/presets/moe-mla.json
+    --seq 16 --steps 2 --batch 24 --synthetic-examples 300 --warmup 1 --grad-clip 0.5
+    --eval-every 0 --eval-batches 1 --exact-match 0 --save-every 0 --peak-gflops 100 --no-progress
+    --tp 2 --sequence-parallel)
+foreach(mode none full)
+  train(2 ${WORK}/tp-bytes-${mode} ${matrix_row} --recompute ${mode})
+  file(READ ${WORK}/tp-bytes-${mode}/measured.json measured)
+  string(JSON tp_bytes_${mode} GET "${measured}" per_step_bytes tp mean)
+  string(JSON tp_predicted_${mode} GET "${measured}" per_step_bytes tp predicted_mean)
+endforeach()
+message("tp bytes a step: ${tp_bytes_none} without recomputation (predicted ${tp_predicted_none}), "
+        "${tp_bytes_full} with full recomputation")
+if(NOT tp_bytes_none EQUAL 4216584 OR NOT tp_predicted_none EQUAL 4216584 OR
+   NOT tp_bytes_full EQUAL 5789448)
+  message(FATAL_ERROR "the tp group's bytes a step are not notes/14 §4's 4,216,584 (none, as "
+                      "predicted) and 5,789,448 (full)")
+endif()
