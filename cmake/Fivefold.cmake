@@ -90,13 +90,18 @@ function(fivefold_check_exercise_list)
 endfunction()
 
 # fivefold_test(<name> SOURCES <file>... LIBS <targets>... LABELS <labels>...
-#               [RANKS <n>...] [GLOO_RANKS <n>...] [TIMEOUT <seconds>])
+#               [RANKS <n>...] [GLOO_RANKS <n>...] [TIMEOUT <seconds>] [LOOP])
 #
 # One GoogleTest executable, registered once per process count. RANKS 1 runs the binary directly;
 # RANKS n > 1 runs it as n real processes under mpirun (MPI backend). GLOO_RANKS adds the same
 # runs over the c10d/Gloo backend. A failed assertion on any rank aborts the whole job.
+# LOOP puts the tests in their chapter's exercise loop: label `loop_chNN` (NN from the `chNN`
+# label) and build target `loop_chNN`, the tests that check the exercise directly and quickly, so
+# that a learner's edit-build-test cycle relinks and runs only those
+# (`cmake --build build --target loop_chNN && ctest --test-dir build -L loop_chNN`); `-L chNN`
+# runs the whole chapter once the loop is green.
 function(fivefold_test name)
-  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;LIBS;LABELS;RANKS;GLOO_RANKS" ${ARGN})
+  cmake_parse_arguments(ARG "LOOP" "TIMEOUT" "SOURCES;LIBS;LABELS;RANKS;GLOO_RANKS" ${ARGN})
   if(NOT ARG_RANKS AND NOT ARG_GLOO_RANKS)
     set(ARG_RANKS 1)
   endif()
@@ -110,6 +115,19 @@ function(fivefold_test name)
   endif()
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE fivefold_test_main ${ARG_LIBS})
+  if(ARG_LOOP)
+    set(chapter ${ARG_LABELS})
+    list(FILTER chapter INCLUDE REGEX "^ch[0-9][0-9]$")
+    list(LENGTH chapter found)
+    if(NOT found EQUAL 1)
+      message(FATAL_ERROR "fivefold_test(${name} LOOP): needs exactly one chNN label")
+    endif()
+    if(NOT TARGET loop_${chapter})
+      add_custom_target(loop_${chapter})
+    endif()
+    add_dependencies(loop_${chapter} ${name})
+    list(APPEND ARG_LABELS loop_${chapter})
+  endif()
   fivefold_warnings(${name})
   fivefold_use_pch(${name})
 
