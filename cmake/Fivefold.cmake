@@ -90,18 +90,23 @@ function(fivefold_check_exercise_list)
 endfunction()
 
 # fivefold_test(<name> SOURCES <file>... LIBS <targets>... LABELS <labels>...
-#               [RANKS <n>...] [GLOO_RANKS <n>...] [TIMEOUT <seconds>] [LOOP])
+#               [RANKS <n>...] [GLOO_RANKS <n>...] [TIMEOUT <seconds>] [LOOP [<n>...]])
 #
 # One GoogleTest executable, registered once per process count. RANKS 1 runs the binary directly;
 # RANKS n > 1 runs it as n real processes under mpirun (MPI backend). GLOO_RANKS adds the same
 # runs over the c10d/Gloo backend. A failed assertion on any rank aborts the whole job.
-# LOOP puts the tests in their chapter's exercise loop: label `loop_chNN` (NN from the `chNN`
-# label) and build target `loop_chNN`, the tests that check the exercise directly and quickly, so
+# LOOP puts the tests (with counts, only those process counts' MPI runs) in their chapter's
+# exercise loop: label `loop_chNN` (NN from the `chNN` label) and build target `loop_chNN`, the
+# tests that check the exercise directly and quickly, so
 # that a learner's edit-build-test cycle relinks and runs only those
 # (`cmake --build build --target loop_chNN && ctest --test-dir build -L loop_chNN`); `-L chNN`
 # runs the whole chapter once the loop is green.
 function(fivefold_test name)
-  cmake_parse_arguments(ARG "LOOP" "TIMEOUT" "SOURCES;LIBS;LABELS;RANKS;GLOO_RANKS" ${ARGN})
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;LIBS;LABELS;RANKS;GLOO_RANKS;LOOP" ${ARGN})
+  set(loop_everything FALSE)
+  if("LOOP" IN_LIST ARG_KEYWORDS_MISSING_VALUES)
+    set(loop_everything TRUE)
+  endif()
   if(NOT ARG_RANKS AND NOT ARG_GLOO_RANKS)
     set(ARG_RANKS 1)
   endif()
@@ -115,7 +120,8 @@ function(fivefold_test name)
   endif()
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE fivefold_test_main ${ARG_LIBS})
-  if(ARG_LOOP)
+  set(loop_label "")
+  if(loop_everything OR ARG_LOOP)
     set(chapter ${ARG_LABELS})
     list(FILTER chapter INCLUDE REGEX "^ch[0-9][0-9]$")
     list(LENGTH chapter found)
@@ -126,7 +132,7 @@ function(fivefold_test name)
       add_custom_target(loop_${chapter})
     endif()
     add_dependencies(loop_${chapter} ${name})
-    list(APPEND ARG_LABELS loop_${chapter})
+    set(loop_label loop_${chapter})
   endif()
   fivefold_warnings(${name})
   fivefold_use_pch(${name})
@@ -153,8 +159,12 @@ function(fivefold_test name)
           add_test(NAME ${test_name} COMMAND ${FIVEFOLD_MPIRUN} -np ${n} $<TARGET_FILE:${name}>)
         endif()
       endif()
+      set(labels ${ARG_LABELS})
+      if(loop_label AND (loop_everything OR (backend STREQUAL "mpi" AND n IN_LIST ARG_LOOP)))
+        list(APPEND labels ${loop_label})
+      endif()
       set_tests_properties(${test_name} PROPERTIES
-        LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} PROCESSORS ${n}
+        LABELS "${labels}" TIMEOUT ${ARG_TIMEOUT} PROCESSORS ${n}
         ENVIRONMENT "FIVEFOLD_BACKEND=${backend};${FIVEFOLD_MPI_ENV}")
     endforeach()
   endforeach()

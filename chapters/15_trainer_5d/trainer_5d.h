@@ -5,12 +5,8 @@
 /// batch before anything talks to anyone; apply_layout builds the mesh (pp slowest, then dp, cp,
 /// tp fastest, with ep folded into dp·cp) and gives this rank's training run (the run loop below
 /// the programs, runtime/run.h) the model, the step and this rank's share of the work.
-/// compose_step, the exercise, stacks the chapters' steps:
-///
-///     context parallelism (12)                      outermost: splits each row's tokens
-///       expert parallelism (13)                     sums replicated gradients over ep
-///         pipeline (11) or tensor (10) parallelism  over edp, with chapter 13's hooks
-///           or data parallelism / ZeRO (09)         over edp (dp·cp without experts)
+/// compose_step, the exercise, decides which chapter's step runs over which communicator and
+/// what wraps what (README, "Composing the steps").
 ///
 /// Every choice a chapter made stays that chapter's; this one only decides which communicator
 /// each step gets.
@@ -98,13 +94,12 @@ struct Groups {
 /// mesh's world: every rank must call it.
 Groups make_groups(const Layout& layout, const dist::DeviceMesh& mesh);
 
-/// The exercise. The training step of `layout` over `groups`: chapter 09's data-parallel step
-/// (ZeRO `layout.zero`) when there is no model parallelism; chapter 10's (tp > 1) or 11's (pp >
-/// 1) step otherwise; each made over the replicas of this rank's parameters (edp when experts
-/// are split, else dp·cp) and, with experts split, given chapter 13's model and hooks and
-/// wrapped in its ExpertParallelStep; the whole wrapped in chapter 12's context-parallel step
-/// when cp > 1. Returns an empty factory for one process without ZeRO (chapter 03's
-/// SingleProcessStep).
+/// The exercise. A StepFactory whose steps, run on every rank of `groups` (make_groups' cut of
+/// the mesh for `layout`; `world_size` processes in all), give one process's loss, gradient norm
+/// and update. Built only from chapters 09-13's steps and wrappers, each over one of `groups`'
+/// communicators; an empty factory means chapter 03's one-process step. Checked by
+/// test_ch15_trainer_5d: five 8-rank layouts against one process (the loss, the norm and every
+/// gradient at step 1, then three AdamW steps).
 ch03::StepFactory compose_step(const Layout& layout, const Groups& groups, int64_t world_size);
 
 /// What a layout gives one rank's training run.

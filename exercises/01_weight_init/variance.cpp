@@ -1,5 +1,8 @@
 // Chapter 01 exercise: write these two functions. Read chapters/01_weight_init/README.md,
-// section "The exercise", then run: ctest --test-dir build -L ch01
+// section "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch01 &&
+//   ctest --test-dir build -L loop_ch01 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch01 --output-on-failure
 
 #include "01_weight_init/weight_init.h"
 #include "fivefold/error.h"

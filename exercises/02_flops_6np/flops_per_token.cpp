@@ -1,5 +1,8 @@
 // Chapter 02 exercise: count the matmul FLOPs of one token. Read chapters/02_flops_6np/README.md,
-// section "The exercise", then run: ctest --test-dir build -L ch02
+// section "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch02 &&
+//   ctest --test-dir build -L loop_ch02 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch02 --output-on-failure
 
 #include "02_flops_6np/flops.h"
 #include "fivefold/error.h"

@@ -1,5 +1,8 @@
 // Chapter 03 exercise: causal self-attention. Read chapters/03_transformer/README.md, section
-// "The exercise", then run: ctest --test-dir build -L ch03
+// "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch03 &&
+//   ctest --test-dir build -L loop_ch03 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch03 --output-on-failure
 
 #include "03_transformer/model.h"
 #include "fivefold/error.h"

@@ -1,5 +1,8 @@
 // Chapter 04 exercise: applying the rotation. Read chapters/04_rope/README.md, section
-// "The exercise", then run: ctest --test-dir build -L ch04
+// "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch04 &&
+//   ctest --test-dir build -L loop_ch04 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch04 --output-on-failure
 
 #include "04_rope/rope.h"
 #include "fivefold/error.h"

@@ -1,5 +1,8 @@
 // Chapter 05 exercise: YaRN's frequency interpolation. Read chapters/05_yarn/README.md, section
-// "The exercise", then run: ctest --test-dir build -L ch05
+// "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch05 &&
+//   ctest --test-dir build -L loop_ch05 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch05 --output-on-failure
 
 #include "05_yarn/yarn.h"
 #include "fivefold/error.h"

@@ -1,5 +1,8 @@
 // Chapter 06 exercise: MLA's training path. Read chapters/06_mla/README.md, section
-// "The exercise", then run: ctest --test-dir build -L ch06
+// "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch06 &&
+//   ctest --test-dir build -L loop_ch06 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch06 --output-on-failure
 
 #include "06_mla/mla.h"
 #include "fivefold/error.h"

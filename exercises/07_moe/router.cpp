@@ -1,5 +1,7 @@
-// Chapter 07 exercise: top-k routing. Read chapters/07_moe/README.md, section "The exercise",
-// then run: ctest --test-dir build -L ch07
+// Chapter 07 exercise: top-k routing. Read chapters/07_moe/README.md, section "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch07 &&
+//   ctest --test-dir build -L loop_ch07 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch07 --output-on-failure
 
 #include "07_moe/moe.h"
 #include "fivefold/error.h"

@@ -1,5 +1,8 @@
 // Chapter 08 exercise: ring reduce-scatter. Read chapters/08_collectives/README.md, section
-// "The exercise", then run: ctest --test-dir build -L ch08
+// "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch08 &&
+//   ctest --test-dir build -L loop_ch08 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch08 --output-on-failure
 
 #include "08_collectives/ring.h"
 #include "fivefold/error.h"

@@ -1,6 +1,8 @@
 // Chapter 09 exercise: the bucketed, overlapped gradient all-reduce. Read
-// chapters/09_data_parallel/README.md, section "The exercise", then run:
-// ctest --test-dir build -L ch09
+// chapters/09_data_parallel/README.md, section "The exercise".
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch09 &&
+//   ctest --test-dir build -L loop_ch09 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch09 --output-on-failure
 
 #include "09_data_parallel/ddp.h"
 #include "fivefold/error.h"

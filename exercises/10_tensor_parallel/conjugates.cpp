@@ -6,7 +6,9 @@
 // returns one gradient per forward argument (an undefined tensor for the communicator).
 // save_communicator / saved_communicator carry the communicator from forward to backward.
 // Communicator::all_reduce works in place: reduce a copy, never the tensor autograd handed you.
-// The tests: ctest --test-dir build -L ch10 --output-on-failure (README, "The exercise").
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch10 &&
+//   ctest --test-dir build -L loop_ch10 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch10 --output-on-failure
 
 #include "10_tensor_parallel/mappings.h"
 #include "fivefold/error.h"

@@ -6,7 +6,9 @@
 // one forward and one backward in turn (the backward of the oldest micro-batch in flight), then
 // the backwards still owed. Use ActionKind::Forward and ActionKind::Backward only:
 // add_communication adds the sends and receives. simulate() checks the lists and times them.
-// The tests: ctest --test-dir build -L ch11 --output-on-failure (README, "The exercise").
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch11 &&
+//   ctest --test-dir build -L loop_ch11 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch11 --output-on-failure
 
 #include "11_pipeline_parallel/schedule.h"
 #include "fivefold/error.h"

@@ -5,8 +5,10 @@
 // expert (chapter 07's LocalDispatcher does it), tell every rank how many rows you send to each
 // of its experts (an all-to-all of E counts), send the rows (all_to_all, which autograd can
 // differentiate), then regroup what arrived by local expert. Keep in an ExchangePlan (the
-// route_back field) what combine needs to undo each step, in reverse order. The tests:
-// ctest --test-dir build -L ch13 --output-on-failure (README, "The exercise").
+// route_back field) what combine needs to undo each step, in reverse order.
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch13 &&
+//   ctest --test-dir build -L loop_ch13 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch13 --output-on-failure
 
 #include "13_expert_parallel/expert_parallel.h"
 #include "fivefold/error.h"

@@ -65,8 +65,10 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
   // for each of the inputs, in order (undefined for an input that needs none). What the forward
   // kept: ctx->get_saved_variables() (the inputs) and ctx->saved_data["region"] (a SavedRegion:
   // toCapsule(), then c10::static_intrusive_pointer_cast). The parameters the region reads must
-  // end with the same .grad as without recomputation. The tests: ctest --test-dir build -L ch14
-  // --output-on-failure (chapters/14_memory/README.md, "The exercise").
+  // end with the same .grad as without recomputation.
+  // The loop (README, "How to do an exercise"): cmake --build build --target loop_ch14 &&
+  //   ctest --test-dir build -L loop_ch14 --output-on-failure; once it passes, the whole
+  //   chapter: ctest --test-dir build -L ch14 --output-on-failure
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     (void)ctx;
     (void)grads;

@@ -1,4 +1,7 @@
 // Chapter 15, the exercise: which chapter's step runs over which group.
+// The loop (README, "How to do an exercise"): cmake --build build --target loop_ch15 &&
+//   ctest --test-dir build -L loop_ch15 --output-on-failure; once it passes, the whole
+//   chapter: ctest --test-dir build -L ch15 --output-on-failure
 #include "15_trainer_5d/trainer_5d.h"
 #include "fivefold/error.h"
 
