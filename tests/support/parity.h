@@ -1,8 +1,8 @@
 #pragma once
 /// @file parity.h
 /// @brief What the parity tests of the parallel chapters (11 onwards) share: the two optimizer
-/// settings every layout is compared under, the cut of a batch into micro-batches, and the
-/// comparison of AdamW's state with one process's.
+/// settings every layout is compared under, the cut of a batch into micro-batches, the
+/// comparison of AdamW's state with one process's, and the copy of a model a resume starts from.
 
 #include <cstdint>
 #include <string>
@@ -62,6 +62,15 @@ inline void expect_same_optimizer_state(const io::TensorMap& got, const io::Tens
     ASSERT_TRUE(got.count(name) > 0);
     EXPECT_TENSOR_CLOSE(got.at(name), t, 1e-6, 1e-3);
   }
+}
+
+/// `to` given `from`'s parameters and buffers, by name (the same architecture): a resume test
+/// hands a layout a copy of the single process's model, which goes on training its own.
+inline void copy_weights(torch::nn::Module& to, const torch::nn::Module& from) {
+  torch::NoGradGuard no_grad;
+  const auto weights = from.named_parameters(), buffers = from.named_buffers();
+  for (auto& item : to.named_parameters()) item.value().copy_(weights[item.key()]);
+  for (auto& item : to.named_buffers()) item.value().copy_(buffers[item.key()]);
 }
 
 }  // namespace fivefold::testing
