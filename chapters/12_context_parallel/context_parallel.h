@@ -123,6 +123,10 @@ class ContextParallelStep : public ch03::TrainingStep {
   /// Cuts each micro-batch to this rank's tokens (shard_batch), then runs the inner step.
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
   ch03::Transformer& model() override { return inner_->model(); }
+  /// The inner step's whole model with chapter 03's kernel (whole sequences on each rank). Where
+  /// that is the model this step trains, the next step() puts back the kernel it trained with:
+  /// the ring or all-gather kernel, or what a later chapter wrapped around it (chapter 14's
+  /// selective recomputation).
   ch03::Transformer& full_model() override;
   io::TensorMap optimizer_state() override { return inner_->optimizer_state(); }
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override {
@@ -137,7 +141,7 @@ class ContextParallelStep : public ch03::TrainingStep {
  private:
   std::unique_ptr<ch03::TrainingStep> inner_;
   ContextParallel group_;
-  std::shared_ptr<const ch03::AttentionKernel> kernel_;
+  std::shared_ptr<const ch03::AttentionKernel> training_kernel_;  ///< set while evaluating
 };
 
 /// A ch03::StepFactory: `inner` (made over the dp x cp ranks) wrapped in ContextParallelStep.
