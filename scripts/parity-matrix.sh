@@ -12,8 +12,8 @@
 # --reduced runs six of them (what ctest runs: ch15_parity_matrix); the README has the full
 # matrix's last results. --with adds FLAGS to every layout's run but not to the single
 # process's (chapter 14: `--with "--recompute full"` must give the curve of the run without
-# recomputation); the bytes and FLOPs are then not compared with the formulas, which count each
-# forward once. --both adds FLAGS to the single process's runs too (`--both "--precision bf16"`),
+# recomputation, and the bytes and FLOPs of the formulas with the recomputed forward counted).
+# --both adds FLAGS to the single process's runs too (`--both "--precision bf16"`),
 # and --tolerance replaces 1e-4 (bf16 rounds each product to 8 bits of mantissa, in another order
 # in each layout). --hosts NAME N runs each layout across the N hosts NAME-1..N that
 # `scripts/hosts.sh up N NAME` made (network namespaces: MPI and Gloo over TCP), an equal share of
@@ -142,11 +142,10 @@ for entry in "${layouts[@]}"; do
   seconds=$(($(date +%s) - start))
   verdict=ok
   report=$("$fivefold" compare --runs "$run,$out/single-$name" --tolerance "$tolerance" --rows 2) || verdict=FAILED
-  # The pipeline's and context parallelism's bytes per step, measured, equal the formulas'.
-  if [ -z "$with" ]; then
-    cmake -DMEASURED="$run/measured.json" -P scripts/check-predicted.cmake >"$run.predicted" 2>&1 ||
-      { verdict="FAILED (bytes: see $run.predicted)"; cat "$run.predicted" >&2; }
-  fi
+  # Every group's bytes per step, each rank's model state and FLOPs, measured, equal the
+  # formulas'.
+  cmake -DMEASURED="$run/measured.json" -P scripts/check-predicted.cmake >"$run.predicted" 2>&1 ||
+    { verdict="FAILED (bytes: see $run.predicted)"; cat "$run.predicted" >&2; }
   loss=$(sed -n 's/.*loss differs by at most \([^ ]*\) .*/\1/p' <<<"$report")
   norm=$(sed -n 's/.*gradient norm by at most \([^ ]*\)$/\1/p' <<<"$report")
   echo "| $np | $name | \`$flags${with:+ $with}${both:+ $both}\` | $loss | $norm | $seconds | $verdict |" >>"$results"

@@ -25,6 +25,10 @@ struct CpTraffic {
                      ///< the keys and values too
   CpOps send_recv;   ///< ring: keys and values around the ring, and their gradients back
   CpOps all_to_all;  ///< all-gather kernel's backward: the key/value gradients to their owners
+  /// Of the three, the bytes forward hands over (the counts and positions, the ring's forward
+  /// pass or the all-gather of keys and values): what recomputing the attention (chapter 14)
+  /// hands over again.
+  int64_t forward_payload_bytes = 0;
 };
 
 /// The traffic of one attention layer of a micro-batch of `rows` sequences of `seq` tokens split

@@ -165,6 +165,9 @@ struct ExpertParallelTraffic {
   int64_t calls = 0;          ///< all-to-alls
   int64_t payload_bytes = 0;  ///< bytes handed to them (each one's input)
   int64_t wire_bytes = 0;     ///< of those, the bytes addressed to other ranks
+  /// Of payload_bytes, forward's (the counts, the dispatch, the combine): what recomputing the
+  /// layer (chapter 14) hands over again.
+  int64_t forward_payload_bytes = 0;
 };
 
 /// The formula, for rank `rank`: see ExpertParallelTraffic.

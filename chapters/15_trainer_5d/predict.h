@@ -68,6 +68,8 @@ struct HeldParameters : TrainableCounts {
   std::vector<int64_t> tp_replica_partial_by_unit;
   /// The matrices, for predicted_flops (all zero: not known).
   MatmulWeights matmul;
+  /// Of matmul, those of the blocks Full recomputation runs again (Workload::recompute).
+  MatmulWeights recomputed;
 };
 
 /// What chapter 09's ZeRO formulas say the rank keeps between steps for its part `held` (fp32):
@@ -127,6 +129,12 @@ HeldParameters rank_parameters(const Layout& layout, const Workload& run, int64_
 ///   routing, but every row sent is received: the mean over the ranks is exact, each rank's
 ///   share is the balanced expectation (runtime::measurement_json). Dropless routing only (no
 ///   capacity).
+/// - with chapter 14's recomputation (`run.recompute`), what the second forward hands over again
+///   (notes/14_memory.md §4): per micro-batch, on `tp` half of each recomputed block's crossings
+///   (forward's), on `cp` chapter 12's forward part (CpTraffic::forward_payload_bytes) of each
+///   recomputed block or, selective, of every attention layer, on `ep` chapter 13's forward part
+///   (ExpertParallelTraffic::forward_payload_bytes) of each recomputed MoE block; nothing on the
+///   others.
 std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Workload& run,
                                                  int64_t world_rank,
                                                  const HeldParameters& held = {});
@@ -160,8 +168,11 @@ struct StepFlops {
 /// 6·d·V_r·T for the head's V_r vocabulary rows on the last stage, and per attention layer held
 /// rows·(H/tp)·scores·c: the scores its kernel computes (chapter 03's lesson kernel the whole
 /// s x s square, c = 6·(d_k + d_v); the tiled kernel, ring and all-gather attention only the
-/// visible tiles, c = 8·d_k + 6·d_v: backward recomputes the scores). Throws fivefold::Error when
-/// the part's matrices are not known (held.matmul all zero) or experts have a capacity.
+/// visible tiles, c = 8·d_k + 6·d_v: backward recomputes the scores). With chapter 14's
+/// recomputation, the forward once more: 2 per weight and token of the recomputed blocks'
+/// matrices (held.recomputed) and 2·(d_k + d_v) a score of their attention (full) or of every
+/// attention layer's (selective). Throws fivefold::Error when the part's matrices are not known
+/// (held.matmul all zero) or experts have a capacity.
 StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t world_rank,
                           const HeldParameters& held);
 

@@ -22,6 +22,7 @@
 #include "11_pipeline_parallel/pipeline.h"
 #include "12_context_parallel/context_parallel.h"
 #include "13_expert_parallel/expert_parallel.h"
+#include "14_memory/recompute.h"
 #include "fivefold/dist.h"
 #include "fivefold/mesh.h"
 
@@ -37,6 +38,9 @@ struct Workload {
   /// only the tiles a query tile can see (chapter 12's visible_scores); 0: chapter 03's kernel,
   /// the whole square.
   int64_t attention_tile = 128;
+  /// Chapter 14's recomputation: what each rank runs forward a second time in backward, with
+  /// the collectives inside (predicted_flops, predicted_traffic).
+  ch14::RecomputeConfig recompute;
 };
 
 /// How the ranks of the world are laid out and how each dimension runs.

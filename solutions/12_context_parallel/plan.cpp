@@ -19,13 +19,16 @@ CpTraffic context_parallel_traffic(int64_t cp, int64_t rank, int64_t rows, int64
     t.all_gather.calls += 1;
     t.all_gather.payload_bytes += per_token * seq;
     t.all_to_all = {1, per_token * seq};
+    t.forward_payload_bytes = t.all_gather.payload_bytes;
     return t;
   }
+  t.forward_payload_bytes = t.all_gather.payload_bytes;
   if (cp == 1) return t;  // the ring of one rank sends nothing
   const int64_t next = shard_positions(seq, cp, (rank + 1) % cp, layout).size(0);
   // Forward and backward each pass on every block but the one of rank r + 1 (the last held);
   // backward passes every block's gradient, one hop each, cp hops in all.
   t.send_recv = {2 * (cp - 1) + cp, per_token * (2 * (seq - next) + seq)};
+  t.forward_payload_bytes += per_token * (seq - next);
   return t;
 }
 

@@ -153,6 +153,7 @@ ExpertParallelTraffic expert_parallel_traffic(const std::vector<int64_t>& sent_r
   t.calls = 5;
   t.payload_bytes = n_experts * 8 + 2 * (sent + received) * row;
   t.wire_bytes = (n_experts - n_experts / ep) * 8 + 2 * (sent_away + received_away) * row;
+  t.forward_payload_bytes = n_experts * 8 + (sent + received) * row;
   return t;
 }
 

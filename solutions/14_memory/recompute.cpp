@@ -47,6 +47,10 @@ ch03::AttentionOutput RecomputedAttentionKernel::attend(const torch::Tensor& q,
   return {out[0], out[1]};
 }
 
+bool recomputes_block(const RecomputeConfig& config, int64_t layer) {
+  return config.mode == Recompute::Full && layer % config.every == 0;
+}
+
 void apply_recompute(ch03::Transformer& model, const RecomputeConfig& config) {
   FIVEFOLD_CHECK(config.every >= 1, "recompute: every must be >= 1, got ", config.every);
   // The attention kernels as they were before any recomputation was installed.
@@ -62,10 +66,9 @@ void apply_recompute(ch03::Transformer& model, const RecomputeConfig& config) {
     model->set_layer_runner({});
     return;
   }
-  const int64_t every = config.every;
-  model->set_layer_runner([every](ch03::BlockImpl& block, int64_t layer, const torch::Tensor& x,
-                                  const torch::Tensor& positions) {
-    if (layer % every != 0) return block.forward(x, positions);
+  model->set_layer_runner([config](ch03::BlockImpl& block, int64_t layer, const torch::Tensor& x,
+                                   const torch::Tensor& positions) {
+    if (!recomputes_block(config, layer)) return block.forward(x, positions);
     const auto region = [&block, positions](const std::vector<torch::Tensor>& in) {
       return std::vector<torch::Tensor>{block.forward(in[0], positions)};
     };

@@ -1,6 +1,7 @@
 // Chapter 15: what each rank of a layout holds, carries and computes, from the chapters' formulas.
 #include "15_trainer_5d/predict.h"
 
+#include <functional>
 #include <set>
 
 #include "06_mla/mla.h"
@@ -122,8 +123,9 @@ RankWork work_of(const Layout& layout, const Workload& run, int64_t world_rank) 
 
 // The part's matrices by the tokens they multiply, from their Hugging Face names: the routers
 // (mlp.gate), the routed experts (mlp.experts.j: one expert's per layer), the rest but the
-// embedding and the head.
-MatmulWeights matmul_weights(ch03::Transformer& model) {
+// embedding and the head; only the blocks `chosen` takes (by global index).
+MatmulWeights matmul_weights(ch03::Transformer& model,
+                             const std::function<bool(int64_t layer)>& chosen) {
   MatmulWeights w;
   std::map<std::string, std::pair<int64_t, std::set<std::string>>> routed;  // layer -> experts
   for (const auto& item : model->named_parameters()) {
@@ -131,6 +133,8 @@ MatmulWeights matmul_weights(ch03::Transformer& model) {
     if (item.value().dim() != 2 || name.find("embed_tokens") != std::string::npos ||
         name.find("lm_head") != std::string::npos)
       continue;
+    const size_t unit = parameter_unit(name);  // 1 + the block's index, 0 outside the blocks
+    if (unit > 0 && !chosen(static_cast<int64_t>(unit) - 1)) continue;
     const int64_t n = item.value().numel();
     const auto experts = name.find(".mlp.experts.");
     if (experts != std::string::npos) {
@@ -200,7 +204,10 @@ HeldParameters rank_parameters(const Layout& layout, const Workload& run,
       by_unit[parameter_unit(name)] += parameters[name].numel();
     }
   }
-  held.matmul = matmul_weights(model);
+  held.matmul = matmul_weights(model, [](int64_t) { return true; });
+  held.recomputed = matmul_weights(model, [&run](int64_t layer) {
+    return ch14::recomputes_block(run.recompute, layer);
+  });
   return held;
 }
 
@@ -217,6 +224,14 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   const bool first_stage = work.first_stage, last_stage = work.last_stage;
   const auto held_layers = static_cast<int64_t>(layers.size());
   std::map<std::string, int64_t> bytes;
+  // Chapter 14: the collectives inside a recomputed region run again in backward, as in forward:
+  // a recomputed block's (Full) or every attention core's (Selective: inside it only chapter
+  // 12's). The pipeline's sends and chapter 09's reductions are outside every region, and ZeRO-3
+  // recomputes a block while its unit is still gathered for backward: nothing more there.
+  const ch14::RecomputeConfig& again = run.recompute;
+  int64_t cores_again = 0;
+  for (const int64_t layer : layers)
+    cores_again += again.mode == ch14::Recompute::Selective || ch14::recomputes_block(again, layer);
 
   // Chapter 11's pipeline_traffic: what this rank sends, activations forward and gradients back,
   // each row's `positions`. It receives on each communicator what it sends on the other (the
@@ -248,8 +263,9 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
                                                   heads / layout.tp, key_dim, value_dim,
                                                   layout.cp_layout, layout.cp_attention);
     bytes["cp"] = held_layers * m *
-                  (t.all_gather.payload_bytes + t.send_recv.payload_bytes +
-                   t.all_to_all.payload_bytes);
+                      (t.all_gather.payload_bytes + t.send_recv.payload_bytes +
+                       t.all_to_all.payload_bytes) +
+                  cores_again * m * t.forward_payload_bytes;  // chapter 14: attention re-run
   }
 
   // Chapter 10: each crossing into or out of the split layers, every micro-batch (f or g: one
@@ -261,9 +277,11 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
     const int64_t tokens = rows / m * cp_positions;
     int64_t crossings = (first_stage ? 1 : 0) + (last_stage ? 1 : 0);  // embedding, head
     for (const int64_t layer : layers) {
-      crossings += 2;  // attention
       const bool experts_only = routed && moe.is_moe_layer(layer) && moe.n_shared_experts == 0;
-      crossings += experts_only ? 0 : 2;  // the MLP (of a MoE layer: its shared experts)
+      const int64_t block = 2 + (experts_only ? 0 : 2);  // attention, the MLP (shared experts)
+      // A recomputed block's forward half once more: g's all-reduce out of each split layer
+      // (under sequence parallelism, the all-gather in and the reduce-scatter out).
+      crossings += block + (ch14::recomputes_block(again, layer) ? block / 2 : 0);
     }
     const int64_t activation = tokens * model.d_model * 4 * (layout.sequence_parallel ? 2 : 1);
     const int64_t loss = last_stage ? 3 * tokens * 4 : 0;  // max, Σ exp, target logit
@@ -278,20 +296,25 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   // weights' partial gradients, the norm's squares and the loss, over the ep ranks.
   const bool experts = layout.ep > 1 && held.elements > 0;
   if (experts) {
-    int64_t moe_layers = 0;
-    for (const int64_t layer : layers) moe_layers += moe.is_moe_layer(layer);
+    int64_t moe_layers = 0, moe_layers_again = 0;
+    for (const int64_t layer : layers) {
+      moe_layers += moe.is_moe_layer(layer);
+      moe_layers_again += moe.is_moe_layer(layer) && ch14::recomputes_block(again, layer);
+    }
     // Each rank routes its own tokens (under sequence parallelism its tp part of them), spread
     // evenly over the ep ranks and received as evenly: chapter 13's bytes of one layer.
     const int64_t assignments = rows / m * positions * moe.num_experts_per_tok;
     const auto even = split_sizes(assignments, layout.ep);
-    const int64_t exchange =
-        ch13::expert_parallel_traffic(even, even, 0, moe.n_routed_experts, model.d_model, 4)
-            .payload_bytes;
+    const auto layer_traffic =
+        ch13::expert_parallel_traffic(even, even, 0, moe.n_routed_experts, model.d_model, 4);
+    const int64_t exchange = layer_traffic.payload_bytes;
     std::vector<int64_t> shared = held.by_unit;  // the partial gradients the step sums over ep
     for (size_t u = 0; u < held.routed_by_unit.size() && u < shared.size(); ++u)
       shared[u] -= held.routed_by_unit[u];
     if (moe.capacity_factor <= 0 && !held.by_unit.empty())
-      bytes["ep"] = moe_layers * m * exchange + 4 * reduced_elements(shared, layout, m) + 8 + 8;
+      bytes["ep"] = moe_layers * m * exchange +
+                    moe_layers_again * m * layer_traffic.forward_payload_bytes +
+                    4 * reduced_elements(shared, layout, m) + 8 + 8;
   }
 
   // Chapter 09: the gradients' reduction over the dp x cp ranks (edp under expert parallelism:
@@ -366,6 +389,19 @@ StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t wor
   }
   f.attention = static_cast<int64_t>(work.layers.size()) * work.rows *
                 (model.n_heads / layout.tp) * scores * per_score;
+
+  // Chapter 14: what backward runs forward again. Full: the recomputed blocks' matrices (2 per
+  // weight and token: forward's share of 6) and their attention's forward products; selective:
+  // every block's attention core. The forward products are q·kᵀ and the weighted values, 2·(d_k +
+  // d_v) a score, whichever kernel computes them.
+  const ch14::RecomputeConfig& again = run.recompute;
+  const MatmulWeights& r = held.recomputed;
+  f.matrices += 2 * (r.dense * tokens + r.router * routed + r.per_assignment * k * routed);
+  int64_t cores = 0;  // attention layers whose core runs again
+  for (const int64_t layer : work.layers)
+    cores += again.mode == ch14::Recompute::Selective || ch14::recomputes_block(again, layer);
+  f.attention += cores * work.rows * (model.n_heads / layout.tp) * scores *
+                 2 * (key_dim + value_dim);
   return f;
 }
 
