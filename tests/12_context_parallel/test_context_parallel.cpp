@@ -212,13 +212,18 @@ TEST(ContextParallel, FollowsTheSingleProcessCurve) {
       ch03::SingleProcessStep single(ch07::make_model(config), config_of);
       auto built = build(l);
       auto step = built.make(ch07::make_model(config), config_of);
-      for (int s = 0; s < 3; ++s) {
-        const auto want = single.step(split(batches(seq).batch(s), 2), s);
-        const auto got =
-            step->step(split(batches(seq).batch(s, built.dp->rank(), built.dp->size()), 2), s);
-        EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << "step " << s;
-        EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "step " << s;
-      }
+      // Steps [first, last) of `layout_step` and of the single process: the same loss and norm.
+      const auto train_alike = [&](ch03::TrainingStep& layout_step, int first, int last,
+                                   const std::string& label) {
+        for (int s = first; s < last; ++s) {
+          const auto want = single.step(split(batches(seq).batch(s), 2), s);
+          const auto got = layout_step.step(
+              split(batches(seq).batch(s, built.dp->rank(), built.dp->size()), 2), s);
+          EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << label << s;
+          EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << label << s;
+        }
+      };
+      train_alike(*step, 0, 3, "step ");
       auto& full = step->full_model();
       for (const auto& item : single.model()->named_parameters()) {
         SCOPED_TRACE(item.key());
@@ -240,13 +245,7 @@ TEST(ContextParallel, FollowsTheSingleProcessCurve) {
       fivefold::testing::copy_weights(*copy, *single.model());
       auto resumed = built.make(copy, config_of);
       resumed->load_optimizer_state(want_state, "the single process");
-      for (int s = 3; s < 5; ++s) {
-        const auto want = single.step(split(batches(seq).batch(s), 2), s);
-        const auto got =
-            resumed->step(split(batches(seq).batch(s, built.dp->rank(), built.dp->size()), 2), s);
-        EXPECT_NEAR(got.loss, want.loss, 1e-6 * want.loss) << "resumed step " << s;
-        EXPECT_NEAR(got.grad_norm, want.grad_norm, 1e-5 * want.grad_norm) << "resumed step " << s;
-      }
+      train_alike(*resumed, 3, 5, "resumed step ");
       fivefold::testing::expect_same_optimizer_state(resumed->optimizer_state(),
                                                      single.optimizer_state(), "resumed: ");
     }
