@@ -60,6 +60,14 @@ struct RecomputeConfig {
   /// Full recomputation of every `every`-th block only (global layer index i with i % every == 0;
   /// 1: every block): fewer FLOPs, more memory. Ignored unless mode is Full.
   int64_t every = 1;
+  /// Under a pipeline (chapter 11): only stages 0 .. stages - 1 recompute; 0: every stage.
+  /// 1F1B keeps p - r micro-batches in flight on stage r, so the first stages hold the most.
+  int64_t stages = 0;
+  /// What pipeline stage `stage` runs: this config, or None for a stage past `stages`.
+  RecomputeConfig for_stage(int64_t stage) const {
+    return stages > 0 && stage >= stages ? RecomputeConfig{Recompute::None, every, stages}
+                                         : *this;
+  }
 };
 
 /// Whether Full recomputation under `config` runs block `layer` (its global index) again:

@@ -79,7 +79,7 @@ ch15::Layout layout_from_flags(const ArgParser& args) {
 ch15::Workload workload_of(const RunConfig& run) {
   return {run.model, run.seq_len, run.batch, run.micro_batches,
           run.fast ? TiledCausalAttentionKernel::kDefaultTile : 0,
-          {ch14::parse_recompute(run.recompute), run.recompute_every}};
+          {ch14::parse_recompute(run.recompute), run.recompute_every, run.recompute_stages}};
 }
 
 namespace {
@@ -116,11 +116,16 @@ void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& la
 }
 
 void use_layout(const ch15::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run) {
+  // Before the first collective (apply_layout's), on every rank alike.
+  FIVEFOLD_CHECK(run.recompute_stages >= 0 && run.recompute_stages <= layout.pp,
+                 "--recompute-stages ", run.recompute_stages, " names more pipeline stages than "
+                 "the layout has (--pp ", layout.pp, ")");
   const ch15::RankSetup setup = ch15::apply_layout(layout, world);
   run.build_model = setup.build_model;
   run.make_step = setup.make_step;
   run.after_step = setup.after_step;
-  run.placement = {setup.data_rank, setup.data_ranks, setup.processes, setup.writer, setup.agree};
+  run.placement = {setup.data_rank, setup.data_ranks, setup.processes, setup.writer,
+                   layout.place(world->rank()).pp, setup.agree};
 }
 
 namespace {

@@ -98,8 +98,13 @@ void truncate_metrics(const std::string& path, int64_t first_step) {
 
 // The recomputation a run trains with, in words.
 std::string recompute_text(const RunConfig& c) {
-  if (c.recompute != "full" || c.recompute_every == 1) return c.recompute;
-  return "full, every " + std::to_string(c.recompute_every) + " blocks";
+  std::string text = c.recompute;
+  if (c.recompute == "full" && c.recompute_every > 1)
+    text += ", every " + std::to_string(c.recompute_every) + " blocks";
+  if (c.recompute != "none" && c.recompute_stages == 1) text += ", pipeline stage 0 only";
+  if (c.recompute != "none" && c.recompute_stages > 1)
+    text += ", pipeline stages 0-" + std::to_string(c.recompute_stages - 1) + " only";
+  return text;
 }
 
 // " (the run trained <how> <before> until now)" when a resumed run changes a setting, else "".
@@ -208,8 +213,9 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     log0() << "precision: fp32" << precision_change;
   }
   // Chapter 14, after every kernel is in place: selective recomputation wraps the one installed.
-  ch14::apply_recompute(trainer->model(),
-                        {ch14::parse_recompute(c.recompute), c.recompute_every});
+  const ch14::RecomputeConfig recompute{ch14::parse_recompute(c.recompute), c.recompute_every,
+                                        c.recompute_stages};
+  ch14::apply_recompute(trainer->model(), recompute.for_stage(c.placement.pipeline_stage));
   const std::string recompute_change = changed(resume, recompute_text(c), trained_with, "with");
   if (c.recompute != "none" || !recompute_change.empty())
     log0() << "activation recomputation: " << recompute_text(c) << recompute_change;

@@ -162,6 +162,16 @@ std::vector<Setting> make_table() {
                    c.recompute_every);
   };
   t.push_back(every);
+  Setting stages = field("recompute-stages", "recompute_stages", kept,
+                         "with --recompute and --pp: only the first K pipeline stages recompute "
+                         "(1F1B keeps the most micro-batches in flight there); 0: every stage",
+                         [](auto& c) -> auto& { return c.recompute_stages; });
+  stages.read = [](const ArgParser& args, RunConfig& c) {
+    c.recompute_stages = args.integer("recompute-stages");
+    FIVEFOLD_CHECK(c.recompute_stages >= 0, "--recompute-stages must be >= 0, got ",
+                   c.recompute_stages);
+  };
+  t.push_back(stages);
   t.push_back(one_of(field("precision", "precision", kept,
                            "what the matrix products compute in (chapter 14): fp32, or bf16 "
                            "(operands rounded to bf16; weights, activations, gradients and "

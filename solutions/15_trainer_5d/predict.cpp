@@ -205,8 +205,9 @@ HeldParameters rank_parameters(const Layout& layout, const Workload& run,
     }
   }
   held.matmul = matmul_weights(model, [](int64_t) { return true; });
-  held.recomputed = matmul_weights(model, [&run](int64_t layer) {
-    return ch14::recomputes_block(run.recompute, layer);
+  const ch14::RecomputeConfig again = run.recompute.for_stage(at.pp);
+  held.recomputed = matmul_weights(model, [&again](int64_t layer) {
+    return ch14::recomputes_block(again, layer);
   });
   return held;
 }
@@ -228,7 +229,7 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   // a recomputed block's (Full) or every attention core's (Selective: inside it only chapter
   // 12's). The pipeline's sends and chapter 09's reductions are outside every region, and ZeRO-3
   // recomputes a block while its unit is still gathered for backward: nothing more there.
-  const ch14::RecomputeConfig& again = run.recompute;
+  const ch14::RecomputeConfig again = run.recompute.for_stage(pp_rank);
   int64_t cores_again = 0;
   for (const int64_t layer : layers)
     cores_again += again.mode == ch14::Recompute::Selective || ch14::recomputes_block(again, layer);
@@ -394,7 +395,7 @@ StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t wor
   // weight and token: forward's share of 6) and their attention's forward products; selective:
   // every block's attention core. The forward products are q·kᵀ and the weighted values, 2·(d_k +
   // d_v) a score, whichever kernel computes them.
-  const ch14::RecomputeConfig& again = run.recompute;
+  const ch14::RecomputeConfig again = run.recompute.for_stage(work.at.pp);
   const MatmulWeights& r = held.recomputed;
   f.matrices += 2 * (r.dense * tokens + r.router * routed + r.per_assignment * k * routed);
   int64_t cores = 0;  // attention layers whose core runs again

@@ -1,9 +1,9 @@
 # `fivefold train --recompute` as a user runs it:
 #   cmake -DFIVEFOLD=<program> -DMPIRUN=<mpirun and its flags> -DWORK=<scratch> -P cli_recompute.cmake
-# A bad mode or --recompute-every is refused on every rank before anything is written; a run
-# saved without recomputation resumes with it (and with full on every 2nd block on 2 ranks of
-# tp), says so, and continues the curve of the run that never recomputed. `fivefold plan` prints
-# the activation formulas.
+# A bad mode, --recompute-every or --recompute-stages is refused on every rank before anything is
+# written; a run saved without recomputation resumes with it (and with full on every 2nd block on
+# 2 ranks of tp), says so, and continues the curve of the run that never recomputed. `fivefold
+# plan` prints the activation formulas.
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
@@ -17,6 +17,9 @@ refused_on_every_rank(2 ${WORK}/bad-mode "recompute: 'some' is not one of none, 
                       --recompute some ${small})
 refused_on_every_rank(2 ${WORK}/bad-every "--recompute-every must be >= 1, got 0"
                       --recompute full --recompute-every 0 ${small})
+refused_on_every_rank(2 ${WORK}/bad-stages
+                      "--recompute-stages 3 names more pipeline stages than the layout has \\(--pp 2\\)"
+                      --pp 2 --accum 2 --recompute full --recompute-stages 3 ${small})
 
 # The reference: 4 steps, no recomputation, a checkpoint at step 2.
 train(1 ${WORK}/plain --steps 4 --save-every 2 ${small})
@@ -78,4 +81,35 @@ if(NOT tp_bytes_none EQUAL 4216584 OR NOT tp_predicted_none EQUAL 4216584 OR
    NOT tp_bytes_full EQUAL 5789448)
   message(FATAL_ERROR "the tp group's bytes a step are not notes/14 §4's 4,216,584 (none, as "
                       "predicted) and 5,789,448 (full)")
+endif()
+
+# Recomputation on the first pipeline stage only (--recompute-stages 1, pp 2): the curve of the
+# run that never recomputed; stage 0 multiplies its blocks' forward again, stage 1 exactly what a
+# pp 2 run without recomputation multiplies; and every group's bytes, each rank's state and
+# FLOPs equal chapter 15's predictions, which count stage 0's second forward only.
+train(2 ${WORK}/pp2-plain --steps 4 --pp 2 --accum 2 ${small})
+train(2 ${WORK}/pp2-stage0 --steps 4 --pp 2 --accum 2 --recompute full --recompute-stages 1 ${small})
+if(NOT train_output MATCHES "activation recomputation: full, pipeline stage 0 only")
+  message(FATAL_ERROR "the run did not say that only stage 0 recomputes")
+endif()
+curve(${WORK}/pp2-stage0 stage0)
+expect_same_curve("${stage0}" "${plain}" "pp 2, full recomputation on stage 0 only")
+foreach(run pp2-plain pp2-stage0)
+  file(READ ${WORK}/${run}/measured.json measured)
+  string(JSON ${run}_0 GET "${measured}" matmul_flops 0)
+  string(JSON ${run}_1 GET "${measured}" matmul_flops 1)
+endforeach()
+message("matmul FLOPs a step, stage 0 / stage 1: ${pp2-plain_0} / ${pp2-plain_1} without "
+        "recomputation, ${pp2-stage0_0} / ${pp2-stage0_1} with stage 0's")
+if(NOT pp2-stage0_1 EQUAL pp2-plain_1 OR NOT pp2-stage0_0 GREATER pp2-plain_0)
+  message(FATAL_ERROR "--recompute-stages 1: stage 1 must multiply what it does without "
+                      "recomputation and stage 0 more")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} -DMEASURED=${WORK}/pp2-stage0/measured.json
+                        -P ${CMAKE_CURRENT_LIST_DIR}/../../scripts/check-predicted.cmake
+                RESULT_VARIABLE status OUTPUT_VARIABLE text ERROR_VARIABLE text)
+message("${text}")
+if(NOT status EQUAL 0)
+  message(FATAL_ERROR "--recompute-stages 1: the measured bytes, state or FLOPs are not the "
+                      "predicted")
 endif()

@@ -257,3 +257,15 @@ TEST(Recompute, Llama2SevenBFigures) {
   EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Selective), 1528856576);
   EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Full), 67108864);
 }
+
+TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
+  // --recompute-stages 2: stages 0 and 1 run the config, later stages nothing; 0: every stage.
+  const RecomputeConfig first_two{Recompute::Full, 2, 2};
+  EXPECT_EQ(first_two.for_stage(0).mode, Recompute::Full);
+  EXPECT_EQ(first_two.for_stage(1).mode, Recompute::Full);
+  EXPECT_EQ(first_two.for_stage(1).every, 2);
+  EXPECT_EQ(first_two.for_stage(2).mode, Recompute::None);
+  EXPECT_FALSE(recomputes_block(first_two.for_stage(3), 0));
+  const RecomputeConfig every_stage{Recompute::Selective, 1, 0};
+  EXPECT_EQ(every_stage.for_stage(7).mode, Recompute::Selective);
+}

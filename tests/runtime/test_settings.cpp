@@ -48,7 +48,7 @@ TEST(Settings, SavedUnderTheCheckpointsKeys) {
       "batch",        "data.path",      "data.seed",          "data.synthetic_examples",
       "data.val_fraction", "eval_batches", "eval_every",      "exact_match_examples",
       "keep_checkpoints",  "micro_batches", "model",          "precision",       "recompute",
-      "recompute_every",   "save_every",
+      "recompute_every",   "recompute_stages", "save_every",
       "seq_len",      "steps",          "train.beta1",        "train.beta2",
       "train.decay_embeddings", "train.eps", "train.grad_clip", "train.lr",
       "train.min_lr", "train.total_steps", "train.warmup_steps", "train.weight_decay"};

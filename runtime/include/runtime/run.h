@@ -40,6 +40,7 @@ struct Placement {
   int64_t data_ranks = 1;  ///< slices (data-parallel ranks); batch / data_ranks rows each
   int64_t processes = 1;   ///< processes doing the work (MFU divides by their peak)
   bool writer = true;      ///< writes metrics, checkpoints, logs and the progress bar
+  int64_t pipeline_stage = 0;  ///< this process's pipeline stage (chapter 11), 0 without one
   /// In a job of several processes: takes each process's verdict on the run's folder (the
   /// writer's: "" when all is well, else what is wrong) and returns the first error, on every
   /// process, so that all refuse together before the first step (a collective). Unset on one
@@ -74,6 +75,7 @@ struct RunConfig {
   /// Activation recomputation (chapter 14): "none", "full" or "selective" (ch14::Recompute).
   std::string recompute = "none";
   int64_t recompute_every = 1;  ///< with "full": every recompute_every-th block only
+  int64_t recompute_stages = 0;  ///< with --pp: only the first K stages recompute; 0: all
   /// What the matrix products compute in (chapter 14): "fp32" or "bf16" (ch14::Precision).
   std::string precision = "fp32";
   int64_t steps = 300;               ///< train until this many steps are done
