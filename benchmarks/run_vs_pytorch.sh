@@ -2,8 +2,10 @@
 # fivefold's training step against the same model in PyTorch (eager, Python), in one run:
 # bench_train_throughput and benchmarks/torch_train_throughput.py alternate for ROUNDS rounds on
 # the same threads, and the medians of their tokens/s per size are printed with the ratio.
-# Needs Debian's python3-torch (benchmarks only: `apt-get install python3-torch`).
-#   benchmarks/run_vs_pytorch.sh [build] [rounds (5)] [steps per size (10)] [threads (2)]
+# Needs Debian's python3-torch (benchmarks only: `apt-get install python3-torch`). With BF16=1 in
+# the environment, each size also in bf16: fivefold's --precision bf16 against PyTorch under
+# torch.autocast("cpu", torch.bfloat16), the same rounds.
+#   [BF16=1] benchmarks/run_vs_pytorch.sh [build] [rounds (5)] [steps per size (10)] [threads (2)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -19,12 +21,14 @@ py=python3
 unset OMP_WAIT_POLICY  # one process: its OpenMP threads must not sleep between operations
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+bf16=()
+[ "${BF16:-0}" = 1 ] && bf16=(--bf16)
 for ((r = 1; r <= rounds; r++)); do
   echo "round $r/$rounds" >&2
   "$build/bin/bench_train_throughput" --steps "$steps" --threads "$threads" --json --compare \
-    >>"$out/fivefold"
+    "${bf16[@]}" >>"$out/fivefold"
   "$py" benchmarks/torch_train_throughput.py --steps "$steps" --threads "$threads" --json \
-    >>"$out/pytorch"
+    "${bf16[@]}" >>"$out/pytorch"
 done
 "$py" - "$out/fivefold" "$out/pytorch" "$threads" "$rounds" <<'EOF'
 import json, statistics, sys
@@ -46,4 +50,22 @@ for model, mine in ours.items():
     m, r, p = statistics.median(mine), statistics.median(ref), statistics.median(plain)
     print(f"| {model} | {m:.0f} | {p:.0f} | {r:.0f} | {m / r:.2f}x | "
           f"{min(ratios):.2f}-{max(ratios):.2f}x | {p / r:.2f}x |")
+ours_bf16, theirs_bf16 = load(sys.argv[1], "bf16_tokens_per_s"), None
+try:
+    theirs_bf16 = load(sys.argv[2], "bf16_tokens_per_s")
+except KeyError:
+    pass
+if theirs_bf16 and all(v > 0 for runs in ours_bf16.values() for v in runs):
+    print("\nbf16 products (fivefold --precision bf16; PyTorch under torch.autocast(bfloat16)), "
+          "the same rounds:\n")
+    print("| model | fivefold bf16 | x its fp32 | PyTorch autocast | x its fp32 | "
+          "fivefold / PyTorch, bf16 | per round, min-max |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for model, mine in ours_bf16.items():
+        ref = theirs_bf16[model]
+        ratios = [a / b for a, b in zip(mine, ref)]
+        m, r = statistics.median(mine), statistics.median(ref)
+        print(f"| {model} | {m:.0f} | {m / statistics.median(ours[model]):.2f}x | {r:.0f} | "
+              f"{r / statistics.median(theirs[model]):.2f}x | {m / r:.2f}x | "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x |")
 EOF

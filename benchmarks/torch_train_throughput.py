@@ -7,7 +7,10 @@ untied LM head, mean cross-entropy; AdamW (lr 3e-3, betas 0.9/0.95, weight decay
 but the embedding) after clipping the global norm to 1. The sizes, warm-up and medians are
 bench_train_throughput's. Needs Debian's python3-torch (benchmarks only; never the build or tests).
 
-    python3 benchmarks/torch_train_throughput.py [--steps 20] [--threads 2] [--json]
+With --bf16 each size is timed again under torch.autocast("cpu", torch.bfloat16) (bf16 products,
+fp32 weights and AdamW: chapter 14's --precision bf16 compares with it), as bf16_tokens_per_s.
+
+    python3 benchmarks/torch_train_throughput.py [--steps 20] [--threads 2] [--json] [--bf16]
 """
 import argparse
 import json
@@ -86,7 +89,7 @@ def median(values):
     return values[len(values) // 2]
 
 
-def measure(size, steps):
+def measure(size, steps, bf16=False):
     name, d, layers, heads, d_ff, seq, batch = size
     torch.manual_seed(0)
     model = Model(d, layers, heads, d_ff)
@@ -101,8 +104,9 @@ def measure(size, steps):
     for i in range(steps + 3):
         start = time.perf_counter()
         optimizer.zero_grad()
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -117,11 +121,15 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    parser.add_argument("--bf16", action="store_true",
+                        help="each size under torch.autocast(bfloat16) too (bf16_tokens_per_s)")
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     for size in SIZES:
         r = measure(size, args.steps)
+        if args.bf16:
+            r["bf16_tokens_per_s"] = measure(size, args.steps, bf16=True)["tokens_per_s"]
         if args.json:
             print(json.dumps(r), flush=True)
         else:
