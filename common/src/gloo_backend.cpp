@@ -84,6 +84,13 @@ class GlooCommunicator final : public Communicator {
     options->threads = 1;  // every operation is waited for at once: one thread is enough
     auto scoped = c10::make_intrusive<c10d::PrefixStore>(prefix_, store_);
     group_ = c10::make_intrusive<c10d::ProcessGroupGloo>(scoped, rank, size, options);
+    // Every rank's connections finished before any rank goes on. Without this, a rank whose
+    // side of the connections was done could drop the group (a mesh's unused one, dropped as
+    // the mesh is built) while its peer was still reading the handshake: the peer then failed
+    // in its constructor with "Connection closed by peer", and so, a moment later, did this
+    // rank (seen about once in six runs of a test that builds a mesh per layout, on a loaded
+    // machine). Not counted as an operation of the communicator.
+    if (size > 1) finish(group_->barrier());
   }
 
   ~GlooCommunicator() override { drain_and_stop(); }
