@@ -73,6 +73,9 @@ struct RecomputeConfig {
 /// Whether Full recomputation under `config` runs block `layer` (its global index) again:
 /// mode Full and layer % every == 0. Selective recomputes every block's attention core instead.
 bool recomputes_block(const RecomputeConfig& config, int64_t layer);
+/// Whether block `layer`'s attention core runs again: Selective (every block), or a block Full
+/// recomputes.
+bool recomputes_attention(const RecomputeConfig& config, int64_t layer);
 /// Installs `config` in `model`: Full sets its layer runner (ch03::TransformerImpl::
 /// set_layer_runner) to run the chosen blocks through `checkpoint`; Selective wraps the attention
 /// kernel each attention layer holds now (install the other kernels first) in

@@ -51,6 +51,10 @@ bool recomputes_block(const RecomputeConfig& config, int64_t layer) {
   return config.mode == Recompute::Full && layer % config.every == 0;
 }
 
+bool recomputes_attention(const RecomputeConfig& config, int64_t layer) {
+  return config.mode == Recompute::Selective || recomputes_block(config, layer);
+}
+
 void apply_recompute(ch03::Transformer& model, const RecomputeConfig& config) {
   FIVEFOLD_CHECK(config.every >= 1, "recompute: every must be >= 1, got ", config.every);
   // The attention kernels as they were before any recomputation was installed.

@@ -231,8 +231,7 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   // recomputes a block while its unit is still gathered for backward: nothing more there.
   const ch14::RecomputeConfig again = run.recompute.for_stage(pp_rank);
   int64_t cores_again = 0;
-  for (const int64_t layer : layers)
-    cores_again += again.mode == ch14::Recompute::Selective || ch14::recomputes_block(again, layer);
+  for (const int64_t layer : layers) cores_again += ch14::recomputes_attention(again, layer);
 
   // Chapter 11's pipeline_traffic: what this rank sends, activations forward and gradients back,
   // each row's `positions`. It receives on each communicator what it sends on the other (the
@@ -399,8 +398,7 @@ StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t wor
   const MatmulWeights& r = held.recomputed;
   f.matrices += 2 * (r.dense * tokens + r.router * routed + r.per_assignment * k * routed);
   int64_t cores = 0;  // attention layers whose core runs again
-  for (const int64_t layer : work.layers)
-    cores += again.mode == ch14::Recompute::Selective || ch14::recomputes_block(again, layer);
+  for (const int64_t layer : work.layers) cores += ch14::recomputes_attention(again, layer);
   f.attention += cores * work.rows * (model.n_heads / layout.tp) * scores *
                  2 * (key_dim + value_dim);
   return f;
