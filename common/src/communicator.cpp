@@ -1,12 +1,10 @@
-// The backend-independent half of every Communicator: argument checks, statistics, the issue
-// queue that makes operations asynchronous, and the watchdog that turns a hang into an error.
-
-#include <unistd.h>
+// The backend-independent half of every Communicator: argument checks, statistics and the issue
+// queue that makes operations asynchronous (the watchdog that turns a hang into an error:
+// watchdog.cpp).
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <map>
 #include <numeric>
 
 #include "fivefold/comm_stats.h"
@@ -42,150 +40,6 @@ const char* op_name(Op op) {
   return "?";
 }
 
-// ------------------------------------------------------------------------------------------------
-// Watchdog: every running operation is registered with its start time; a thread checks the
-// table twice a second and aborts the job when one has run longer than the timeout.
-// ------------------------------------------------------------------------------------------------
-namespace {
-
-// What an operation is, kept as fields: formatted only if the watchdog has to report it.
-struct OpLabel {
-  Op op;
-  const std::string* communicator;  // outlives the operation
-  int64_t bytes;
-  int dst;  // -1: none
-  int src;  // -1: none
-  int dst_world;  // the same peers' ranks in the world (what the logs' [rank N] says)
-  int src_world;
-};
-
-// A peer as the user knows it, its world rank, with its rank inside the group when that differs.
-std::string peer(int rank, int world_rank, const std::string& communicator) {
-  std::string text = "rank " + std::to_string(world_rank);
-  if (rank != world_rank) text += " (" + std::to_string(rank) + " in '" + communicator + "')";
-  return text;
-}
-
-OpLabel label_of(const Communicator& c, Op op, int64_t bytes, int dst, int src) {
-  return OpLabel{op,  &c.name(), bytes, dst, src, dst >= 0 ? c.world_rank(dst) : -1,
-                 src >= 0 ? c.world_rank(src) : -1};
-}
-
-std::string describe(const OpLabel& label) {
-  std::string text = std::string(op_name(label.op)) + " on '" + *label.communicator + "' (" +
-                     std::to_string(label.bytes) + " bytes)";
-  if (label.dst >= 0) text += " to " + peer(label.dst, label.dst_world, *label.communicator);
-  if (label.src >= 0)
-    text += (label.dst >= 0 ? ", from " : " from ") +
-            peer(label.src, label.src_world, *label.communicator);
-  return text;
-}
-
-struct Watchdog {
-  std::mutex mutex;
-  std::condition_variable wake;
-  std::map<uint64_t, std::pair<OpLabel, std::chrono::steady_clock::time_point>> running;
-  uint64_t next_id = 0;
-  bool stop = false;
-  std::thread thread;
-};
-
-Watchdog& watchdog() {
-  static Watchdog* instance = new Watchdog();  // never destroyed: outlives every thread using it
-  return *instance;
-}
-
-class WatchdogGuard {
- public:
-  explicit WatchdogGuard(const OpLabel& what) {
-    auto& w = watchdog();
-    std::lock_guard<std::mutex> lock(w.mutex);
-    id_ = w.next_id++;
-    w.running[id_] = {what, std::chrono::steady_clock::now()};
-  }
-  ~WatchdogGuard() {
-    auto& w = watchdog();
-    std::lock_guard<std::mutex> lock(w.mutex);
-    w.running.erase(id_);
-  }
-
- private:
-  uint64_t id_;
-};
-
-}  // namespace
-
-namespace {
-std::string seconds_text(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%g", seconds);
-  return text;
-}
-}  // namespace
-
-double comm_timeout_seconds() {
-  static const double seconds = [] {
-    const char* text = std::getenv("FIVEFOLD_COMM_TIMEOUT");
-    if (text == nullptr || *text == '\0') return 600.0;
-    char* end = nullptr;
-    double value = std::strtod(text, &end);
-    FIVEFOLD_CHECK(end != text && *end == '\0' && value > 0,
-                   "FIVEFOLD_COMM_TIMEOUT must be a positive number of seconds, got '", text, "'");
-    return value;
-  }();
-  return seconds;
-}
-
-namespace detail {
-
-void start_watchdog(long launcher) {
-  auto& w = watchdog();
-  std::lock_guard<std::mutex> lock(w.mutex);
-  if (w.thread.joinable()) return;
-  w.stop = false;
-  const double timeout = comm_timeout_seconds();
-  w.thread = std::thread([&w, timeout, launcher] {
-    std::unique_lock<std::mutex> lock(w.mutex);
-    while (!w.stop) {
-      w.wake.wait_for(lock, std::chrono::milliseconds(500));
-      if (launcher > 0 && static_cast<long>(::getppid()) != launcher) {
-        // The launcher was killed: its job is over. Exit rather than abort through the backend,
-        // whose launcher is the process that is gone.
-        const std::string line = "[rank " + std::to_string(global_rank()) +
-                                 "] fivefold: the launcher (pid " + std::to_string(launcher) +
-                                 ") is gone: ending this rank\n";
-        std::fputs(line.c_str(), stderr);
-        std::fflush(stderr);
-        std::_Exit(4);
-      }
-      const auto now = std::chrono::steady_clock::now();
-      for (const auto& [id, entry] : w.running) {
-        const double age = std::chrono::duration<double>(now - entry.second).count();
-        if (age > timeout) {
-          const std::string reason = describe(entry.first) + " has not completed after " +
-                                     std::to_string(static_cast<int>(age)) +
-                                     " s (FIVEFOLD_COMM_TIMEOUT=" + seconds_text(timeout) +
-                                     "): a peer is dead, stuck, or issuing a different operation";
-          lock.unlock();
-          abort_job(3, reason);
-        }
-      }
-    }
-  });
-}
-
-void stop_watchdog() {
-  auto& w = watchdog();
-  {
-    std::lock_guard<std::mutex> lock(w.mutex);
-    if (!w.thread.joinable()) return;
-    w.stop = true;
-  }
-  w.wake.notify_all();
-  w.thread.join();
-}
-
-}  // namespace detail
 
 // ------------------------------------------------------------------------------------------------
 // Work
@@ -228,7 +82,7 @@ bool Work::completed() const {
 // ------------------------------------------------------------------------------------------------
 struct Communicator::Task {
   std::function<void()> body;
-  OpLabel label;
+  detail::OpLabel label;
   std::shared_ptr<Work::State> state;
 };
 
@@ -258,7 +112,7 @@ void Communicator::worker_loop() {
     std::exception_ptr error;
     const double traced = trace::recording() ? trace::now() : -1;
     try {
-      WatchdogGuard guard(task->label);
+      detail::WatchdogGuard guard(task->label);
       task->body();
     } catch (...) {
       error = std::current_exception();
@@ -292,7 +146,7 @@ Work Communicator::enqueue(Op op, int64_t bytes, double wire_bytes, torch::Tenso
   record_comm(name_, op, bytes, wire_bytes);
   auto task = std::make_shared<Task>();
   task->body = std::move(body);
-  task->label = label_of(*this, op, bytes, dst, src);
+  task->label = detail::label_of(*this, op, bytes, dst, src);
   task->state = std::make_shared<Work::State>();
   task->state->communicator = name_;
   task->state->op = op;
@@ -337,7 +191,7 @@ void Communicator::run_inline(Op op, int64_t bytes, double wire_bytes,
       self->changed_.notify_all();
     }
   } release{this};
-  WatchdogGuard guard(label_of(*this, op, bytes, dst, src));
+  detail::WatchdogGuard guard(detail::label_of(*this, op, bytes, dst, src));
   body();
 }
 

@@ -1,6 +1,7 @@
 #pragma once
 // Declarations shared by the files of fivefold_common, not part of its public interface.
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <utility>
@@ -29,6 +30,31 @@ void abort_backend(int code);
 void start_watchdog(long launcher = 0);
 /// Stops it.
 void stop_watchdog();
+
+/// What an operation is, kept as fields: formatted only if the watchdog has to report it.
+struct OpLabel {
+  Op op;
+  const std::string* communicator;  // outlives the operation
+  int64_t bytes;
+  int dst;        // -1: none
+  int src;        // -1: none
+  int dst_world;  // the same peers' ranks in the world (what the logs' [rank N] says)
+  int src_world;
+};
+/// The label of operation `op` of `bytes` on `c`, with its peers (-1: none).
+OpLabel label_of(const Communicator& c, Op op, int64_t bytes, int dst, int src);
+
+/// Registers an operation with the watchdog for as long as it lives.
+class WatchdogGuard {
+ public:
+  explicit WatchdogGuard(const OpLabel& what);
+  ~WatchdogGuard();
+  WatchdogGuard(const WatchdogGuard&) = delete;
+  WatchdogGuard& operator=(const WatchdogGuard&) = delete;
+
+ private:
+  uint64_t id_;
+};
 
 /// MPI: initialises MPI (MPI_THREAD_MULTIPLE) and returns MPI_COMM_WORLD as "world".
 CommunicatorPtr start_mpi_world();
