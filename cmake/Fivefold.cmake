@@ -97,10 +97,9 @@ endfunction()
 # runs over the c10d/Gloo backend. A failed assertion on any rank aborts the whole job.
 # LOOP puts the tests (with counts, only those process counts' MPI runs) in their chapter's
 # exercise loop: label `loop_chNN` (NN from the `chNN` label) and build target `loop_chNN`, the
-# tests that check the exercise directly and quickly, so
-# that a learner's edit-build-test cycle relinks and runs only those
-# (`cmake --build build --target loop_chNN && ctest --test-dir build -L loop_chNN`); `-L chNN`
-# runs the whole chapter once the loop is green.
+# tests that check the exercise directly and quickly, so that a learner's edit-build-test cycle
+# relinks and runs only those (`cmake --build build --target loop_chNN && ctest --test-dir build
+# -L loop_chNN`); `-L chNN` runs the whole chapter once the loop is green.
 function(fivefold_test name)
   cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;LIBS;LABELS;RANKS;GLOO_RANKS;LOOP" ${ARGN})
   set(loop_everything FALSE)

@@ -79,7 +79,7 @@ ch15::Layout layout_from_flags(const ArgParser& args) {
 ch15::Workload workload_of(const RunConfig& run) {
   return {run.model, run.seq_len, run.batch, run.micro_batches,
           run.fast ? TiledCausalAttentionKernel::kDefaultTile : 0,
-          {ch14::parse_recompute(run.recompute), run.recompute_every, run.recompute_stages}};
+          recompute_config(run)};
 }
 
 namespace {

@@ -96,6 +96,14 @@ void truncate_metrics(const std::string& path, int64_t first_step) {
   io::write_file_atomic(path, kept);
 }
 
+}  // namespace
+
+ch14::RecomputeConfig recompute_config(const RunConfig& run) {
+  return {ch14::parse_recompute(run.recompute), run.recompute_every, run.recompute_stages};
+}
+
+namespace {
+
 // The recomputation a run trains with, in words.
 std::string recompute_text(const RunConfig& c) {
   std::string text = c.recompute;
@@ -213,9 +221,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     log0() << "precision: fp32" << precision_change;
   }
   // Chapter 14, after every kernel is in place: selective recomputation wraps the one installed.
-  const ch14::RecomputeConfig recompute{ch14::parse_recompute(c.recompute), c.recompute_every,
-                                        c.recompute_stages};
-  ch14::apply_recompute(trainer->model(), recompute.for_stage(c.placement.pipeline_stage));
+  ch14::apply_recompute(trainer->model(),
+                        recompute_config(c).for_stage(c.placement.pipeline_stage));
   const std::string recompute_change = changed(resume, recompute_text(c), trained_with, "with");
   if (c.recompute != "none" || !recompute_change.empty())
     log0() << "activation recomputation: " << recompute_text(c) << recompute_change;

@@ -111,6 +111,17 @@ Setting one_of(Setting s, std::function<std::string(const std::string&)> check) 
   return s;
 }
 
+// A row of a whole number that must be at least `minimum` (checked as it is read, before any rank
+// talks); `ref` picks the field, as in `field`.
+template <class Ref>
+Setting at_least(Setting s, Ref ref, int64_t minimum) {
+  s.read = [flag = s.flag, read = s.read, ref, minimum](const ArgParser& args, RunConfig& c) {
+    read(args, c);
+    FIVEFOLD_CHECK(ref(c) >= minimum, "--", flag, " must be >= ", minimum, ", got ", ref(c));
+  };
+  return s;
+}
+
 // A flag that turns a setting, on by default, off.
 template <class Ref>
 Setting turns_off(const char* flag, const char* help, Ref ref) {
@@ -153,25 +164,18 @@ std::vector<Setting> make_table() {
                            "(the attention core)",
                            [](auto& c) -> auto& { return c.recompute; }),
                      [](const std::string& v) { return ch14::to_string(ch14::parse_recompute(v)); }));
-  Setting every = field("recompute-every", "recompute_every", kept,
-                        "with --recompute full: every K-th block only (blocks 0, K, 2K, ...)",
-                        [](auto& c) -> auto& { return c.recompute_every; });
-  every.read = [](const ArgParser& args, RunConfig& c) {
-    c.recompute_every = args.integer("recompute-every");
-    FIVEFOLD_CHECK(c.recompute_every >= 1, "--recompute-every must be >= 1, got ",
-                   c.recompute_every);
-  };
-  t.push_back(every);
-  Setting stages = field("recompute-stages", "recompute_stages", kept,
-                         "with --recompute and --pp: only the first K pipeline stages recompute "
-                         "(1F1B keeps the most micro-batches in flight there); 0: every stage",
-                         [](auto& c) -> auto& { return c.recompute_stages; });
-  stages.read = [](const ArgParser& args, RunConfig& c) {
-    c.recompute_stages = args.integer("recompute-stages");
-    FIVEFOLD_CHECK(c.recompute_stages >= 0, "--recompute-stages must be >= 0, got ",
-                   c.recompute_stages);
-  };
-  t.push_back(stages);
+  const auto every = [](auto& c) -> auto& { return c.recompute_every; };
+  t.push_back(at_least(field("recompute-every", "recompute_every", kept,
+                             "with --recompute full: every K-th block only (blocks 0, K, 2K, ...)",
+                             every),
+                       every, 1));
+  const auto stages = [](auto& c) -> auto& { return c.recompute_stages; };
+  t.push_back(at_least(field("recompute-stages", "recompute_stages", kept,
+                             "with --recompute and --pp: only the first K pipeline stages "
+                             "recompute (1F1B keeps the most micro-batches in flight there); 0: "
+                             "every stage",
+                             stages),
+                       stages, 0));
   t.push_back(one_of(field("precision", "precision", kept,
                            "what the matrix products compute in (chapter 14): fp32, or bf16 "
                            "(operands rounded to bf16; weights, activations, gradients and "

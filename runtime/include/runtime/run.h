@@ -30,6 +30,7 @@
 #include "03_transformer/evaluate.h"
 #include "03_transformer/model.h"
 #include "03_transformer/train.h"
+#include "14_memory/recompute.h"
 
 namespace fivefold::runtime {
 
@@ -106,6 +107,10 @@ struct RunConfig {
   /// Throws fivefold::Error naming the first inconsistent setting.
   void validate() const;
 };
+
+/// The run's recomputation (chapter 14) as its settings give it: mode, every K-th block, the
+/// first S pipeline stages (each rank applies RecomputeConfig::for_stage of its own stage).
+ch14::RecomputeConfig recompute_config(const RunConfig& run);
 
 /// The settings as JSON (saved in trainer_state.json) and back.
 nlohmann::json run_to_json(const RunConfig& config);
