@@ -153,6 +153,8 @@ void declare_flags(ArgParser& args) {
               "expert-parallel ranks: adds the experts and parameters each rank holds and the "
               "all-to-all bytes of one micro-batch of --micro-batch x --seq tokens (default seq "
               "4096) per rank (chapter 13; DeepSeek-V3-shaped models)");
+  args.option("precision", "fp32",
+              "fp32 or bf16: what the activations per block are counted in (chapter 14)");
   args.flag("json", "print JSON instead of a table");
 }
 
@@ -294,7 +296,8 @@ int plan(int argc, char** argv) {
   if (cp > 0)
     result["context_parallel"] = context_parallel_section(
         shape, cp, args.str("cp-layout"), args.str("cp-attention"), b, context);
-  const auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1));
+  const auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1),
+                                                 ch14::parse_precision(args.str("precision")));
   if (!activations.empty()) result["activations"] = activations;
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());

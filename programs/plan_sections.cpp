@@ -87,10 +87,10 @@ void print_activations(const nlohmann::json& a) {
            si(bytes["selective"].get<double>(), "B") + ", full " +
            si(bytes["full"].get<double>(), "B");
   };
-  std::printf("activations per block, micro-batch of %lld x %lld tokens (fp32, the lesson's "
+  std::printf("activations per block, micro-batch of %lld x %lld tokens (%s, the lesson's "
               "kernels; chapter 14): %s\n",
               a["rows"].get<long long>(), a["tokens"].get<long long>(),
-              modes(a["bytes_per_block"]).c_str());
+              a["precision"].get<std::string>().c_str(), modes(a["bytes_per_block"]).c_str());
   if (a.contains("tensor_parallel")) {
     const auto& t = a["tensor_parallel"];
     std::printf("  tp %lld rank 0: %s; with sequence parallelism: %s\n",

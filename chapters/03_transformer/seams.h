@@ -65,6 +65,10 @@ class MatmulKernel {
   virtual torch::Tensor bmm(const torch::Tensor& a, const torch::Tensor& b) const {
     return at::bmm(a, b);
   }
+  /// The form mm reads an activation in: `linear` converts its input x (and backward ∂L/∂y) to it
+  /// once, and keeps x so for backward (chapter 14's bf16 kernel rounds to bf16, halving what
+  /// linear keeps); the products' results go on in x's own dtype. The identity here.
+  virtual torch::Tensor operand(const torch::Tensor& t) const { return t; }
 };
 
 /// Makes `kernel` the one `linear` multiplies with (nullptr: at::mm), for every thread; returns the

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "02_flops_6np/flops.h"
+#include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 
 namespace fivefold::ch14 {
@@ -43,14 +44,20 @@ struct TensorParallelShare {
 /// (`tp`) the heads and d_ff are this rank's share, and with sequence parallelism so are the
 /// tokens of the norms and the residual stream, while the norms' outputs are kept gathered over
 /// the whole sequence (notes §1, "Under tensor parallelism").
+///
+/// In bf16 (chapter 14's Bf16MatmulKernel) the linear maps keep their inputs rounded to bf16:
+/// None and Selective keep 2b·s(2d + h·hd + f) bytes fewer (the two norms' outputs, the heads'
+/// merged output, SwiGLU's product: this rank's share, over the whole sequence); Full the same.
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
-                               Recompute mode, const TensorParallelShare& tp = {});
+                               Recompute mode, const TensorParallelShare& tp = {},
+                               Precision precision = Precision::Fp32);
 
 /// What `fivefold plan` prints for a Llama-shaped model: block_activation_bytes in each mode for
-/// one micro-batch of `rows` sequences of `seq` tokens, on one device and, with tp > 1, on rank 0
-/// of tp with and without sequence parallelism; and the training FLOPs per token in each mode.
-/// Empty for another architecture (GPT-2's LayerNorm and GELU), which the formulas do not count.
+/// one micro-batch of `rows` sequences of `seq` tokens in `precision`, on one device and, with
+/// tp > 1, on rank 0 of tp with and without sequence parallelism; and the training FLOPs per
+/// token in each mode. Empty for another architecture (GPT-2's LayerNorm and GELU), which the
+/// formulas do not count.
 nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,
-                               int64_t tp);
+                               int64_t tp, Precision precision = Precision::Fp32);
 
 }  // namespace fivefold::ch14

@@ -37,6 +37,11 @@ class Bf16MatmulKernel : public ch03::MatmulKernel {
  public:
   torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const override;
   torch::Tensor bmm(const torch::Tensor& a, const torch::Tensor& b) const override;
+  /// t rounded to bf16: what `linear` keeps of its input for backward (half the bytes of fp32),
+  /// rounded once instead of at each product that reads it. The maps that read one input (q, k
+  /// and v; gate and up) share its rounding: the last one on this thread is reused while it is
+  /// alive and the input unchanged.
+  torch::Tensor operand(const torch::Tensor& t) const override;
 };
 
 /// Makes `linear` multiply in `precision`, for the whole process (ch03::set_matmul_kernel): Bf16

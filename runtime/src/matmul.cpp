@@ -50,7 +50,7 @@ struct Operand {
   char trans;
   int64_t ld;
 };
-Operand operand(const torch::Tensor& t, const torch::Tensor& matrix) {
+Operand sgemm_operand(const torch::Tensor& t, const torch::Tensor& matrix) {
   if (const auto l = layout(matrix)) return {t, l->first, l->second};
   return {t.contiguous(), 'N', matrix.size(1)};
 }
@@ -65,7 +65,7 @@ torch::Tensor OneDnnMatmulKernel::mm(const torch::Tensor& a, const torch::Tensor
   const int64_t m = a.size(0), k = a.size(1), n = b.size(1);
   if (!fits(a, b)) return a.mm(b);
   RECORD_FUNCTION("fivefold::mm", std::vector<c10::IValue>({a, b}));
-  const Operand x = operand(a, a), y = operand(b, b);
+  const Operand x = sgemm_operand(a, a), y = sgemm_operand(b, b);
   auto c = torch::empty({m, n}, a.options());
   const auto status =
       dnnl_sgemm(x.trans, y.trans, m, n, k, 1.0f, x.data.data_ptr<float>(), x.ld,
@@ -83,7 +83,7 @@ torch::Tensor OneDnnMatmulKernel::bmm(const torch::Tensor& a, const torch::Tenso
   if (!fits(a, b)) return at::bmm(a, b);
   RECORD_FUNCTION("fivefold::bmm", std::vector<c10::IValue>({a, b}));
   // Every matrix of a batch has the layout of the first: the strides are the batch's.
-  const Operand x = operand(a, a[0]), y = operand(b, b[0]);
+  const Operand x = sgemm_operand(a, a[0]), y = sgemm_operand(b, b[0]);
   auto c = torch::empty({batch, m, n}, a.options());
   const float *pa = x.data.data_ptr<float>(), *pb = y.data.data_ptr<float>();
   float* pc = c.data_ptr<float>();

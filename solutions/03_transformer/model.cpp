@@ -126,26 +126,30 @@ torch::Tensor unrows(const torch::Tensor& y, const torch::Tensor& like) {
   return y.view(sizes);
 }
 
-// y = x·Wᵀ; backward: ∂L/∂x = ∂L/∂y·W, and ∂L/∂W = (∂L/∂y)ᵀ·x now or, deferred, later.
+// t in the form the kernel multiplies it in (the identity for at::mm).
+torch::Tensor operand(const torch::Tensor& t) { return g_matmul ? g_matmul->operand(t) : t; }
+
+// y = x·Wᵀ; backward: ∂L/∂x = ∂L/∂y·W, and ∂L/∂W = (∂L/∂y)ᵀ·x now or, deferred, later. x is kept
+// in the kernel's operand form, converted once.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight) {
-    ctx->save_for_backward({x, weight});
-    return unrows(product(rows(x), weight.t()), x);
+    const auto x_kept = operand(x);
+    ctx->save_for_backward({x_kept, weight});
+    return unrows(product(rows(x_kept), weight.t()), x).to(x.scalar_type());
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto& x = saved[0];
-    const auto& weight = saved[1];
-    const auto& grad_y = grads[0];
-    auto grad_x = unrows(product(rows(grad_y), weight), x);
+    const auto &x = saved[0], &weight = saved[1];
+    const auto grad_y = operand(grads[0]);
+    auto grad_x = unrows(product(rows(grad_y), weight), x).to(grads[0].scalar_type());
     if (deferred != nullptr) {
       deferred->keep(weight, x, grad_y);
       return {grad_x, torch::Tensor()};
     }
-    return {grad_x, product(rows(grad_y).t(), rows(x))};
+    return {grad_x, product(rows(grad_y).t(), rows(x)).to(weight.scalar_type())};
   }
 };
 
@@ -158,7 +162,7 @@ void WeightGradientStore::keep(torch::Tensor weight, torch::Tensor x, torch::Ten
 void WeightGradientStore::flush() {
   torch::NoGradGuard no_grad;
   for (auto& p : pending_) {
-    auto grad = product(rows(p.grad_y).t(), rows(p.x));
+    auto grad = product(rows(p.grad_y).t(), rows(p.x)).to(p.weight.scalar_type());
     auto& slot = p.weight.mutable_grad();
     if (slot.defined()) {
       slot.add_(grad);

@@ -27,7 +27,8 @@ double training_flops_per_token(const ch02::TransformerShape& shape, int64_t con
 }
 
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
-                               Recompute mode, const TensorParallelShare& tp) {
+                               Recompute mode, const TensorParallelShare& tp,
+                               Precision precision) {
   const int64_t t = tp.ranks, r = tp.rank;
   FIVEFOLD_CHECK(t >= 1 && r >= 0 && r < t && shape.n_heads % t == 0,
                  "block_activation_bytes: rank ", r, " of ", t, " tensor-parallel ranks for ",
@@ -45,8 +46,11 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
   // Under sequence parallelism the residual stream's part (each norm's x², 1/rms and x/rms, the
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
   // only; the norms' outputs are kept all-gathered, over the whole sequence.
-  const int64_t none = ch11::block_activation_bytes(mine, batch, seq) -
-                       4 * batch * (seq - own) * (6 * d + 2);
+  int64_t none = ch11::block_activation_bytes(mine, batch, seq) -
+                 4 * batch * (seq - own) * (6 * d + 2);
+  // In bf16 the linear maps keep their inputs rounded, 2 bytes an element instead of 4: the norms'
+  // outputs over the whole sequence, the heads' merged output, SwiGLU's product.
+  if (precision == Precision::Bf16) none -= 2 * batch * seq * (2 * d + h * hd + mine.d_ff);
   switch (mode) {
     case Recompute::Full:  // the block's output, which the next block keeps as its input
       return 4 * batch * own * d;
@@ -64,7 +68,7 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 }
 
 nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,
-                               int64_t tp) {
+                               int64_t tp, Precision precision) {
   if (!shape.gated_mlp || shape.layer_norm || shape.biases || shape.learned_positions != 0)
     return nlohmann::json::object();
   const std::pair<const char*, Recompute> modes[] = {
@@ -72,13 +76,14 @@ nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows
   auto per_mode = [&](const TensorParallelShare& share) {
     nlohmann::json bytes;
     for (const auto& [name, mode] : modes)
-      bytes[name] = block_activation_bytes(shape, rows, seq, mode, share);
+      bytes[name] = block_activation_bytes(shape, rows, seq, mode, share, precision);
     return bytes;
   };
   nlohmann::json flops;
   for (const auto& [name, mode] : modes) flops[name] = training_flops_per_token(shape, seq, {mode, 1});
   nlohmann::json plan = {{"rows", rows},
                          {"tokens", seq},
+                         {"precision", to_string(precision)},
                          {"bytes_per_block", per_mode({})},
                          {"training_flops_per_token", flops}};
   if (tp > 1) {

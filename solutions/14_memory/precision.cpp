@@ -2,6 +2,7 @@
 #include "14_memory/precision.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "fivefold/error.h"
 #include "fivefold/timer.h"
@@ -24,6 +25,34 @@ torch::Tensor Bf16MatmulKernel::mm(const torch::Tensor& a, const torch::Tensor& 
 
 torch::Tensor Bf16MatmulKernel::bmm(const torch::Tensor& a, const torch::Tensor& b) const {
   return a.to(torch::kBFloat16).bmm(b.to(torch::kBFloat16)).to(a.scalar_type());
+}
+
+namespace {
+
+// The activation operand() rounded last on this thread, and its rounding: q, k and v (gate and up)
+// read the same input one after another, and keep one bf16 copy of it, not three. Both are held
+// weakly: the cache keeps nothing alive (the rounding lives as long as a linear map keeps it for
+// backward), and an input freed since never matches.
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+struct LastRounded {
+  std::optional<WeakTensor> input, rounded;
+  int64_t version = -1;  // an input changed in place since is not the one rounded
+};
+thread_local LastRounded last_rounded;
+
+}  // namespace
+
+torch::Tensor Bf16MatmulKernel::operand(const torch::Tensor& t) const {
+  if (t.scalar_type() == torch::kBFloat16) return t;
+  auto& last = last_rounded;
+  if (last.input && last.input->lock().get() == t.unsafeGetTensorImpl() &&
+      last.version == t._version()) {
+    auto rounded = last.rounded->lock();
+    if (rounded) return torch::Tensor(std::move(rounded));
+  }
+  auto rounded = t.to(torch::kBFloat16);
+  last = {WeakTensor(t.getIntrusivePtr()), WeakTensor(rounded.getIntrusivePtr()), t._version()};
+  return rounded;
 }
 
 void use_precision(Precision precision, std::shared_ptr<const ch03::MatmulKernel> fp32) {

@@ -54,6 +54,21 @@ message("plan: a Llama-2-7B block keeps ${none} bytes, ${selective} with selecti
 if(NOT none EQUAL 3693117440 OR NOT selective EQUAL 1528856576 OR NOT sp_full EQUAL 8388608)
   message(FATAL_ERROR "fivefold plan's activation figures are not chapter 14's formulas")
 endif()
+# In bf16 the linear maps keep their inputs at 2 bytes (notes §5); fp16 is refused.
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096
+                        --precision bf16 --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+string(JSON none_bf16 GET "${plan}" activations bytes_per_block none)
+string(JSON precision GET "${plan}" activations precision)
+message("plan --precision bf16: a Llama-2-7B block keeps ${none_bf16} bytes")
+if(NOT status EQUAL 0 OR NOT none_bf16 EQUAL 3502276608 OR NOT precision STREQUAL "bf16")
+  message(FATAL_ERROR "fivefold plan --precision bf16 is not chapter 14's bf16 formula")
+endif()
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --precision fp16
+                OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE status)
+if(status EQUAL 0 OR NOT err MATCHES "fp32, bf16")
+  message(FATAL_ERROR "fivefold plan --precision fp16 was not refused:\n${out}${err}")
+endif()
 execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/gpt2.json --json
                 OUTPUT_VARIABLE plan RESULT_VARIABLE status)
 string(JSON has ERROR_VARIABLE missing GET "${plan}" activations)

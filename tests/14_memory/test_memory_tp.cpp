@@ -1,11 +1,13 @@
 // Chapter 14 under tensor parallelism (chapter 10): what a block keeps on each rank, measured as
 // the growth of the storage alive when the loss is computed as a block is added, against
 // block_activation_bytes for that rank, in every recomputation mode, with and without sequence
-// parallelism, at a sequence that splits evenly over the ranks and one that does not.
+// parallelism, at a sequence that splits evenly over the ranks and one that does not, in fp32
+// and in bf16.
 #include "../10_tensor_parallel/fixtures.h"
 #include "03_transformer/train.h"
 #include "10_tensor_parallel/layers.h"
 #include "14_memory/plan.h"
+#include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
@@ -15,28 +17,37 @@ using namespace fivefold;
 using namespace fivefold::ch14;
 using fivefold::testing::world;
 
+// In fp32 and in bf16 (chapter 14's Bf16MatmulKernel: the linear maps keep bf16 copies).
 TEST(TensorParallelMemory, EachRankKeepsWhatTheFormulaSays) {
+  struct Fp32Afterwards {
+    ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
+  } restore;
   const int64_t t = world()->size(), batch = 2;
-  for (bool sp : {false, true}) {
-    for (int64_t seq : {8, 13}) {
-      for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-        SCOPED_TRACE("tp " + std::to_string(t) + (sp ? " SP" : "") + ", seq " +
-                     std::to_string(seq) + ", " + to_string(mode));
-        std::vector<int64_t> kept;
-        auto config = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, d_ff 70
-        for (int64_t layers : {1, 2}) {
-          config.n_layers = layers;
-          auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
-          auto model = ch10::make_model(config, tp);
-          apply_recompute(model, {mode, 1});
-          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-          MemoryTracker memory;
-          auto loss = ch03::loss_of(model, {tokens, tokens});
-          kept.push_back(memory.current_bytes());
-          loss.backward();  // every rank runs the same collectives
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    use_precision(precision, nullptr);
+    for (bool sp : {false, true}) {
+      for (int64_t seq : {8, 13}) {
+        for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+          SCOPED_TRACE(to_string(precision) + ", tp " + std::to_string(t) + (sp ? " SP" : "") +
+                       ", seq " + std::to_string(seq) + ", " + to_string(mode));
+          std::vector<int64_t> kept;
+          auto config = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, d_ff 70
+          for (int64_t layers : {1, 2}) {
+            config.n_layers = layers;
+            auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
+            auto model = ch10::make_model(config, tp);
+            apply_recompute(model, {mode, 1});
+            auto tokens =
+                torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+            MemoryTracker memory;
+            auto loss = ch03::loss_of(model, {tokens, tokens});
+            kept.push_back(memory.current_bytes());
+            loss.backward();  // every rank runs the same collectives
+          }
+          const TensorParallelShare share{t, world()->rank(), sp};
+          EXPECT_EQ(kept[1] - kept[0],
+                    block_activation_bytes(config.shape(), batch, seq, mode, share, precision));
         }
-        const TensorParallelShare share{t, world()->rank(), sp};
-        EXPECT_EQ(kept[1] - kept[0], block_activation_bytes(config.shape(), batch, seq, mode, share));
       }
     }
   }

@@ -8,6 +8,7 @@
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "14_memory/plan.h"
+#include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/error.h"
 #include "fivefold/memory.h"
@@ -214,33 +215,41 @@ TEST(Recompute, MeasuredFlopsEqualTheFormula) {
 // What one block keeps from forward to backward, measured as the growth of the storage alive
 // when the loss is computed as blocks are added (MemoryTracker), against the formula, for every
 // mode, at two sequence lengths, with as many key/value heads as heads and with fewer.
+// In fp32 and in bf16 (where the linear maps keep bf16 copies of their inputs and weights).
 TEST(Recompute, KeptActivationsEqualTheFormula) {
-  for (int64_t kv_heads : {8, 2}) {
-    for (int64_t seq : {8, 16}) {
-      for (const auto& [mode, recompute] :
-           {std::pair{std::string("none"), RecomputeConfig{}}, modes()[0], modes()[1], modes()[2]}) {
-        SCOPED_TRACE(mode + ", " + std::to_string(kv_heads) + " kv heads, seq " +
-                     std::to_string(seq));
-        auto config = ch10::testing::tp_config(false);
-        config.n_kv_heads = kv_heads;
-        const int64_t batch = 2;
-        auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-        std::vector<int64_t> kept;
-        for (int64_t layers : {1, 2, 3}) {
-          config.n_layers = layers;
-          ch03::Transformer model = ch07::make_model(config);
-          apply_recompute(model, recompute);
-          MemoryTracker memory;
-          auto loss = ch03::loss_of(model, {tokens, tokens});
-          kept.push_back(memory.current_bytes());
-        }
-        for (int64_t layer : {1, 2}) {  // the block added
-          const bool again = recompute.mode == Recompute::Full && layer % recompute.every == 0;
-          const Recompute as = again ? Recompute::Full
-                               : recompute.mode == Recompute::Full ? Recompute::None
-                                                                   : recompute.mode;
-          EXPECT_EQ(kept[layer] - kept[layer - 1], block_activation_bytes(config.shape(), batch, seq, as))
-              << "block " << layer;
+  struct Fp32Afterwards {
+    ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
+  } restore;
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    use_precision(precision, nullptr);
+    for (int64_t kv_heads : {8, 2}) {
+      for (int64_t seq : {8, 16}) {
+        for (const auto& [mode, recompute] : {std::pair{std::string("none"), RecomputeConfig{}},
+                                              modes()[0], modes()[1], modes()[2]}) {
+          SCOPED_TRACE(to_string(precision) + ", " + mode + ", " + std::to_string(kv_heads) +
+                       " kv heads, seq " + std::to_string(seq));
+          auto config = ch10::testing::tp_config(false);
+          config.n_kv_heads = kv_heads;
+          const int64_t batch = 2;
+          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+          std::vector<int64_t> kept;
+          for (int64_t layers : {1, 2, 3}) {
+            config.n_layers = layers;
+            ch03::Transformer model = ch07::make_model(config);
+            apply_recompute(model, recompute);
+            MemoryTracker memory;
+            auto loss = ch03::loss_of(model, {tokens, tokens});
+            kept.push_back(memory.current_bytes());
+          }
+          for (int64_t layer : {1, 2}) {  // the block added
+            const bool again = recompute.mode == Recompute::Full && layer % recompute.every == 0;
+            const Recompute as = again ? Recompute::Full
+                                 : recompute.mode == Recompute::Full ? Recompute::None
+                                                                     : recompute.mode;
+            EXPECT_EQ(kept[layer] - kept[layer - 1],
+                      block_activation_bytes(config.shape(), batch, seq, as, {}, precision))
+                << "block " << layer;
+          }
         }
       }
     }
@@ -256,6 +265,14 @@ TEST(Recompute, Llama2SevenBFigures) {
   EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::None), 3693117440);
   EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Selective), 1528856576);
   EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Full), 67108864);
+  // In bf16: 2·4096·(2·4096 + 4096 + 11008) = 190,840,832 bytes fewer without recomputation and
+  // with selective.
+  EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::None, {}, Precision::Bf16),
+            3502276608);
+  EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Selective, {}, Precision::Bf16),
+            1338015744);
+  EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Full, {}, Precision::Bf16),
+            67108864);
 }
 
 TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
