@@ -24,6 +24,7 @@
 #include "12_context_parallel/plan.h"
 #include "13_expert_parallel/plan.h"
 #include "14_memory/plan.h"
+#include "runtime/fast.h"
 #include "commands.h"
 #include "plan_sections.h"
 #include "fivefold/cli.h"
@@ -296,8 +297,10 @@ int plan(int argc, char** argv) {
   if (cp > 0)
     result["context_parallel"] = context_parallel_section(
         shape, cp, args.str("cp-layout"), args.str("cp-attention"), b, context);
-  const auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1),
-                                                 ch14::parse_precision(args.str("precision")));
+  const auto precision = ch14::parse_precision(args.str("precision"));
+  auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision);
+  if (!activations.empty())  // what the trainer's default kernels keep (runtime/fast.h)
+    activations["fast_paths"] = runtime::block_activation_bytes(shape, b, context, precision);
   if (!activations.empty()) result["activations"] = activations;
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());

@@ -91,6 +91,9 @@ void print_activations(const nlohmann::json& a) {
               "kernels; chapter 14): %s\n",
               a["rows"].get<long long>(), a["tokens"].get<long long>(),
               a["precision"].get<std::string>().c_str(), modes(a["bytes_per_block"]).c_str());
+  std::printf("  with the training run's fast kernels (tiled attention, fused RMSNorm; the "
+              "default), no recomputation: %s\n",
+              si(a["fast_paths"].get<double>(), "B").c_str());
   if (a.contains("tensor_parallel")) {
     const auto& t = a["tensor_parallel"];
     std::printf("  tp %lld rank 0: %s; with sequence parallelism: %s\n",

@@ -309,6 +309,15 @@ std::shared_ptr<const MatmulKernel> fast_matmul_kernel() {
   return onednn;
 }
 
+int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
+                               ch14::Precision precision) {
+  const int64_t d = shape.d_model, f = shape.d_ff, h = shape.n_heads, hd = shape.head_dim;
+  const int64_t rounded = precision == ch14::Precision::Bf16 ? 2 : 4;  // bytes a kept operand
+  const int64_t fp32 = 2 * d + 2 + 3 * f + h * hd + h;  // norms, SwiGLU, attention's output, lse
+  const int64_t operands = 2 * d + h * hd + f + 3 * h * hd;  // linear maps' inputs, q, k, v
+  return batch * seq * (4 * fp32 + rounded * operands) + 4 * seq * hd;
+}
+
 FastPaths install_fast_paths(Transformer& model) {
   FastPaths installed;
   auto tiled = std::make_shared<const TiledCausalAttentionKernel>();

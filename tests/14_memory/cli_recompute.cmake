@@ -49,9 +49,11 @@ endif()
 string(JSON none GET "${plan}" activations bytes_per_block none)
 string(JSON selective GET "${plan}" activations bytes_per_block selective)
 string(JSON sp_full GET "${plan}" activations tensor_parallel sequence_parallel full)
+string(JSON fast GET "${plan}" activations fast_paths)  # runtime::block_activation_bytes
 message("plan: a Llama-2-7B block keeps ${none} bytes, ${selective} with selective recomputation; "
-        "tp 8 with SP and full recomputation ${sp_full} on rank 0")
-if(NOT none EQUAL 3693117440 OR NOT selective EQUAL 1528856576 OR NOT sp_full EQUAL 8388608)
+        "tp 8 with SP and full recomputation ${sp_full} on rank 0; ${fast} with the fast kernels")
+if(NOT none EQUAL 3693117440 OR NOT selective EQUAL 1528856576 OR NOT sp_full EQUAL 8388608
+   OR NOT fast EQUAL 1328054272)
   message(FATAL_ERROR "fivefold plan's activation figures are not chapter 14's formulas")
 endif()
 # In bf16 the linear maps keep their inputs at 2 bytes (notes §5); fp16 is refused.

@@ -8,8 +8,10 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/train.h"
+#include "07_moe/moe.h"
 #include "12_context_parallel/attention.h"
 #include "fivefold/error.h"
+#include "fivefold/memory.h"
 #include "fivefold/seed.h"
 #include "runtime/fast.h"
 #include "testing.h"
@@ -347,6 +349,45 @@ TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
   for (const auto& item : want) {
     SCOPED_TRACE(item.key());
     EXPECT_TENSOR_CLOSE(got[item.key()].grad(), item.value().grad(), 1e-5, 1e-6);
+  }
+}
+
+// What a block keeps with the fast paths: the growth of the storage alive after the loss as a
+// block is added, against runtime::block_activation_bytes, in fp32 and bf16, with and without
+// grouped-query attention, at two sequence lengths.
+TEST(FastPaths, KeepWhatTheirFormulaSays) {
+  struct Fp32Afterwards {
+    ~Fp32Afterwards() { set_matmul_kernel(nullptr); }
+  } restore;
+  for (auto precision : {fivefold::ch14::Precision::Fp32, fivefold::ch14::Precision::Bf16}) {
+    for (int64_t kv_heads : {4, 2}) {
+      for (int64_t seq : {8, 20}) {
+        SCOPED_TRACE(to_string(precision) + ", " + std::to_string(kv_heads) + " kv heads, seq " +
+                     std::to_string(seq));
+        ModelConfig c;
+        c.vocab_size = 61;
+        c.d_model = 64;
+        c.n_heads = 4;
+        c.n_kv_heads = kv_heads;
+        c.rope_theta = 10000;
+        c.d_ff = 48;
+        const int64_t batch = 3;
+        auto tokens = torch::randint(c.vocab_size, {batch, seq}, fivefold::generator_for(5, "t"));
+        std::vector<int64_t> kept;
+        for (int64_t layers : {1, 2}) {
+          c.n_layers = layers;
+          Transformer model = fivefold::ch07::make_model(c);  // with RoPE
+          set_matmul_kernel(nullptr);
+          install_fast_paths(model);
+          if (precision == fivefold::ch14::Precision::Bf16)
+            fivefold::ch14::use_precision(precision, nullptr);
+          fivefold::MemoryTracker memory;
+          auto loss = loss_of(model, {tokens, tokens});
+          kept.push_back(memory.current_bytes());
+        }
+        EXPECT_EQ(kept[1] - kept[0], block_activation_bytes(c.shape(), batch, seq, precision));
+      }
+    }
   }
 }
 
