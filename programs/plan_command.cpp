@@ -24,12 +24,12 @@
 #include "12_context_parallel/plan.h"
 #include "13_expert_parallel/plan.h"
 #include "14_memory/plan.h"
-#include "runtime/fast.h"
 #include "commands.h"
-#include "plan_sections.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
+#include "plan_sections.h"
+#include "runtime/fast.h"
 
 namespace fivefold::commands {
 
@@ -55,19 +55,18 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
   if (dp > 0) out["zero"] = zero_memory(p.total, dp);
   if (ep > 0) {
     const auto e = ch13::expert_parallel_plan(config, ep, micro_tokens);
-    out["expert_parallel"] = {
-        {"ep", ep},
-        {"moe_layers", e.moe_layers},
-        {"experts_per_rank", e.experts_per_rank},
-        {"expert_parameters_per_rank", e.expert_parameters},
-        {"replicated_parameters", e.replicated_parameters},
-        {"parameters_per_rank", e.parameters_per_rank},
-        {"memory_per_rank_bytes", e.memory_bytes},
-        {"micro_batch_tokens", micro_tokens},
-        {"all_to_all_per_micro_batch",
-         {{"calls", e.per_micro_batch.calls},
-          {"payload_bytes", e.per_micro_batch.payload_bytes},
-          {"wire_bytes", e.per_micro_batch.wire_bytes}}}};
+    out["expert_parallel"] = {{"ep", ep},
+                              {"moe_layers", e.moe_layers},
+                              {"experts_per_rank", e.experts_per_rank},
+                              {"expert_parameters_per_rank", e.expert_parameters},
+                              {"replicated_parameters", e.replicated_parameters},
+                              {"parameters_per_rank", e.parameters_per_rank},
+                              {"memory_per_rank_bytes", e.memory_bytes},
+                              {"micro_batch_tokens", micro_tokens},
+                              {"all_to_all_per_micro_batch",
+                               {{"calls", e.per_micro_batch.calls},
+                                {"payload_bytes", e.per_micro_batch.payload_bytes},
+                                {"wire_bytes", e.per_micro_batch.wire_bytes}}}};
   }
   if (as_json) {
     std::printf("%s\n", out.dump(2).c_str());
@@ -231,8 +230,10 @@ void print_training(const nlohmann::json& out) {
 // A deepseek_v3 config.json: chapters 09 and 13's terms only (the others are Llama-shaped).
 int plan_deepseek_config(const ArgParser& args, const nlohmann::json& config) {
   FIVEFOLD_CHECK(args.integer("dp") >= 0, "--dp must be >= 0");
-  FIVEFOLD_CHECK(args.integer("pp") == 0, "--pp: chapter 11's formulas are for Llama-shaped models");
-  FIVEFOLD_CHECK(args.integer("cp") == 0, "--cp: chapter 12's formulas are for Llama-shaped models");
+  FIVEFOLD_CHECK(args.integer("pp") == 0,
+                 "--pp: chapter 11's formulas are for Llama-shaped models");
+  FIVEFOLD_CHECK(args.integer("cp") == 0,
+                 "--cp: chapter 12's formulas are for Llama-shaped models");
   FIVEFOLD_CHECK(args.integer("tp") == 0,
                  "--tp: chapter 10's formulas are for Llama-shaped models (MLA and experts "
                  "split differently)");
@@ -295,10 +296,13 @@ int plan(int argc, char** argv) {
                          args.str("schedule"), b, context);
   FIVEFOLD_CHECK(cp >= 0, "--cp must be >= 0");
   if (cp > 0)
-    result["context_parallel"] = context_parallel_section(
-        shape, cp, args.str("cp-layout"), args.str("cp-attention"), b, context);
+    result["context_parallel"] = context_parallel_section(shape, cp, args.str("cp-layout"),
+                                                          args.str("cp-attention"), b, context);
   const auto precision = ch14::parse_precision(args.str("precision"));
-  auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision);
+  auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision,
+                                           std::max<int64_t>(cp, 1),
+                                           ch12::parse_cp_layout(args.str("cp-layout")),
+                                           ch12::parse_cp_attention(args.str("cp-attention")));
   if (!activations.empty())  // what the trainer's default kernels keep (runtime/fast.h)
     activations["fast_paths"] = runtime::block_activation_bytes(shape, b, context, precision);
   if (!activations.empty()) result["activations"] = activations;

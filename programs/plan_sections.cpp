@@ -100,6 +100,11 @@ void print_activations(const nlohmann::json& a) {
                 t["ranks"].get<long long>(), modes(t["plain"]).c_str(),
                 modes(t["sequence_parallel"]).c_str());
   }
+  if (a.contains("context_parallel")) {
+    const auto& c = a["context_parallel"];
+    std::printf("  cp %lld, each rank: %s\n", c["ranks"].get<long long>(),
+                modes(c["bytes"]).c_str());
+  }
   const auto& f = a["training_flops_per_token"];
   std::printf("  training FLOPs per token: none %s, selective %s, full %s\n",
               si(f["none"].get<double>()).c_str(), si(f["selective"].get<double>()).c_str(),

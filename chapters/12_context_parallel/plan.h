@@ -68,4 +68,10 @@ constexpr int64_t blockwise_flops_per_score(int64_t key_dim, int64_t value_dim) 
 int64_t cp_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int64_t rank,
                             int64_t rows, int64_t seq, CpLayout layout, CpAttention attention);
 
+/// One block's part of cp_activation_bytes: what each layer keeps on rank `rank` (chapter 14
+/// builds its recomputation formulas under cp on it).
+int64_t cp_block_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int64_t rank,
+                                  int64_t rows, int64_t seq, CpLayout layout,
+                                  CpAttention attention);
+
 }  // namespace fivefold::ch12

@@ -9,6 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "02_flops_6np/flops.h"
+#include "12_context_parallel/context_parallel.h"
+#include "12_context_parallel/plan.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 
@@ -31,6 +33,14 @@ struct TensorParallelShare {
   bool sequence_parallel = false;  ///< the residual stream and the norms split by sequence
 };
 
+/// One rank's share of a context-parallel group (chapter 12), for block_activation_bytes.
+struct ContextParallelShare {
+  int64_t ranks = 1;                                      ///< c, the ranks that share a sequence
+  int64_t rank = 0;                                       ///< this rank
+  ch12::CpLayout layout = ch12::CpLayout::Zigzag;         ///< which tokens it holds
+  ch12::CpAttention attention = ch12::CpAttention::Ring;  ///< how keys and values travel
+};
+
 /// Bytes of tensor storage one block of chapter 03's Llama (RMSNorm, grouped-query attention with
 /// RoPE, SwiGLU) allocates in forward and keeps until backward, in fp32 with the lesson's kernels
 /// (causal_attention, chapter 03's RMSNorm), for `batch` rows of `seq` tokens, when the block is
@@ -48,16 +58,25 @@ struct TensorParallelShare {
 /// In bf16 (chapter 14's Bf16MatmulKernel) the linear maps keep their inputs rounded to bf16:
 /// None and Selective keep 2b·s(2d + h·hd + f) bytes fewer (the two norms' outputs, the heads'
 /// merged output, SwiGLU's product: this rank's share, over the whole sequence); Full the same.
+///
+/// On a rank of chapter 12's context parallelism (`cp`, holding s_r of every sequence's `seq`
+/// tokens): None is chapter 12's ch12::cp_block_activation_bytes; Full and Selective are the
+/// one-device formulas at s_r tokens (the checkpointed core keeps q, k and v, whichever kernel
+/// runs inside it, and none of what the ring or all-gather kernel keeps); bf16's saving is over
+/// the rank's s_r tokens. Not derived with tp.
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
                                Recompute mode, const TensorParallelShare& tp = {},
-                               Precision precision = Precision::Fp32);
+                               Precision precision = Precision::Fp32,
+                               const ContextParallelShare& cp = {});
 
 /// What `fivefold plan` prints for a Llama-shaped model: block_activation_bytes in each mode for
 /// one micro-batch of `rows` sequences of `seq` tokens in `precision`, on one device and, with
-/// tp > 1, on rank 0 of tp with and without sequence parallelism; and the training FLOPs per
-/// token in each mode. Empty for another architecture (GPT-2's LayerNorm and GELU), which the
-/// formulas do not count.
+/// tp > 1, on rank 0 of tp with and without sequence parallelism, with cp > 1 on rank 0 of cp
+/// (`cp_layout`, `cp_attention`); and the training FLOPs per token in each mode. Empty for
+/// another architecture (GPT-2's LayerNorm and GELU), which the formulas do not count.
 nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,
-                               int64_t tp, Precision precision = Precision::Fp32);
+                               int64_t tp, Precision precision = Precision::Fp32, int64_t cp = 1,
+                               ch12::CpLayout cp_layout = ch12::CpLayout::Zigzag,
+                               ch12::CpAttention cp_attention = ch12::CpAttention::Ring);
 
 }  // namespace fivefold::ch14

@@ -51,8 +51,9 @@ int64_t attention_scores(int64_t cp, int64_t rank, int64_t seq, CpLayout layout,
   return scores;
 }
 
-int64_t cp_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int64_t rank,
-                            int64_t rows, int64_t seq, CpLayout layout, CpAttention attention) {
+int64_t cp_block_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int64_t rank,
+                                  int64_t rows, int64_t seq, CpLayout layout,
+                                  CpAttention attention) {
   FIVEFOLD_CHECK(
       shape.gated_mlp && !shape.layer_norm && !shape.biases && shape.learned_positions == 0,
       "activation memory: the formula is for Llama-shaped models (RMSNorm, SwiGLU, "
@@ -68,6 +69,13 @@ int64_t cp_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int
   if (attention == CpAttention::AllGather) block += 4 * rows * kv * seq * 2 * d;
   block += 4 * mine * d;  // RoPE's cos and sin rows, [n_r, d/2] each
   block += 8 * seq;       // every rank's key positions
+  return block;
+}
+
+int64_t cp_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int64_t rank,
+                            int64_t rows, int64_t seq, CpLayout layout, CpAttention attention) {
+  const int64_t block = cp_block_activation_bytes(shape, cp, rank, rows, seq, layout, attention);
+  const int64_t n = rows * shard_positions(seq, cp, rank, layout).size(0), h = shape.d_model;
   // The embedding's output; the final norm and log-softmax of the logits; the loss and nll's
   // total weight.
   return 4 * n * h + shape.n_layers * block + 4 * n * (3 * h + 1 + shape.vocab_size) + 8;

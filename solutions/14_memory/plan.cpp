@@ -18,7 +18,8 @@ double training_flops_per_token(const ch02::TransformerShape& shape, int64_t con
   const ch02::FlopBreakdown forward = ch02::forward_flops_per_token(shape, context);
   double again = 0;  // forward FLOPs run a second time in backward
   if (config.mode == Recompute::Full) {
-    const double per_layer = (forward.total() - forward.lm_head) / static_cast<double>(shape.n_layers);
+    const double per_layer =
+        (forward.total() - forward.lm_head) / static_cast<double>(shape.n_layers);
     again = per_layer * static_cast<double>(recomputed_layers(shape.n_layers, config.every));
   } else if (config.mode == Recompute::Selective) {
     again = forward.attention_scores + forward.attention_values;
@@ -26,9 +27,35 @@ double training_flops_per_token(const ch02::TransformerShape& shape, int64_t con
   return 3 * forward.total() + again;
 }
 
+namespace {
+
+// In bf16 the linear maps keep their inputs rounded, 2 bytes an element instead of 4: the norms'
+// outputs, the heads' merged output, SwiGLU's product, for `tokens` tokens of `shape` (a rank's
+// share of heads and d_ff under tp).
+int64_t linear_inputs_saving(const ch02::TransformerShape& shape, int64_t tokens,
+                             Precision precision) {
+  if (precision != Precision::Bf16) return 0;
+  return 2 * tokens * (2 * shape.d_model + shape.n_heads * shape.head_dim + shape.d_ff);
+}
+
+}  // namespace
+
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
-                               Recompute mode, const TensorParallelShare& tp,
-                               Precision precision) {
+                               Recompute mode, const TensorParallelShare& tp, Precision precision,
+                               const ContextParallelShare& cp) {
+  if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
+    FIVEFOLD_CHECK(tp.ranks == 1, "block_activation_bytes: tp with cp is not derived");
+    const int64_t own = ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0);
+    switch (mode) {
+      case Recompute::Full: return 4 * batch * own * shape.d_model;
+      case Recompute::Selective:
+        return block_activation_bytes(shape, batch, own, Recompute::Selective, {}, precision);
+      case Recompute::None: break;
+    }
+    return ch12::cp_block_activation_bytes(shape, cp.ranks, cp.rank, batch, seq, cp.layout,
+                                           cp.attention) -
+           linear_inputs_saving(shape, batch * own, precision);
+  }
   const int64_t t = tp.ranks, r = tp.rank;
   FIVEFOLD_CHECK(t >= 1 && r >= 0 && r < t && shape.n_heads % t == 0,
                  "block_activation_bytes: rank ", r, " of ", t, " tensor-parallel ranks for ",
@@ -46,11 +73,9 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
   // Under sequence parallelism the residual stream's part (each norm's x², 1/rms and x/rms, the
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
   // only; the norms' outputs are kept all-gathered, over the whole sequence.
-  int64_t none = ch11::block_activation_bytes(mine, batch, seq) -
-                 4 * batch * (seq - own) * (6 * d + 2);
-  // In bf16 the linear maps keep their inputs rounded, 2 bytes an element instead of 4: the norms'
-  // outputs over the whole sequence, the heads' merged output, SwiGLU's product.
-  if (precision == Precision::Bf16) none -= 2 * batch * seq * (2 * d + h * hd + mine.d_ff);
+  int64_t none =
+      ch11::block_activation_bytes(mine, batch, seq) - 4 * batch * (seq - own) * (6 * d + 2);
+  none -= linear_inputs_saving(mine, batch * seq, precision);
   switch (mode) {
     case Recompute::Full:  // the block's output, which the next block keeps as its input
       return 4 * batch * own * d;
@@ -61,36 +86,40 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
                            (kv < h ? 2 * 8 * h : 0);
       return none - core + 4 * batch * seq * (h + 2 * kv) * hd;
     }
-    case Recompute::None:
-      break;
+    case Recompute::None: break;
   }
   return none;
 }
 
 nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,
-                               int64_t tp, Precision precision) {
+                               int64_t tp, Precision precision, int64_t cp,
+                               ch12::CpLayout cp_layout, ch12::CpAttention cp_attention) {
   if (!shape.gated_mlp || shape.layer_norm || shape.biases || shape.learned_positions != 0)
     return nlohmann::json::object();
   const std::pair<const char*, Recompute> modes[] = {
       {"none", Recompute::None}, {"selective", Recompute::Selective}, {"full", Recompute::Full}};
-  auto per_mode = [&](const TensorParallelShare& share) {
+  auto per_mode = [&](const TensorParallelShare& share, const ContextParallelShare& cp_share) {
     nlohmann::json bytes;
     for (const auto& [name, mode] : modes)
-      bytes[name] = block_activation_bytes(shape, rows, seq, mode, share, precision);
+      bytes[name] = block_activation_bytes(shape, rows, seq, mode, share, precision, cp_share);
     return bytes;
   };
   nlohmann::json flops;
-  for (const auto& [name, mode] : modes) flops[name] = training_flops_per_token(shape, seq, {mode, 1});
+  for (const auto& [name, mode] : modes)
+    flops[name] = training_flops_per_token(shape, seq, {mode, 1});
   nlohmann::json plan = {{"rows", rows},
                          {"tokens", seq},
                          {"precision", to_string(precision)},
-                         {"bytes_per_block", per_mode({})},
+                         {"bytes_per_block", per_mode({}, {})},
                          {"training_flops_per_token", flops}};
   if (tp > 1) {
     plan["tensor_parallel"] = {{"ranks", tp},
-                               {"plain", per_mode({tp, 0, false})},
-                               {"sequence_parallel", per_mode({tp, 0, true})}};
+                               {"plain", per_mode({tp, 0, false}, {})},
+                               {"sequence_parallel", per_mode({tp, 0, true}, {})}};
   }
+  if (cp > 1 && seq % cp == 0)
+    plan["context_parallel"] = {{"ranks", cp},
+                                {"bytes", per_mode({}, {cp, 0, cp_layout, cp_attention})}};
   return plan;
 }
 

@@ -56,6 +56,15 @@ if(NOT none EQUAL 3693117440 OR NOT selective EQUAL 1528856576 OR NOT sp_full EQ
    OR NOT fast EQUAL 1328054272)
   message(FATAL_ERROR "fivefold plan's activation figures are not chapter 14's formulas")
 endif()
+# On a rank of cp 4 (zigzag, ring): chapter 12's block term, and selective's at 1024 tokens.
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096 --cp 4 --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+string(JSON cp_none GET "${plan}" activations context_parallel bytes none)
+string(JSON cp_selective GET "${plan}" activations context_parallel bytes selective)
+message("plan --cp 4: a rank keeps ${cp_none} bytes a block, ${cp_selective} with selective")
+if(NOT status EQUAL 0 OR NOT cp_none EQUAL 399155200 OR NOT cp_selective EQUAL 382214144)
+  message(FATAL_ERROR "fivefold plan --cp 4's activation figures are not the formulas'")
+endif()
 # In bf16 the linear maps keep their inputs at 2 bytes (notes §5); fp16 is refused.
 execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096
                         --precision bf16 --json

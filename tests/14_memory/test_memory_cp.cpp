@@ -1,0 +1,57 @@
+// Chapter 14 under context parallelism (chapter 12): what a block keeps on each rank, measured as
+// the growth of the storage alive when the loss is computed as a block is added, against
+// block_activation_bytes for that rank's share, with the ring and the all-gather attention, in
+// both layouts, without recomputation and with each mode, in fp32 and bf16.
+#include "../10_tensor_parallel/fixtures.h"
+#include "03_transformer/train.h"
+#include "07_moe/moe.h"
+#include "12_context_parallel/context_parallel.h"
+#include "14_memory/plan.h"
+#include "14_memory/precision.h"
+#include "14_memory/recompute.h"
+#include "fivefold/memory.h"
+#include "fivefold/seed.h"
+#include "testing.h"
+
+using namespace fivefold;
+using namespace fivefold::ch14;
+using fivefold::testing::world;
+
+TEST(ContextParallelMemory, EachRankKeepsWhatTheFormulaSays) {
+  struct Fp32Afterwards {
+    ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
+  } restore;
+  const int64_t n = world()->size(), batch = 2;
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    use_precision(precision, nullptr);
+    for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+      for (auto layout : {ch12::CpLayout::Contiguous, ch12::CpLayout::Zigzag}) {
+        for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+          const int64_t seq = 8 * n;
+          SCOPED_TRACE(to_string(precision) + ", " +
+                       std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                       (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") + ", cp " +
+                       std::to_string(n) + ", " + to_string(mode));
+          std::vector<int64_t> kept;
+          auto config = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, d_ff 70
+          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+          const auto mine = ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout);
+          for (int64_t layers : {1, 2}) {
+            config.n_layers = layers;
+            ch03::Transformer model = ch07::make_model(config);
+            model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                ch12::ContextParallel{world(), layout, attention}));
+            apply_recompute(model, {mode, 1});
+            MemoryTracker memory;
+            auto loss = ch03::loss_of(model, mine);
+            kept.push_back(memory.current_bytes());
+            loss.backward();  // every rank runs the same collectives
+          }
+          EXPECT_EQ(kept[1] - kept[0],
+                    block_activation_bytes(config.shape(), batch, seq, mode, {}, precision,
+                                           {n, world()->rank(), layout, attention}));
+        }
+      }
+    }
+  }
+}
