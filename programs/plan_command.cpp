@@ -39,9 +39,11 @@ namespace {
 // shape does not describe: parameters total and active (count_parameters), the 6N rule on the
 // active ones (the FLOPs a token costs), memory from the total (every expert is stored).
 int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double mfu,
-                  int64_t devices, int64_t dp, int64_t ep, int64_t micro_tokens, bool as_json) {
+                  int64_t devices, int64_t dp, int64_t ep, int64_t rows, int64_t seq,
+                  bool as_json) {
   const auto config = ch03::config_from_json(json);
   const auto p = ch07::count_parameters(config);
+  const int64_t micro_tokens = rows * seq;
   nlohmann::json out = {
       {"parameters", {{"total", p.total}, {"active", p.active}}},
       {"flops_per_token", {{"six_n_active", 6.0 * static_cast<double>(p.active)}}},
@@ -53,6 +55,7 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
                        {"days", flops / (peak * mfu * static_cast<double>(devices)) / 86400}};
   }
   if (dp > 0) out["zero"] = zero_memory(p.total, dp);
+  out["activations"] = deepseek_activations(config, rows, seq);
   if (ep > 0) {
     const auto e = ch13::expert_parallel_plan(config, ep, micro_tokens);
     out["expert_parallel"] = {{"ep", ep},
@@ -82,6 +85,7 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
       "parameter, all experts; activations not included)\n",
       si(16.0 * static_cast<double>(p.total), "B").c_str());
   if (dp > 0) print_zero_memory(out["zero"], dp);
+  print_deepseek_activations(out["activations"]);
   if (ep > 0) {
     const auto& e = out["expert_parallel"];
     std::printf(
@@ -242,7 +246,7 @@ int plan_deepseek_config(const ArgParser& args, const nlohmann::json& config) {
     const int64_t seq = args.given("seq") ? args.integer("seq") : 4096;
     return plan_deepseek(config, args.real("tokens"), args.real("peak"), args.real("mfu"),
                          args.integer("devices"), args.integer("dp"), args.integer("ep"),
-                         args.integer("micro-batch") * seq, args.on("json"));
+                         args.integer("micro-batch"), seq, args.on("json"));
   } catch (const Error& e) {
     throw Error(args.str("config") + ": " + e.what());
   }
@@ -299,10 +303,10 @@ int plan(int argc, char** argv) {
     result["context_parallel"] = context_parallel_section(shape, cp, args.str("cp-layout"),
                                                           args.str("cp-attention"), b, context);
   const auto precision = ch14::parse_precision(args.str("precision"));
-  auto activations = ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision,
-                                           std::max<int64_t>(cp, 1),
-                                           ch12::parse_cp_layout(args.str("cp-layout")),
-                                           ch12::parse_cp_attention(args.str("cp-attention")));
+  auto activations =
+      ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision,
+                            std::max<int64_t>(cp, 1), ch12::parse_cp_layout(args.str("cp-layout")),
+                            ch12::parse_cp_attention(args.str("cp-attention")));
   if (!activations.empty())  // what the trainer's default kernels keep (runtime/fast.h)
     activations["fast_paths"] = runtime::block_activation_bytes(shape, b, context, precision);
   if (!activations.empty()) result["activations"] = activations;

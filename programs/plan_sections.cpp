@@ -7,10 +7,12 @@
 #include <cstdio>
 #include <utility>
 
+#include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/plan.h"
 #include "12_context_parallel/plan.h"
+#include "14_memory/plan.h"
 #include "fivefold/error.h"
 
 namespace fivefold::commands {
@@ -54,8 +56,8 @@ void print_zero_memory(const nlohmann::json& zero, int64_t dp) {
 
 // Chapter 10: each tp rank's parameters and memory, and the communication of one micro-batch of
 // b sequences, with and without sequence parallelism.
-nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int64_t tp,
-                                       int64_t psi, int64_t b, int64_t context) {
+nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int64_t tp, int64_t psi,
+                                       int64_t b, int64_t context) {
   nlohmann::json traffic;
   for (bool sp : {false, true}) {
     const auto t = ch10::tensor_parallel_traffic(shape, static_cast<int>(tp), b, context, sp);
@@ -76,24 +78,55 @@ nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int6
           {"micro_batch", {{"sequences", b}, {"tokens", b * context}}},
           {"communication_per_micro_batch", traffic},
           {"sequence_parallel_activation_savings_bytes",
-           ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b,
-                                                      context)}};
+           ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b, context)}};
 }
 
 // Chapter 14: what a block keeps for backward, and a step's FLOPs, in each recomputation mode.
+nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq) {
+  const auto moe = ch07::MoeConfig::from_json(config.extensions);
+  nlohmann::json a = {{"rows", rows}, {"tokens", seq}};
+  try {
+    if (moe.first_k_dense_replace > 0)
+      a["dense_block"] = ch14::deepseek_block_activation_bytes(config, 0, rows, seq);
+    for (int64_t layer = 0; layer < config.n_layers; ++layer)
+      if (ch07::has_routed_experts(config) && moe.is_moe_layer(layer)) {
+        a["moe_block"] = ch14::deepseek_block_activation_bytes(config, layer, rows, seq);
+        break;
+      }
+  } catch (const Error&) {  // routing the formula does not count (capacity, auxiliary loss)
+    return nlohmann::json::object();
+  }
+  return a;
+}
+
+void print_deepseek_activations(const nlohmann::json& a) {
+  if (a.empty()) return;
+  std::printf(
+      "activations     per block, micro-batch of %lld x %lld tokens (fp32, the lesson's "
+      "kernels, no recomputation; chapter 14):",
+      a["rows"].get<long long>(), a["tokens"].get<long long>());
+  if (a.contains("dense_block"))
+    std::printf(" dense %s", si(a["dense_block"].get<double>(), "B").c_str());
+  if (a.contains("moe_block"))
+    std::printf(" MoE %s", si(a["moe_block"].get<double>(), "B").c_str());
+  std::printf("\n");
+}
+
 void print_activations(const nlohmann::json& a) {
   auto modes = [](const nlohmann::json& bytes) {
     return "none " + si(bytes["none"].get<double>(), "B") + ", selective " +
            si(bytes["selective"].get<double>(), "B") + ", full " +
            si(bytes["full"].get<double>(), "B");
   };
-  std::printf("activations per block, micro-batch of %lld x %lld tokens (%s, the lesson's "
-              "kernels; chapter 14): %s\n",
-              a["rows"].get<long long>(), a["tokens"].get<long long>(),
-              a["precision"].get<std::string>().c_str(), modes(a["bytes_per_block"]).c_str());
-  std::printf("  with the training run's fast kernels (tiled attention, fused RMSNorm; the "
-              "default), no recomputation: %s\n",
-              si(a["fast_paths"].get<double>(), "B").c_str());
+  std::printf(
+      "activations per block, micro-batch of %lld x %lld tokens (%s, the lesson's "
+      "kernels; chapter 14): %s\n",
+      a["rows"].get<long long>(), a["tokens"].get<long long>(),
+      a["precision"].get<std::string>().c_str(), modes(a["bytes_per_block"]).c_str());
+  std::printf(
+      "  with the training run's fast kernels (tiled attention, fused RMSNorm; the "
+      "default), no recomputation: %s\n",
+      si(a["fast_paths"].get<double>(), "B").c_str());
   if (a.contains("tensor_parallel")) {
     const auto& t = a["tensor_parallel"];
     std::printf("  tp %lld rank 0: %s; with sequence parallelism: %s\n",
@@ -131,7 +164,7 @@ nlohmann::json pipeline_section(const ch02::TransformerShape& shape, int64_t pp,
                      {"sends_per_step", t.sends},
                      {"send_bytes_per_step", t.payload_bytes}});
   }
-  return {{"pp", pp},           {"schedule", schedule},      {"virtual_stages", v},
+  return {{"pp", pp},           {"schedule", schedule},       {"virtual_stages", v},
           {"micro_batches", m}, {"micro_batch_sequences", b}, {"bubble", plan.bubble},
           {"ranks", ranks}};
 }
@@ -184,8 +217,7 @@ void print_tensor_parallel(const nlohmann::json& t, int64_t context) {
         "  %-17s per micro-batch of %lld x %lld tokens (fp32): all-reduce %lld x, "
         "all-gather %lld x, reduce-scatter %lld x; %s handed over, %s on the wire per "
         "rank\n",
-        mode, b, static_cast<long long>(context),
-        static_cast<long long>(c["all_reduce"]["calls"]),
+        mode, b, static_cast<long long>(context), static_cast<long long>(c["all_reduce"]["calls"]),
         static_cast<long long>(c["all_gather"]["calls"]),
         static_cast<long long>(c["reduce_scatter"]["calls"]),
         si(c["all_reduce"]["payload_bytes"].get<double>() +

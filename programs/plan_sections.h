@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "02_flops_6np/flops.h"
+#include "03_transformer/model.h"
 
 namespace fivefold::commands {
 
@@ -23,15 +24,14 @@ void print_zero_memory(const nlohmann::json& zero, int64_t dp);
 
 /// Chapter 10: each tp rank's parameters and memory, and the communication of one micro-batch of
 /// b sequences, with and without sequence parallelism.
-nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int64_t tp,
-                                       int64_t psi, int64_t b, int64_t context);
+nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int64_t tp, int64_t psi,
+                                       int64_t b, int64_t context);
 /// The table's lines for tensor_parallel_section.
 void print_tensor_parallel(const nlohmann::json& t, int64_t context);
 
 /// Chapter 11: each pipeline rank's layers, parameters, activations in flight and sends per step.
 nlohmann::json pipeline_section(const ch02::TransformerShape& shape, int64_t pp, int64_t v,
-                                int64_t m, const std::string& schedule, int64_t b,
-                                int64_t context);
+                                int64_t m, const std::string& schedule, int64_t b, int64_t context);
 /// The table's lines for pipeline_section.
 void print_pipeline(const nlohmann::json& pl, int64_t context);
 
@@ -42,6 +42,12 @@ nlohmann::json context_parallel_section(const ch02::TransformerShape& shape, int
                                         int64_t context);
 /// The table's lines for context_parallel_section.
 void print_context_parallel(const nlohmann::json& c, int64_t context);
+
+/// Chapter 14: what a dense and a MoE block of a deepseek_v3 config keep for a micro-batch of
+/// `rows` x `seq` tokens (ch14::deepseek_block_activation_bytes); empty where not derived.
+nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq);
+/// Its line of the table (none when empty).
+void print_deepseek_activations(const nlohmann::json& a);
 
 /// Chapter 14: the table's lines for ch14::activation_plan (what a block keeps, a step's FLOPs,
 /// in each recomputation mode).

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "02_flops_6np/flops.h"
+#include "03_transformer/model.h"
 #include "12_context_parallel/context_parallel.h"
 #include "12_context_parallel/plan.h"
 #include "14_memory/precision.h"
@@ -68,6 +69,21 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
                                Recompute mode, const TensorParallelShare& tp = {},
                                Precision precision = Precision::Fp32,
                                const ContextParallelShare& cp = {});
+
+/// Bytes one block (`layer`, from 0) of a DeepSeek-V3-shaped `config` (chapter 06's MLA, chapter
+/// 07's MoE from its first MoE layer, a dense SwiGLU before) keeps until backward, in fp32 with the
+/// lesson's kernels and no recomputation, for `batch` rows of `seq` tokens (notes §1, "MLA and
+/// MoE"). Per token, in floats: the norms and the residual stream, 8d + 2 as in Llama's block;
+/// MLA the query latent and its norm (4·q_lora + 1), the key/value latent and its norm
+/// (4·d_c + r + 1), per head q scaled and the keys (n + r each), the values and the heads' output
+/// (dv each): h(2(n + r) + 2dv) (one row keeps kv_b_proj's whole output: h·n more); a dense MLP
+/// 4f; a MoE layer the shared expert 4f_s, the router's scores and the gates' sum (E + 1), and per
+/// assignment (k a token) its input row, its expert's output and that output gated (3d), the
+/// expert's SwiGLU (4f_e) and 3 gate values, plus four int64 indices. Per block: the
+/// probabilities 4b·h·s², the mask s², RoPE's cos and sin 4s·r. Dropless routing without the
+/// auxiliary loss only (refused otherwise, as not derived).
+int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
+                                        int64_t batch, int64_t seq);
 
 /// What `fivefold plan` prints for a Llama-shaped model: block_activation_bytes in each mode for
 /// one micro-batch of `rows` sequences of `seq` tokens in `precision`, on one device and, with

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "06_mla/mla.h"
+#include "07_moe/moe.h"
 #include "11_pipeline_parallel/plan.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
@@ -89,6 +91,36 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
     case Recompute::None: break;
   }
   return none;
+}
+
+int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
+                                        int64_t batch, int64_t seq) {
+  const auto mla = ch06::MlaConfig::from_json(config.extensions);
+  const auto moe = ch07::MoeConfig::from_json(config.extensions);
+  const bool routed = ch07::has_routed_experts(config) && moe.is_moe_layer(layer);
+  FIVEFOLD_CHECK(
+      !routed || (moe.capacity_factor == 0 && moe.aux_loss_alpha == 0 && moe.norm_topk_prob),
+      "deepseek_block_activation_bytes: derived for dropless routing with normalised "
+      "gates and no auxiliary loss");
+  const int64_t d = config.d_model, h = config.n_heads, n = mla.qk_nope_head_dim;
+  const int64_t r = mla.qk_rope_head_dim, dv = mla.v_head_dim, d_c = mla.kv_lora_rank;
+  int64_t floats = 8 * d + 2;                                       // norms, residual stream
+  if (mla.q_lora_rank > 0) floats += 4 * mla.q_lora_rank + 1;       // query latent, its norm
+  floats += 4 * d_c + r + 1;                                        // key/value latent, norm
+  floats += h * (2 * (n + r) + 2 * dv) + (batch == 1 ? h * n : 0);  // q, k, v, heads' output
+  int64_t int64s = 0;
+  if (!routed) {
+    floats += 4 * config.d_ff;
+  } else {
+    const int64_t k = moe.num_experts_per_tok, f_e = moe.moe_intermediate_size;
+    floats += 4 * f_e * moe.n_shared_experts + moe.n_routed_experts + 1;  // shared, router
+    floats += k * (3 * d + 4 * f_e + 3);                                  // each assignment
+    int64s += 4 * k;
+  }
+  const int64_t tokens = batch * seq;
+  int64_t bytes = tokens * (4 * floats + 8 * int64s) + 4 * batch * h * seq * seq + seq * seq;
+  if (config.rope_theta > 0) bytes += 4 * seq * r;  // cos and sin, [s, r/2] each
+  return bytes;
 }
 
 nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,

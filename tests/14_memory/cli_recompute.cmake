@@ -65,6 +65,16 @@ message("plan --cp 4: a rank keeps ${cp_none} bytes a block, ${cp_selective} wit
 if(NOT status EQUAL 0 OR NOT cp_none EQUAL 399155200 OR NOT cp_selective EQUAL 382214144)
   message(FATAL_ERROR "fivefold plan --cp 4's activation figures are not the formulas'")
 endif()
+# DeepSeek-V3 (MLA, MoE): a dense and a MoE block at 4096 tokens (notes §1, "MLA and MoE").
+execute_process(COMMAND ${FIVEFOLD} plan --config ${CMAKE_CURRENT_LIST_DIR}/../07_moe/configs/deepseek-v3.json
+                        --seq 4096 --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+string(JSON ds_dense GET "${plan}" activations dense_block)
+string(JSON ds_moe GET "${plan}" activations moe_block)
+message("plan: a DeepSeek-V3 block keeps ${ds_dense} bytes (dense), ${ds_moe} (MoE)")
+if(NOT status EQUAL 0 OR NOT ds_dense EQUAL 12501188608 OR NOT ds_moe EQUAL 15325413376)
+  message(FATAL_ERROR "fivefold plan's DeepSeek-V3 activation figures are not the formula's")
+endif()
 # In bf16 the linear maps keep their inputs at 2 bytes (notes §5); fp16 is refused.
 execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096
                         --precision bf16 --json

@@ -201,7 +201,8 @@ TEST(Recompute, MeasuredFlopsEqualTheFormula) {
       auto tokens = torch::randint(0, config.vocab_size, {2, seq}, generator_for(5, "tokens"));
       ch02::FlopCounter counter;
       ch03::loss_of(model, {tokens, tokens}).backward();
-      EXPECT_EQ(counter.flops(), 2.0 * seq * training_flops_per_token(config.shape(), seq, recompute));
+      EXPECT_EQ(counter.flops(),
+                2.0 * seq * training_flops_per_token(config.shape(), seq, recompute));
     }
   }
   // Full on every block: the extra forward of the blocks, (8NP - 6NP) for the matrices in them.
@@ -243,7 +244,7 @@ TEST(Recompute, KeptActivationsEqualTheFormula) {
           }
           for (int64_t layer : {1, 2}) {  // the block added
             const bool again = recompute.mode == Recompute::Full && layer % recompute.every == 0;
-            const Recompute as = again ? Recompute::Full
+            const Recompute as = again                               ? Recompute::Full
                                  : recompute.mode == Recompute::Full ? Recompute::None
                                                                      : recompute.mode;
             EXPECT_EQ(kept[layer] - kept[layer - 1],
@@ -285,4 +286,37 @@ TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
   EXPECT_FALSE(recomputes_block(first_two.for_stage(3), 0));
   const RecomputeConfig every_stage{Recompute::Selective, 1, 0};
   EXPECT_EQ(every_stage.for_stage(7).mode, Recompute::Selective);
+}
+
+// A DeepSeek-V3-shaped block (chapter 06's MLA, chapter 07's MoE) keeps what
+// deepseek_block_activation_bytes says: its dense first layer and a MoE layer, with 1, 2 and 3 rows
+// (one row keeps kv_b_proj's whole output), with k 2 and 3, without the query latent, without the
+// shared expert.
+TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
+  for (int variant = 0; variant < 4; ++variant) {
+    for (int64_t seq : {4, 8}) {
+      for (int64_t batch : {1, 2, 3}) {
+        auto config = ch10::testing::deepseek_config();
+        config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+        if (variant == 1) config.extensions["num_experts_per_tok"] = 3;
+        if (variant == 2) config.extensions["q_lora_rank"] = nullptr;
+        if (variant == 3) config.extensions["n_shared_experts"] = 0;
+        SCOPED_TRACE("variant " + std::to_string(variant) + ", seq " + std::to_string(seq) +
+                     ", batch " + std::to_string(batch));
+        auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+        std::vector<int64_t> kept;
+        for (int64_t layers : {1, 2, 3}) {
+          config.n_layers = layers;
+          ch03::Transformer model = ch07::make_model(config);
+          MemoryTracker memory;
+          auto loss = ch03::loss_of(model, {tokens, tokens});
+          kept.push_back(memory.current_bytes());
+        }
+        for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
+          EXPECT_EQ(kept[layer] - kept[layer - 1],
+                    deepseek_block_activation_bytes(config, layer, batch, seq))
+              << "block " << layer;
+      }
+    }
+  }
 }
