@@ -7,6 +7,7 @@
 #include "07_moe/moe.h"
 #include "12_context_parallel/context_parallel.h"
 #include "14_memory/plan.h"
+#include "fixtures.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/memory.h"
@@ -18,9 +19,7 @@ using namespace fivefold::ch14;
 using fivefold::testing::world;
 
 TEST(ContextParallelMemory, EachRankKeepsWhatTheFormulaSays) {
-  struct Fp32Afterwards {
-    ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
-  } restore;
+  ch14::testing::Fp32Afterwards restore;
   const int64_t n = world()->size(), batch = 2;
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
     use_precision(precision, nullptr);

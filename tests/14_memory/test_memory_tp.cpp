@@ -7,6 +7,7 @@
 #include "03_transformer/train.h"
 #include "10_tensor_parallel/layers.h"
 #include "14_memory/plan.h"
+#include "fixtures.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/memory.h"
@@ -19,9 +20,7 @@ using fivefold::testing::world;
 
 // In fp32 and in bf16 (chapter 14's Bf16MatmulKernel: the linear maps keep bf16 copies).
 TEST(TensorParallelMemory, EachRankKeepsWhatTheFormulaSays) {
-  struct Fp32Afterwards {
-    ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
-  } restore;
+  ch14::testing::Fp32Afterwards restore;
   const int64_t t = world()->size(), batch = 2;
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
     use_precision(precision, nullptr);

@@ -5,6 +5,7 @@
 #include "../10_tensor_parallel/fixtures.h"
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
+#include "fixtures.h"
 #include "14_memory/precision.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
@@ -15,11 +16,6 @@ using namespace fivefold::ch14;
 using torch::Tensor;
 
 namespace {
-
-// Puts the process-wide matmul kernel back (at::mm) when the test ends.
-struct Fp32Afterwards {
-  ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
-};
 
 double relative(const Tensor& got, const Tensor& want) {
   return ((got - want).norm() / want.norm()).item<double>();
@@ -58,7 +54,7 @@ TEST(Precision, Bf16ProductsRoundTheOperandsAndTheResult) {
 // One AdamW step of chapter 10's MLA + MoE model in bf16 against the same in fp32: the loss and
 // every gradient within bf16's rounding, every parameter, gradient and moment stored in fp32.
 TEST(Precision, ABf16StepKeepsFp32StateAndLandsNearTheFp32Step) {
-  Fp32Afterwards restore;
+  ch14::testing::Fp32Afterwards restore;
   const auto batch = ch10::testing::tp_batches().batch(0, 0, 1);
   std::map<std::string, Tensor> grads[2];
   double loss[2] = {0, 0};

@@ -8,6 +8,7 @@
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "14_memory/plan.h"
+#include "fixtures.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/error.h"
@@ -218,9 +219,7 @@ TEST(Recompute, MeasuredFlopsEqualTheFormula) {
 // mode, at two sequence lengths, with as many key/value heads as heads and with fewer.
 // In fp32 and in bf16 (where the linear maps keep bf16 copies of their inputs and weights).
 TEST(Recompute, KeptActivationsEqualTheFormula) {
-  struct Fp32Afterwards {
-    ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
-  } restore;
+  ch14::testing::Fp32Afterwards restore;
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
     use_precision(precision, nullptr);
     for (int64_t kv_heads : {8, 2}) {
