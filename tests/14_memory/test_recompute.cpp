@@ -319,3 +319,18 @@ TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
     }
   }
 }
+
+// Routing the formula does not count is refused by name, not miscounted.
+TEST(Recompute, ADeepSeekBlockFormulaRefusesWhatItDoesNotCount) {
+  for (const char* key : {"fivefold_capacity_factor", "aux_loss_alpha"}) {
+    auto config = ch10::testing::deepseek_config();
+    config.extensions[key] = 1.25;
+    EXPECT_NO_THROW(deepseek_block_activation_bytes(config, 0, 2, 8)) << key << ": dense layer";
+    try {
+      deepseek_block_activation_bytes(config, 1, 2, 8);
+      ADD_FAILURE() << key << " was counted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("dropless"), std::string::npos) << e.what();
+    }
+  }
+}
