@@ -3,6 +3,7 @@
 // measured in the same run (the machine's practical peak, not a datasheet figure).
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
+//                                    [--compare] [--bf16] [--parts]
 //
 // The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
@@ -111,7 +112,7 @@ struct Part {
   double ms, flops;
 };
 
-std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast) {
+std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 = false) {
   using namespace fivefold::ch03;
   using namespace fivefold::runtime;
   ModelConfig config;
@@ -121,6 +122,7 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast) {
   config.d_ff = s.d_ff;
   Transformer model(config);
   if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
+  if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
   TrainConfig train;
   if (fast) train.make_adamw = fused_adamw;
   auto optimizer = make_optimizer(model, train);
@@ -203,20 +205,35 @@ int run(int argc, char** argv) {
                 "own, summed over the step's layers; %s\n\n",
                 torch::get_num_threads(), peak / 1e9, library,
                 args.on("lesson-kernels") ? "the lesson's code" : "with the fast paths");
-    std::printf("%-22s %-13s %9s %9s %8s\n", "model", "part", "ms/step", "GFLOP/s", "of peak");
+    const bool bf16 = args.on("bf16");  // each part again in bf16, right after: ms and ratio
+    std::printf("%-22s %-13s %9s %9s %8s%s\n", "model", "part", "ms/step", "GFLOP/s", "of peak",
+                bf16 ? "   bf16 ms  fp32/bf16" : "");
     for (const Size& s : sizes) {
-      double total = 0;
-      for (const Part& p : time_parts(s, args.integer("steps"), !args.on("lesson-kernels"))) {
+      double total = 0, total_bf16 = 0;
+      const bool fast = !args.on("lesson-kernels");
+      const auto parts = time_parts(s, args.integer("steps"), fast);
+      std::vector<Part> parts_bf16;
+      if (bf16) parts_bf16 = time_parts(s, args.integer("steps"), fast, true);
+      fivefold::ch03::set_matmul_kernel(kernel);
+      for (size_t i = 0; i < parts.size(); ++i) {
+        const Part& p = parts[i];
         total += p.ms;
         if (p.flops > 0) {
           const double rate = p.flops / (p.ms * 1e-3) / 1e9;
-          std::printf("%-22s %-13s %9.2f %9.0f %7.0f%%\n", s.name, p.name, p.ms, rate,
+          std::printf("%-22s %-13s %9.2f %9.0f %7.0f%%", s.name, p.name, p.ms, rate,
                       100 * rate * 1e9 / peak);
         } else {
-          std::printf("%-22s %-13s %9.2f %9s %8s\n", s.name, p.name, p.ms, "-", "-");
+          std::printf("%-22s %-13s %9.2f %9s %8s", s.name, p.name, p.ms, "-", "-");
         }
+        if (bf16) {
+          total_bf16 += parts_bf16[i].ms;
+          std::printf(" %9.2f %9.2fx", parts_bf16[i].ms, p.ms / parts_bf16[i].ms);
+        }
+        std::printf("\n");
       }
-      std::printf("%-22s %-13s %9.2f\n", s.name, "sum of parts", total);
+      std::printf("%-22s %-13s %9.2f", s.name, "sum of parts", total);
+      if (bf16) std::printf(" %28.2f %9.2fx", total_bf16, total / total_bf16);
+      std::printf("\n");
     }
     return 0;
   }
