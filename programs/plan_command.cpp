@@ -29,7 +29,6 @@
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "plan_sections.h"
-#include "runtime/fast.h"
 
 namespace fivefold::commands {
 
@@ -157,6 +156,9 @@ void declare_flags(ArgParser& args) {
               "expert-parallel ranks: adds the experts and parameters each rank holds and the "
               "all-to-all bytes of one micro-batch of --micro-batch x --seq tokens (default seq "
               "4096) per rank (chapter 13; DeepSeek-V3-shaped models)");
+  args.option("activation-budget", "0",
+              "bytes the blocks' activations may take for one micro-batch: the recomputation "
+              "with the fewest FLOPs that fits (chapter 14; 0: none asked)");
   args.option("precision", "fp32",
               "fp32 or bf16: what the activations per block are counted in (chapter 14)");
   args.flag("json", "print JSON instead of a table");
@@ -307,9 +309,11 @@ int plan(int argc, char** argv) {
       ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision,
                             std::max<int64_t>(cp, 1), ch12::parse_cp_layout(args.str("cp-layout")),
                             ch12::parse_cp_attention(args.str("cp-attention")));
-  if (!activations.empty())  // what the trainer's default kernels keep (runtime/fast.h)
-    activations["fast_paths"] = runtime::block_activation_bytes(shape, b, context, precision);
-  if (!activations.empty()) result["activations"] = activations;
+  if (!activations.empty()) {
+    add_activation_choices(activations, shape, b, context, precision,
+                           static_cast<int64_t>(args.real("activation-budget")));
+    result["activations"] = activations;
+  }
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
     return 0;

@@ -14,6 +14,7 @@
 #include "12_context_parallel/plan.h"
 #include "14_memory/plan.h"
 #include "fivefold/error.h"
+#include "runtime/fast.h"
 
 namespace fivefold::commands {
 
@@ -112,6 +113,22 @@ void print_deepseek_activations(const nlohmann::json& a) {
   std::printf("\n");
 }
 
+void add_activation_choices(nlohmann::json& activations, const ch02::TransformerShape& shape,
+                            int64_t rows, int64_t seq, ch14::Precision precision, int64_t budget) {
+  activations["fast_paths"] = runtime::block_activation_bytes(shape, rows, seq, precision);
+  if (budget <= 0) return;
+  try {
+    const auto c = ch14::recompute_under_budget(shape, rows, seq, budget, precision);
+    activations["under_budget"] = {{"budget", budget},
+                                   {"recompute", to_string(c.config.mode)},
+                                   {"every", c.config.every},
+                                   {"bytes", c.bytes},
+                                   {"training_flops_per_token", c.flops_per_token}};
+  } catch (const Error& e) {
+    activations["under_budget"] = {{"budget", budget}, {"error", e.what()}};
+  }
+}
+
 void print_activations(const nlohmann::json& a) {
   auto modes = [](const nlohmann::json& bytes) {
     return "none " + si(bytes["none"].get<double>(), "B") + ", selective " +
@@ -137,6 +154,22 @@ void print_activations(const nlohmann::json& a) {
     const auto& c = a["context_parallel"];
     std::printf("  cp %lld, each rank: %s\n", c["ranks"].get<long long>(),
                 modes(c["bytes"]).c_str());
+  }
+  if (a.contains("under_budget")) {
+    const auto& u = a["under_budget"];
+    if (u.contains("error")) {
+      std::printf("  within %s: %s\n", si(u["budget"].get<double>(), "B").c_str(),
+                  u["error"].get<std::string>().c_str());
+    } else {
+      const std::string every = u["recompute"] == "full" && u["every"].get<int64_t>() > 1
+                                    ? " every " + std::to_string(u["every"].get<int64_t>())
+                                    : "";
+      std::printf("  within %s: --recompute %s%s, the blocks keep %s, %s FLOPs per token\n",
+                  si(u["budget"].get<double>(), "B").c_str(),
+                  u["recompute"].get<std::string>().c_str(), every.c_str(),
+                  si(u["bytes"].get<double>(), "B").c_str(),
+                  si(u["training_flops_per_token"].get<double>()).c_str());
+    }
   }
   const auto& f = a["training_flops_per_token"];
   std::printf("  training FLOPs per token: none %s, selective %s, full %s\n",

@@ -10,6 +10,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/model.h"
+#include "14_memory/precision.h"
 
 namespace fivefold::commands {
 
@@ -48,6 +49,12 @@ void print_context_parallel(const nlohmann::json& c, int64_t context);
 nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq);
 /// Its line of the table (none when empty).
 void print_deepseek_activations(const nlohmann::json& a);
+
+/// Adds to `activations` (ch14::activation_plan's) what the trainer's fast kernels keep a block
+/// (runtime::block_activation_bytes) and, with `budget` > 0, the recomputation that fits it
+/// (ch14::recompute_under_budget, or why none does).
+void add_activation_choices(nlohmann::json& activations, const ch02::TransformerShape& shape,
+                            int64_t rows, int64_t seq, ch14::Precision precision, int64_t budget);
 
 /// Chapter 14: the table's lines for ch14::activation_plan (what a block keeps, a step's FLOPs,
 /// in each recomputation mode).

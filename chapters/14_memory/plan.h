@@ -85,6 +85,22 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq);
 
+/// A recomputation choice and what it costs: the blocks' activations for one micro-batch and the
+/// training FLOPs per token.
+struct RecomputeChoice {
+  RecomputeConfig config;      ///< none, selective, or full every k
+  int64_t bytes = 0;           ///< what the n_layers blocks keep (block_activation_bytes)
+  double flops_per_token = 0;  ///< training_flops_per_token
+};
+
+/// Which recomputation to use under a memory budget: of none, selective and full every k (k from
+/// n_layers down to 1), the one with the fewest training FLOPs whose blocks keep at most `budget`
+/// bytes for a micro-batch of `batch` x `seq` tokens on one device in `precision` (fewer bytes
+/// breaks a tie). Throws fivefold::Error, naming full recomputation's bytes, when none fits.
+RecomputeChoice recompute_under_budget(const ch02::TransformerShape& shape, int64_t batch,
+                                       int64_t seq, int64_t budget,
+                                       Precision precision = Precision::Fp32);
+
 /// What `fivefold plan` prints for a Llama-shaped model: block_activation_bytes in each mode for
 /// one micro-batch of `rows` sequences of `seq` tokens in `precision`, on one device and, with
 /// tp > 1, on rank 0 of tp with and without sequence parallelism, with cp > 1 on rank 0 of cp

@@ -2,6 +2,8 @@
 #include "14_memory/plan.h"
 
 #include <algorithm>
+#include <optional>
+#include <vector>
 
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
@@ -121,6 +123,33 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   int64_t bytes = tokens * (4 * floats + 8 * int64s) + 4 * batch * h * seq * seq + seq * seq;
   if (config.rope_theta > 0) bytes += 4 * seq * r;  // cos and sin, [s, r/2] each
   return bytes;
+}
+
+RecomputeChoice recompute_under_budget(const ch02::TransformerShape& shape, int64_t batch,
+                                       int64_t seq, int64_t budget, Precision precision) {
+  std::vector<RecomputeConfig> candidates = {{Recompute::None, 1}, {Recompute::Selective, 1}};
+  for (int64_t every = shape.n_layers; every >= 1; --every)
+    candidates.push_back({Recompute::Full, every});
+  std::optional<RecomputeChoice> best;
+  int64_t least = 0;  // what full recomputation of every block keeps: the smallest
+  for (const auto& config : candidates) {
+    RecomputeChoice choice{config, 0, training_flops_per_token(shape, seq, config)};
+    for (int64_t layer = 0; layer < shape.n_layers; ++layer) {
+      const Recompute as =
+          config.mode == Recompute::Full
+              ? (recomputes_block(config, layer) ? Recompute::Full : Recompute::None)
+              : config.mode;
+      choice.bytes += block_activation_bytes(shape, batch, seq, as, {}, precision);
+    }
+    least = choice.bytes;
+    if (choice.bytes > budget) continue;
+    if (!best || choice.flops_per_token < best->flops_per_token ||
+        (choice.flops_per_token == best->flops_per_token && choice.bytes < best->bytes))
+      best = choice;
+  }
+  FIVEFOLD_CHECK(best.has_value(), "no recomputation keeps the activations within ", budget,
+                 " bytes: full recomputation of every block keeps ", least);
+  return *best;
 }
 
 nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,

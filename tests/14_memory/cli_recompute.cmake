@@ -75,6 +75,25 @@ message("plan: a DeepSeek-V3 block keeps ${ds_dense} bytes (dense), ${ds_moe} (M
 if(NOT status EQUAL 0 OR NOT ds_dense EQUAL 12501188608 OR NOT ds_moe EQUAL 15325413376)
   message(FATAL_ERROR "fivefold plan's DeepSeek-V3 activation figures are not the formula's")
 endif()
+# Under a budget for the 32 blocks of one micro-batch: 50 GB rules out no recomputation (118 GB)
+# and selective (48.9 GB) fits with the fewest FLOPs; 1 GB is below full recomputation's 2.1 GB.
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096
+                        --activation-budget 50e9 --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+string(JSON budget_mode GET "${plan}" activations under_budget recompute)
+string(JSON budget_bytes GET "${plan}" activations under_budget bytes)
+message("plan --activation-budget 50e9: --recompute ${budget_mode}, ${budget_bytes} bytes")
+if(NOT status EQUAL 0 OR NOT budget_mode MATCHES "^selective$" OR
+   NOT budget_bytes EQUAL 48923410432)
+  message(FATAL_ERROR "fivefold plan --activation-budget did not choose selective")
+endif()
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096
+                        --activation-budget 1e9 --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+string(JSON budget_error GET "${plan}" activations under_budget error)
+if(NOT status EQUAL 0 OR NOT budget_error MATCHES "keeps 2147483648")
+  message(FATAL_ERROR "fivefold plan --activation-budget 1e9 did not say why nothing fits")
+endif()
 # In bf16 the linear maps keep their inputs at 2 bytes (notes §5); fp16 is refused.
 execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096
                         --precision bf16 --json

@@ -8,12 +8,12 @@
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "14_memory/plan.h"
-#include "fixtures.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/error.h"
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
+#include "fixtures.h"
 #include "testing.h"
 
 using namespace fivefold;
@@ -273,6 +273,41 @@ TEST(Recompute, Llama2SevenBFigures) {
             1338015744);
   EXPECT_EQ(block_activation_bytes(c.shape(), 1, 4096, Recompute::Full, {}, Precision::Bf16),
             67108864);
+}
+
+// Under a budget: the fewest FLOPs that fit. The blocks' bytes of each mode are the measured
+// formula's (KeptActivationsEqualTheFormula); the choice is checked against them here.
+TEST(Recompute, UnderABudgetTheCheapestModeThatFits) {
+  auto config = ch10::testing::tp_config(false);
+  config.n_layers = 4;
+  const auto shape = config.shape();
+  const int64_t b = 2, s = 16;
+  auto total = [&](Recompute mode) { return 4 * block_activation_bytes(shape, b, s, mode); };
+  const int64_t none = total(Recompute::None), selective = total(Recompute::Selective);
+  const int64_t full = total(Recompute::Full);
+  ASSERT_GT(none, selective);
+  EXPECT_EQ(recompute_under_budget(shape, b, s, none).config.mode, Recompute::None);
+  const auto fits_selective = recompute_under_budget(shape, b, s, none - 1);
+  EXPECT_EQ(fits_selective.config.mode, Recompute::Selective);
+  EXPECT_EQ(fits_selective.bytes, selective);
+  // Two of the four blocks recomputed (every 2: blocks 0 and 2; every 3: 0 and 3, the same cost)
+  // keep 4bsd, the other two everything.
+  const int64_t every_2 = (full + none) / 2;
+  ASSERT_LT(every_2, selective);  // so a budget of every_2 rules selective out
+  const auto choice = recompute_under_budget(shape, b, s, every_2);
+  EXPECT_EQ(choice.config.mode, Recompute::Full);
+  EXPECT_EQ(recomputed_layers(4, choice.config.every), 2);
+  EXPECT_EQ(choice.bytes, every_2);
+  const auto tight = recompute_under_budget(shape, b, s, full);
+  EXPECT_EQ(tight.config.mode, Recompute::Full);
+  EXPECT_EQ(tight.config.every, 1);
+  EXPECT_DOUBLE_EQ(tight.flops_per_token, training_flops_per_token(shape, s, {Recompute::Full, 1}));
+  try {
+    recompute_under_budget(shape, b, s, full - 1);
+    ADD_FAILURE() << "a budget below full recomputation was met";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(full)), std::string::npos) << e.what();
+  }
 }
 
 TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
