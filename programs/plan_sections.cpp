@@ -86,14 +86,13 @@ nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int6
 nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq) {
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   nlohmann::json a = {{"rows", rows}, {"tokens", seq}};
-  try {
-    if (moe.first_k_dense_replace > 0)
-      a["dense_block"] = ch14::deepseek_block_activation_bytes(config, 0, rows, seq);
-    for (int64_t layer = 0; layer < config.n_layers; ++layer)
-      if (ch07::has_routed_experts(config) && moe.is_moe_layer(layer)) {
-        a["moe_block"] = ch14::deepseek_block_activation_bytes(config, layer, rows, seq);
-        break;
-      }
+  const bool routed = ch07::has_routed_experts(config);
+  try {  // the first dense and the first MoE layer, where the model has them
+    for (int64_t layer = 0; layer < config.n_layers; ++layer) {
+      const char* kind = routed && moe.is_moe_layer(layer) ? "moe_block" : "dense_block";
+      if (!a.contains(kind))
+        a[kind] = ch14::deepseek_block_activation_bytes(config, layer, rows, seq);
+    }
   } catch (const Error&) {  // routing the formula does not count (capacity, auxiliary loss)
     return nlohmann::json::object();
   }

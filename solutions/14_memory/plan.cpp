@@ -50,12 +50,8 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
   if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
     FIVEFOLD_CHECK(tp.ranks == 1, "block_activation_bytes: tp with cp is not derived");
     const int64_t own = ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0);
-    switch (mode) {
-      case Recompute::Full: return 4 * batch * own * shape.d_model;
-      case Recompute::Selective:
-        return block_activation_bytes(shape, batch, own, Recompute::Selective, {}, precision);
-      case Recompute::None: break;
-    }
+    if (mode != Recompute::None)
+      return block_activation_bytes(shape, batch, own, mode, {}, precision);
     return ch12::cp_block_activation_bytes(shape, cp.ranks, cp.rank, batch, seq, cp.layout,
                                            cp.attention) -
            linear_inputs_saving(shape, batch * own, precision);
