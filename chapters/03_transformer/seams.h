@@ -78,6 +78,11 @@ std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const Matm
 /// The kernel `linear` multiplies with now (nullptr: at::mm).
 const MatmulKernel* matmul_kernel();
 
+/// `t` in the form the kernel set now multiplies it in (MatmulKernel::operand; t itself for
+/// at::mm): what `linear` keeps of its input, and what the tiled attention converts its heads to
+/// once.
+torch::Tensor matmul_operand(const torch::Tensor& t);
+
 /// GFLOP/s of an n x n float product on the kernel `linear` multiplies with now (best of 3): the
 /// peak that MFU is measured against, so that a faster library raises the peak with the step.
 double matmul_peak_gflops(int n);

@@ -33,13 +33,6 @@ torch::Tensor head_products(const torch::Tensor& a, const torch::Tensor& b, at::
       .to(type);
 }
 
-// t in the form the MatmulKernel multiplies it in (MatmulKernel::operand), converted once rather
-// than at each tile's product.
-torch::Tensor operand(const torch::Tensor& t) {
-  const MatmulKernel* kernel = matmul_kernel();
-  return kernel == nullptr ? t : kernel->operand(t);
-}
-
 // The scores of a tile of queries q_tile [b, h, T, d] (already scaled) against the keys it can
 // see, keys [b, h, end, d]: the tile's queries are the last T positions before `end`, so only the
 // tile's diagonal block [T, T] (the last T keys) has keys after a query; `future` is the strictly
@@ -58,10 +51,10 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, double scale, int64_t tile) {
     const int64_t heads = q.size(1), seq_q = q.size(2), offset = k.size(2) - seq_q;
-    const auto type = q.scalar_type();  // the products' operands are kept in the kernel's form
-    auto qs = operand((q * scale).contiguous());
-    auto keys = operand(expand_heads(k, heads).contiguous());
-    auto values = operand(expand_heads(v, heads).contiguous());
+    const auto type = q.scalar_type();  // operands converted once to the kernel's form
+    auto qs = matmul_operand((q * scale).contiguous());
+    auto keys = matmul_operand(expand_heads(k, heads).contiguous());
+    auto values = matmul_operand(expand_heads(v, heads).contiguous());
     auto out = torch::empty({q.size(0), heads, seq_q, v.size(3)}, q.options());
     auto lse = torch::empty({q.size(0), heads, seq_q}, q.options());
     const auto future = torch::ones({tile, tile}, torch::kBool).triu(1);
@@ -95,7 +88,7 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     const auto type = grad_out.scalar_type();
     // Softmax's backward needs Σ_j p_j·(dO·v_j) per query, which is dO·O.
     const auto delta = (grad_out * out).sum(-1, /*keepdim=*/true);  // [b, h, sq, 1]
-    const auto grad_kept = operand(grad_out);
+    const auto grad_kept = matmul_operand(grad_out);
     auto grad_q = torch::empty(qs.sizes(), grad_out.options());
     auto grad_keys = torch::zeros(keys.sizes(), grad_out.options());
     auto grad_values = torch::zeros(values.sizes(), grad_out.options());
@@ -109,7 +102,7 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
       p.sub_(lse.narrow(2, first, t).unsqueeze(-1)).exp_();
       grad_values.narrow(2, 0, end).add_(head_products(p.transpose(-2, -1), dout, type));
       auto grad_scores = head_products(dout, v_seen.transpose(-2, -1), type);  // ∂L/∂p
-      grad_scores.sub_(delta.narrow(2, first, t)).mul_(p);                // ∂L/∂s
+      grad_scores.sub_(delta.narrow(2, first, t)).mul_(p);                     // ∂L/∂s
       grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen, type).mul_(scale));
       grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile, type));
     }
@@ -185,9 +178,8 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
 // -fno-math-errno (CMakeLists.txt): sqrt then need not set errno, and the compiler (GCC or
 // clang) vectorises the loop, whose sqrt and division are its costly part.
 template <typename T>
-void adamw_span(T* __restrict__ w, T* __restrict__ m, T* __restrict__ v,
-                const T* __restrict__ g, int64_t n, T b1, T b2, T c1, T c2, T keep, T size, T root,
-                T eps) {
+void adamw_span(T* __restrict__ w, T* __restrict__ m, T* __restrict__ v, const T* __restrict__ g,
+                int64_t n, T b1, T b2, T c1, T c2, T keep, T size, T root, T eps) {
   for (int64_t i = 0; i < n; ++i) {
     m[i] = m[i] * b1 + g[i] * c1;
     v[i] = v[i] * b2 + g[i] * g[i] * c2;
@@ -280,8 +272,8 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         const auto keep = static_cast<scalar_t>(decay), size = static_cast<scalar_t>(step_size);
         const auto root = static_cast<scalar_t>(root2), e = static_cast<scalar_t>(eps);
         at::parallel_for(0, p.numel(), 1 << 14, [=](int64_t begin, int64_t end) {
-          adamw_span(w + begin, m + begin, v + begin, g + begin, end - begin, b1, b2, c1, c2,
-                     keep, size, root, e);
+          adamw_span(w + begin, m + begin, v + begin, g + begin, end - begin, b1, b2, c1, c2, keep,
+                     size, root, e);
         });
       });
     }
@@ -332,14 +324,15 @@ FastPaths install_fast_paths(Transformer& model) {
         auto generator = at::detail::createCPUGenerator(17);
         auto q = torch::randn({1, 4, 5, 8}, generator), k = torch::randn({1, 2, 7, 8}, generator);
         auto v = torch::randn({1, 2, 7, 6}, generator);
-        const auto want = layer->kernel->attend(q, k, v, position_range(2, 5),
-                                                position_range(0, 7), 0.3);
+        const auto want =
+            layer->kernel->attend(q, k, v, position_range(2, 5), position_range(0, 7), 0.3);
         const auto got = TiledCausalAttentionKernel(3).attend(q, k, v, position_range(2, 5),
                                                               position_range(0, 7), 0.3);
         const double gap = std::max((want.output - got.output).abs().max().item<double>(),
                                     (want.lse - got.lse).abs().max().item<double>());
         FIVEFOLD_CHECK(gap < 1e-5, "the tiled attention kernel and causal_attention differ by ",
-                       gap, " on a test input: one of them is wrong (run with --lesson-kernels "
+                       gap,
+                       " on a test input: one of them is wrong (run with --lesson-kernels "
                        "to train on causal_attention alone)");
         checked = true;
       }

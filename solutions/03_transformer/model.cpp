@@ -126,16 +126,13 @@ torch::Tensor unrows(const torch::Tensor& y, const torch::Tensor& like) {
   return y.view(sizes);
 }
 
-// t in the form the kernel multiplies it in (the identity for at::mm).
-torch::Tensor operand(const torch::Tensor& t) { return g_matmul ? g_matmul->operand(t) : t; }
-
 // y = x·Wᵀ; backward: ∂L/∂x = ∂L/∂y·W, and ∂L/∂W = (∂L/∂y)ᵀ·x now or, deferred, later. x is kept
 // in the kernel's operand form, converted once.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight) {
-    const auto x_kept = operand(x);
+    const auto x_kept = matmul_operand(x);
     ctx->save_for_backward({x_kept, weight});
     return unrows(product(rows(x_kept), weight.t()), x).to(x.scalar_type());
   }
@@ -143,7 +140,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
                                                torch::autograd::tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &weight = saved[1];
-    const auto grad_y = operand(grads[0]);
+    const auto grad_y = matmul_operand(grads[0]);
     auto grad_x = unrows(product(rows(grad_y), weight), x).to(grads[0].scalar_type());
     if (deferred != nullptr) {
       deferred->keep(weight, x, grad_y);
@@ -186,6 +183,8 @@ std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const Matm
 }
 
 const MatmulKernel* matmul_kernel() { return g_matmul.get(); }
+
+torch::Tensor matmul_operand(const torch::Tensor& t) { return g_matmul ? g_matmul->operand(t) : t; }
 
 double matmul_peak_gflops(int n) {
   const auto kernel = g_matmul;
