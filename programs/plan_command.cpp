@@ -161,6 +161,16 @@ void declare_flags(ArgParser& args) {
               "with the fewest FLOPs that fits (chapter 14; 0: none asked)");
   args.option("precision", "fp32",
               "fp32 or bf16: what the activations per block are counted in (chapter 14)");
+  args.flag("search",
+            "chapter 15's planner: every layout of --cluster's devices for this model, "
+            "--batch and --seq, fastest first (--top of them), with the step's compute, "
+            "exposed communication per group, bubble, memory per device and MFU");
+  args.path_option("cluster", "",
+                   "with --search: the cluster's TOML description (presets in "
+                   "chapters/15_trainer_5d/presets/clusters/)");
+  args.option("batch", "0", "with --search: the global batch, in sequences");
+  args.option("top", "5", "with --search: how many layouts to print");
+  args.option("max-micro-batches", "512", "with --search: the most micro-batches to try");
   args.flag("json", "print JSON instead of a table");
 }
 
@@ -268,8 +278,12 @@ int plan(int argc, char** argv) {
   int64_t context = 2048;
   if (args.given("config")) {
     const auto config = io::read_json(args.str("config"));
-    if (config.is_object() && config.value("model_type", "") == "deepseek_v3")
+    if (config.is_object() && config.value("model_type", "") == "deepseek_v3") {
+      FIVEFOLD_CHECK(!args.on("search"),
+                     "fivefold plan --search: the planner's step-time model covers dense "
+                     "Llama-shaped models; MLA and experts (deepseek_v3) are not in it yet");
       return plan_deepseek_config(args, config);
+    }
     try {
       shape = ch02::shape_from_hf_config(config);
     } catch (const Error& e) {
@@ -285,6 +299,7 @@ int plan(int argc, char** argv) {
                  "--ep: the model has no routed experts to distribute (give a DeepSeek-V3 "
                  "config.json, model_type deepseek_v3)");
   if (args.given("seq")) context = args.integer("seq");
+  if (args.on("search")) return plan_search(args, shape, context);
   const auto out = ch02::plan(shape, context, args.real("tokens"), args.real("budget"),
                               args.real("peak"), args.real("mfu"), args.integer("devices"));
   auto result = out;

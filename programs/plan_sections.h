@@ -12,7 +12,15 @@
 #include "03_transformer/model.h"
 #include "14_memory/precision.h"
 
+namespace fivefold {
+class ArgParser;
+}
+
 namespace fivefold::commands {
+
+/// `fivefold plan --search` (search_command.cpp): chapter 15's planner over --cluster's layouts
+/// for `shape` at `context` tokens, printed fastest first.
+int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int64_t context);
 
 /// 1234567 -> "1.23 M" (for the readable table), with `unit` after the prefix.
 std::string si(double value, const char* unit = "");

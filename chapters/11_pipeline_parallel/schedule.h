@@ -95,10 +95,14 @@ Schedule zero_bubble(int64_t ranks, int64_t micro_batches);
 /// it. Nothing is exchanged between two stages on the same rank.
 Schedule add_communication(Schedule compute);
 
+/// Throws fivefold::Error, naming the reason, for a schedule that cannot run: an unknown name, p,
+/// v or m below 1, v > 1 with a schedule other than interleaved, or m not a multiple of p for
+/// interleaved. Builds nothing (a layout search checks thousands).
+void check_schedule(const std::string& name, int64_t ranks, int64_t virtual_stages,
+                    int64_t micro_batches);
+
 /// The schedule called `name` (schedule_names) for p ranks, v virtual stages and m micro-batches,
-/// with communication. Throws fivefold::Error, naming the reason, for an unknown name, p, v or m
-/// below 1, v > 1 with a schedule other than interleaved, or m not a multiple of p for
-/// interleaved.
+/// with communication, after check_schedule.
 Schedule make_schedule(const std::string& name, int64_t ranks, int64_t virtual_stages,
                        int64_t micro_batches);
 
@@ -114,6 +118,9 @@ struct UnitCosts {
   double forward = 1;          ///< F
   double backward_input = 1;   ///< B
   double backward_weight = 1;  ///< W; the whole backward costs B + W
+  /// Stages of unequal work (chapter 15's planner: the last stage also runs the head): virtual
+  /// stage s costs scale[s] times the three above. Empty: every stage the same.
+  std::vector<double> scale;
 };
 
 /// What the simulator found.

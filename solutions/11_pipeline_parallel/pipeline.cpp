@@ -35,7 +35,7 @@ ch03::ModelPart stage_part(int64_t n_layers, int64_t ranks, int64_t virtual_stag
 void check_pipeline(const ch03::ModelConfig& config, int64_t ranks, int64_t virtual_stages,
                     const std::string& schedule, int64_t micro_batches) {
   FIVEFOLD_CHECK(ranks >= 1, "--pp must be at least 1, got ", ranks);
-  make_schedule(schedule, ranks, virtual_stages, micro_batches);  // refuses what cannot run
+  check_schedule(schedule, ranks, virtual_stages, micro_batches);  // refuses what cannot run
   FIVEFOLD_CHECK(ranks * virtual_stages <= config.n_layers, "--pp ", ranks, " x --virtual-stages ",
                  virtual_stages, " = ", ranks * virtual_stages, " stages, but the model has only ",
                  config.n_layers, " layers: every stage needs at least one");

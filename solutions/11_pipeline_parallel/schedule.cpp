@@ -53,10 +53,7 @@ Schedule gpipe(int64_t ranks, int64_t micro_batches) {
 
 Schedule interleaved(int64_t ranks, int64_t virtual_stages, int64_t micro_batches) {
   const int64_t p = ranks, v = virtual_stages, m = micro_batches;
-  FIVEFOLD_CHECK(p >= 1 && v >= 1 && m >= 1, "interleaved: needs p, v and m >= 1");
-  FIVEFOLD_CHECK(m % p == 0, "interleaved: the micro-batches (", m,
-                 ") go through each rank's virtual stages in groups of p = ", p,
-                 ": they must be a multiple of it");
+  check_schedule("interleaved", p, v, m);
   Schedule s{"interleaved", p, v, m, {}};
   // The k-th forward of every rank: micro-batches in groups of p, each group through chunk 0,
   // then chunk 1, ... The k-th backward: the same groups through the chunks in reverse.
@@ -159,20 +156,30 @@ Schedule add_communication(Schedule compute) {
   return compute;
 }
 
-Schedule make_schedule(const std::string& name, int64_t ranks, int64_t virtual_stages,
-                       int64_t micro_batches) {
+void check_schedule(const std::string& name, int64_t ranks, int64_t virtual_stages,
+                    int64_t micro_batches) {
   FIVEFOLD_CHECK(ranks >= 1, "pipeline: needs at least 1 stage, got ", ranks);
   FIVEFOLD_CHECK(micro_batches >= 1, "pipeline: needs at least 1 micro-batch, got ", micro_batches);
   FIVEFOLD_CHECK(virtual_stages >= 1, "--virtual-stages must be at least 1, got ", virtual_stages);
+  const auto& names = schedule_names();
+  FIVEFOLD_CHECK(std::find(names.begin(), names.end(), name) != names.end(),
+                 "unknown pipeline schedule '", name, "' (gpipe, 1f1b, interleaved or zb)");
   FIVEFOLD_CHECK(virtual_stages == 1 || name == "interleaved", "--virtual-stages ", virtual_stages,
                  " needs --schedule interleaved (", name, " runs one stage per rank)");
+  FIVEFOLD_CHECK(name != "interleaved" || micro_batches % ranks == 0,
+                 "interleaved: the micro-batches (", micro_batches,
+                 ") go through each rank's virtual stages in groups of p = ", ranks,
+                 ": they must be a multiple of it");
+}
+
+Schedule make_schedule(const std::string& name, int64_t ranks, int64_t virtual_stages,
+                       int64_t micro_batches) {
+  check_schedule(name, ranks, virtual_stages, micro_batches);
   if (name == "gpipe") return add_communication(gpipe(ranks, micro_batches));
   if (name == "1f1b") return add_communication(one_f_one_b(ranks, micro_batches));
   if (name == "interleaved")
     return add_communication(interleaved(ranks, virtual_stages, micro_batches));
-  if (name == "zb") return add_communication(zero_bubble(ranks, micro_batches));
-  FIVEFOLD_CHECK(false, "unknown pipeline schedule '", name, "' (gpipe, 1f1b, interleaved or zb)");
-  return {};
+  return add_communication(zero_bubble(ranks, micro_batches));  // "zb"
 }
 
 double Simulation::bubble() const {
@@ -200,8 +207,8 @@ std::string named(const Schedule& s) {
 // Every compute once, on its stage's rank; sends after what they send, receives before what
 // needs them; every channel received in the order it is sent.
 void check_lists(const Schedule& s) {
-  FIVEFOLD_CHECK(static_cast<int64_t>(s.lists.size()) == s.ranks, named(s), ": ",
-                 s.lists.size(), " lists for ", s.ranks, " ranks");
+  FIVEFOLD_CHECK(static_cast<int64_t>(s.lists.size()) == s.ranks, named(s), ": ", s.lists.size(),
+                 " lists for ", s.ranks, " ranks");
   const int64_t last = s.stages() - 1;
   std::map<std::tuple<int, int64_t, int64_t>, int> count;  // (kind, stage, mb) -> times
   // channel (from rank, to rank, activation?) -> the (sending stage, micro-batch) sequence
@@ -215,8 +222,8 @@ void check_lists(const Schedule& s) {
       FIVEFOLD_CHECK(
           a.stage >= 0 && a.stage <= last && a.micro_batch >= 0 && a.micro_batch < s.micro_batches,
           named(s), ": rank ", r, " has ", describe(a), ", outside the pipeline");
-      FIVEFOLD_CHECK(s.rank_of(a.stage) == r, named(s), ": rank ", r, " has ",
-                     describe(a), ", which rank ", s.rank_of(a.stage), " holds");
+      FIVEFOLD_CHECK(s.rank_of(a.stage) == r, named(s), ": rank ", r, " has ", describe(a),
+                     ", which rank ", s.rank_of(a.stage), " holds");
       const int64_t j = a.micro_batch;
       switch (a.kind) {
         case ActionKind::SendActivation:
@@ -347,6 +354,7 @@ Simulation simulate(const Schedule& s, const UnitCosts& costs) {
               costs.backward_input + (a.kind == ActionKind::Backward ? costs.backward_weight : 0);
         }
         if (std::find(needs.begin(), needs.end(), nullptr) != needs.end()) break;  // waits
+        if (!costs.scale.empty()) cost *= costs.scale.at(static_cast<size_t>(a.stage));
         double start = now;
         for (const double* t : needs) start = std::max(start, *t);
         now = start + cost;

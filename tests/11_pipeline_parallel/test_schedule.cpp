@@ -111,6 +111,23 @@ TEST(Schedule, ZeroBubbleCutsTheIdleTimeToAThird) {
   EXPECT_DOUBLE_EQ(inter.makespan, 2 * 3 * 8 + 9);
 }
 
+TEST(Schedule, SimulatesStagesOfUnequalCost) {
+  // 1F1B, p = 2, m = 2, F = 1, B = 2, W = 1 (a backward that recomputes its forward), the last
+  // stage 1.5 times as long (chapter 15's planner: it also runs the head). By hand:
+  //   rank 1: F0 [1, 2.5], B0 [2.5, 7], F1 [7, 8.5], B1 [8.5, 13]
+  //   rank 0: F0 [0, 1], F1 [1, 2], B0 [7, 10] (after rank 1's B0), B1 [13, 16]
+  UnitCosts costs;
+  costs.backward_input = 2;
+  costs.scale = {1, 1.5};
+  const auto sim = simulate(make_schedule("1f1b", 2, 1, 2), costs);
+  EXPECT_DOUBLE_EQ(sim.makespan, 16);
+  EXPECT_DOUBLE_EQ(sim.busy, 8 + 12);
+  EXPECT_DOUBLE_EQ(sim.bubble(), (2 * 16 - 20) / 32.0);
+  ASSERT_EQ(sim.timeline.at(0).size(), 4u);
+  EXPECT_DOUBLE_EQ(sim.timeline.at(0).at(2).start, 7);
+  EXPECT_DOUBLE_EQ(sim.timeline.at(1).at(2).start, 7);  // F1 waits for B0 on the last stage
+}
+
 TEST(Schedule, RefusesWhatCannotRun) {
   EXPECT_TRUE(throws_error_containing([] { make_schedule("interleaved", 4, 2, 6); },
                                       "must be a multiple of it"));

@@ -1,0 +1,107 @@
+#pragma once
+/// @file planner.h
+/// @brief Chapter 15: choosing the layout. For a model, a cluster, a global batch and a sequence
+/// length, how long does a step of one layout take, does it fit, and which layout is fastest?
+///
+/// The step-time model is built from the chapters' own terms, never a second derivation: each
+/// rank's FLOPs (chapter 02's count, split as chapters 10-12 split the work), each group's bytes
+/// (chapter 10's tensor-parallel traffic, chapter 12's ring or all-gather, chapter 11's sends,
+/// chapter 09's gradient reduction), the pipeline's idle time from chapter 11's simulator run on
+/// the modelled costs, and the memory each rank needs from chapter 09's ZeRO formulas and chapter
+/// 14's activations. A collective of B wire bytes over a link costs B / bandwidth plus one
+/// latency per message; what overlaps with compute is stated where it is modelled
+/// (notes/15_trainer_5d.md, "Choosing the layout"). Dense Llama-shaped models (chapter 03's
+/// shape); layouts without expert parallelism.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "14_memory/precision.h"
+#include "15_trainer_5d/predict.h"
+#include "15_trainer_5d/trainer_5d.h"
+
+namespace fivefold::ch15 {
+
+/// One class of link between two devices: inside a node (NVLink, shared memory) or between
+/// nodes (InfiniBand, TCP).
+struct Link {
+  double latency = 0;    ///< seconds per message
+  double bandwidth = 0;  ///< bytes per second one device sends (each direction)
+};
+
+/// What the planner needs to know about the machines.
+struct Cluster {
+  std::string name;
+  int64_t devices = 1;           ///< in all
+  int64_t devices_per_node = 1;  ///< ranks whose groups stay on the node's link
+  double memory_bytes = 0;       ///< per device
+  /// Dense matmul FLOP/s of one device by precision: the datasheet's peak (for MFU) and what the
+  /// step's products sustain (for time).
+  double peak_flops_fp32 = 0, peak_flops_bf16 = 0;
+  double matmul_flops_fp32 = 0, matmul_flops_bf16 = 0;
+  Link intra_node;  ///< between devices of one node
+  Link inter_node;  ///< between nodes
+  /// Throws fivefold::Error naming the first missing or impossible value.
+  void validate() const;
+};
+
+/// The prediction for one layout, on the busiest rank.
+struct StepEstimate {
+  double compute = 0;  ///< seconds of forward, backward and recomputation, without idle time
+  /// Seconds of communication not hidden behind compute, by group: "tp", "cp", "pp", "dp".
+  std::map<std::string, double> exposed;
+  double bubble = 0;        ///< seconds the pipeline leaves the rank idle (chapter 11's simulator)
+  double step = 0;          ///< seconds a step takes: compute + exposed + bubble
+  int64_t state_bytes = 0;  ///< parameters, gradients and AdamW state kept (chapter 09)
+  int64_t activation_bytes = 0;  ///< activations kept at the peak of the schedule (chapter 14)
+  int64_t memory_bytes() const { return state_bytes + activation_bytes; }
+  /// What the last pipeline rank (the one with the head) computes in a step, recomputation
+  /// included: chapter 02's count split by tp and cp, attention for a causal kernel (half the
+  /// square).
+  StepFlops flops;
+  double model_flops =
+      0;           ///< the step's model FLOPs over all ranks (6NP + attention, no recompute)
+  double mfu = 0;  ///< model_flops / (step x devices x peak)
+  double tokens_per_second = 0;
+};
+
+/// One layout's step on `cluster` for `work` in `precision` (fp32: 4-byte activations and
+/// 4 + 4 + 8 bytes of state per parameter; bf16: 2-byte activations and the mixed-precision
+/// 2 + 2 + 12). `layout` must come from resolve_layout for cluster.devices processes.
+StepEstimate estimate_step(const Workload& work, const Layout& layout, const Cluster& cluster,
+                           ch14::Precision precision);
+
+/// A layout the search considered: its settings and its estimate.
+struct Candidate {
+  Layout layout;
+  int64_t micro_batches = 1;  ///< per data-parallel rank
+  ch14::Recompute recompute = ch14::Recompute::None;
+  StepEstimate estimate;
+};
+
+/// Every layout of `cluster.devices` processes that resolve_layout accepts for `work`'s model,
+/// sequence and batch: over tp, cp and pp (each size whose product divides the devices), ZeRO 0-3
+/// (0 alone without replicas), sequence parallelism (with tp), cp's ring and all-gather kernels
+/// (zig-zag), the schedules (1F1B alone without pp; interleaved with every v >= 2), micro-batches
+/// (the divisors of the rows per data-parallel rank, at most `max_micro_batches`) and
+/// recomputation (none, selective, full); work.micro_batches and work.recompute are ignored.
+struct Search {
+  int64_t valid = 0;            ///< layouts the trainer accepts (x the three recomputations)
+  int64_t fit = 0;              ///< of those, whose memory fits the device
+  int64_t dropped = 0;          ///< valid - fit
+  std::vector<Candidate> best;  ///< the fastest `keep` that fit, fastest first
+};
+/// What the search tries: sizes given (> 0) are fixed, to compare a published layout with the
+/// others of its shape.
+struct SearchLimits {
+  int64_t keep = 10;                       ///< the best kept
+  int64_t max_micro_batches = 64;          ///< the most micro-batches tried
+  int64_t dp = 0, tp = 0, pp = 0, cp = 0;  ///< 0: every size
+};
+/// The search. A layout whose step, without the pipeline's idle time, is already slower than the
+/// `keep`-th best found so far is counted but not simulated.
+Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precision precision,
+                      const SearchLimits& limits = {});
+
+}  // namespace fivefold::ch15

@@ -1,0 +1,124 @@
+// fivefold plan --search: the layouts of a cluster for a model, fastest first (chapter 15's
+// planner), as a table or JSON.
+#include <cstdio>
+#include <string>
+
+#include "14_memory/recompute.h"
+#include "15_trainer_5d/planner.h"
+#include "fivefold/cli.h"
+#include "fivefold/error.h"
+#include "plan_sections.h"
+#include "runtime/cluster.h"
+
+namespace fivefold::commands {
+
+namespace {
+
+// Chapter 03's model config for a Llama-shaped chapter 02 shape (what resolve_layout checks).
+ch03::ModelConfig llama_config(const ch02::TransformerShape& shape) {
+  FIVEFOLD_CHECK(shape.gated_mlp && !shape.layer_norm && !shape.biases,
+                 "fivefold plan --search: the planner models Llama-shaped models (RMSNorm, "
+                 "SwiGLU, no biases), not --gpt2");
+  ch03::ModelConfig config;
+  config.vocab_size = shape.vocab_size;
+  config.d_model = shape.d_model;
+  config.n_layers = shape.n_layers;
+  config.n_heads = shape.n_heads;
+  config.n_kv_heads = shape.n_kv_heads;
+  config.head_dim = shape.head_dim;
+  config.d_ff = shape.d_ff;
+  config.tied_embeddings = shape.tied_embeddings;
+  config.rope_theta = 10000;
+  return config;
+}
+
+nlohmann::json candidate_json(const ch15::Candidate& c) {
+  const ch15::StepEstimate& e = c.estimate;
+  return {{"layout", c.layout.describe()},
+          {"dp", c.layout.dp},
+          {"tp", c.layout.tp},
+          {"pp", c.layout.pp},
+          {"cp", c.layout.cp},
+          {"zero", c.layout.zero},
+          {"sequence_parallel", c.layout.sequence_parallel},
+          {"schedule", c.layout.schedule},
+          {"virtual_stages", c.layout.virtual_stages},
+          {"micro_batches", c.micro_batches},
+          {"recompute", ch14::to_string(c.recompute)},
+          {"step_s", e.step},
+          {"compute_s", e.compute},
+          {"exposed_s", e.exposed},
+          {"bubble_s", e.bubble},
+          {"state_bytes", e.state_bytes},
+          {"activation_bytes", e.activation_bytes},
+          {"mfu", e.mfu},
+          {"tokens_per_second", e.tokens_per_second}};
+}
+
+}  // namespace
+
+int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int64_t context) {
+  FIVEFOLD_CHECK(args.given("cluster"),
+                 "fivefold plan --search: give --cluster FILE (presets in "
+                 "chapters/15_trainer_5d/presets/clusters/)");
+  FIVEFOLD_CHECK(args.integer("batch") >= 1,
+                 "fivefold plan --search: give --batch, the global "
+                 "batch in sequences");
+  ch15::Cluster cluster = runtime::read_cluster(args.str("cluster"));
+  if (args.given("devices")) cluster.devices = args.integer("devices");
+  ch15::Workload work;
+  work.model = llama_config(shape);
+  work.seq_len = context;
+  work.batch = args.integer("batch");
+  const auto precision = ch14::parse_precision(args.str("precision"));
+  const int64_t top = args.integer("top");
+  FIVEFOLD_CHECK(top >= 1, "--top must be >= 1");
+  ch15::SearchLimits limits;
+  limits.keep = top;
+  limits.max_micro_batches = args.integer("max-micro-batches");
+  limits.dp = args.integer("dp");
+  limits.tp = args.integer("tp");
+  limits.pp = args.integer("pp");
+  limits.cp = args.integer("cp");
+  const ch15::Search found = ch15::search_layouts(work, cluster, precision, limits);
+  if (args.on("json")) {
+    nlohmann::json out = {{"cluster", cluster.name},
+                          {"devices", cluster.devices},
+                          {"valid", found.valid},
+                          {"fit", found.fit},
+                          {"dropped_for_memory", found.dropped},
+                          {"best", nlohmann::json::array()}};
+    for (const auto& candidate : found.best) out["best"].push_back(candidate_json(candidate));
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  std::printf("cluster   %s: %lld devices, %lld a node, %s each\n", cluster.name.c_str(),
+              static_cast<long long>(cluster.devices),
+              static_cast<long long>(cluster.devices_per_node),
+              si(cluster.memory_bytes, "B").c_str());
+  std::printf(
+      "workload  batch %lld x seq %lld, %s: %lld layouts the trainer accepts, %lld fit "
+      "in memory\n",
+      static_cast<long long>(work.batch), static_cast<long long>(context),
+      ch14::to_string(precision).c_str(), static_cast<long long>(found.valid),
+      static_cast<long long>(found.fit));
+  FIVEFOLD_CHECK(!found.best.empty(), "fivefold plan --search: no layout of ", cluster.devices,
+                 " devices fits this model in ", si(cluster.memory_bytes, "B"), " a device (",
+                 found.dropped, " tried)");
+  std::printf("%4s  %-9s %-9s %-9s %-9s %-9s %-9s %-9s %-9s %-6s %s\n", "#", "step s", "compute",
+              "tp", "cp", "pp", "dp", "bubble", "memory", "MFU", "layout");
+  for (size_t i = 0; i < found.best.size(); ++i) {
+    const ch15::Candidate& c = found.best[i];
+    const ch15::StepEstimate& e = c.estimate;
+    std::printf(
+        "%4zu  %-9.4g %-9.4g %-9.3g %-9.3g %-9.3g %-9.3g %-9.3g %-9s %-6.3f %s, m %lld, "
+        "recompute %s\n",
+        i + 1, e.step, e.compute, e.exposed.at("tp"), e.exposed.at("cp"), e.exposed.at("pp"),
+        e.exposed.at("dp"), e.bubble, si(static_cast<double>(e.memory_bytes()), "B").c_str(), e.mfu,
+        c.layout.describe().c_str(), static_cast<long long>(c.micro_batches),
+        ch14::to_string(c.recompute).c_str());
+  }
+  return 0;
+}
+
+}  // namespace fivefold::commands

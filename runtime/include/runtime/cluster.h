@@ -1,0 +1,34 @@
+#pragma once
+/// @file cluster.h
+/// @brief A cluster description (chapter 15's planner) read from a TOML file: one top-level
+/// `key = value` per line, strictly (an unknown key, a table or a value of the wrong kind is
+/// refused with the file and line, as `--config` refuses them). Presets in
+/// chapters/15_trainer_5d/presets/clusters/.
+///
+///     name = "H100 SXM, NVLink 4, 400 Gb/s InfiniBand"
+///     devices = 16384                 # in all (fivefold plan --devices overrides it)
+///     devices-per-node = 8
+///     memory-gb = 80                  # per device, 1e9 bytes
+///     peak-tflops-bf16 = 989          # dense, the datasheet's: for MFU
+///     peak-tflops-fp32 = 67
+///     matmul-tflops-bf16 = 750        # what the step's products sustain: for time
+///     matmul-tflops-fp32 = 50
+///     intra-node-gbps = 450           # GB/s one device sends inside its node
+///     intra-node-latency-us = 3
+///     inter-node-gbps = 50            # GB/s one device sends to other nodes
+///     inter-node-latency-us = 5
+
+#include <string>
+
+#include "15_trainer_5d/planner.h"
+
+namespace fivefold::runtime {
+
+/// The cluster `path` describes. Throws fivefold::Error naming the file (and line) for an
+/// unreadable file, malformed TOML, an unknown key, a missing key or an impossible value.
+ch15::Cluster read_cluster(const std::string& path);
+
+/// The TOML text read_cluster reads back as `cluster`.
+std::string cluster_toml(const ch15::Cluster& cluster);
+
+}  // namespace fivefold::runtime

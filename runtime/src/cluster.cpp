@@ -1,0 +1,94 @@
+// A cluster description file, read with the settings' own strict TOML reader (fivefold/cli.h).
+#include "runtime/cluster.h"
+
+#include <sstream>
+
+#include "fivefold/cli.h"
+#include "fivefold/error.h"
+
+namespace fivefold::runtime {
+
+namespace {
+
+// Every key: its name and where it goes, with the unit the file gives it in.
+struct Key {
+  const char* name;
+  const char* help;
+  double scale;  // file unit -> the planner's (bytes, FLOP/s, seconds)
+  double ch15::Cluster::*real = nullptr;
+  double ch15::Link::*link = nullptr;
+  ch15::Link ch15::Cluster::*which = nullptr;
+};
+
+const std::vector<Key>& keys() {
+  using C = ch15::Cluster;
+  using L = ch15::Link;
+  static const std::vector<Key> table = {
+      {"memory-gb", "memory per device, GB (1e9 bytes)", 1e9, &C::memory_bytes},
+      {"peak-tflops-bf16", "datasheet dense bf16 TFLOP/s (MFU)", 1e12, &C::peak_flops_bf16},
+      {"peak-tflops-fp32", "datasheet dense fp32 TFLOP/s (MFU)", 1e12, &C::peak_flops_fp32},
+      {"matmul-tflops-bf16", "bf16 TFLOP/s the step's products sustain", 1e12,
+       &C::matmul_flops_bf16},
+      {"matmul-tflops-fp32", "fp32 TFLOP/s the step's products sustain", 1e12,
+       &C::matmul_flops_fp32},
+      {"intra-node-gbps", "GB/s a device sends inside its node", 1e9, nullptr, &L::bandwidth,
+       &C::intra_node},
+      {"intra-node-latency-us", "microseconds a message takes inside a node", 1e-6, nullptr,
+       &L::latency, &C::intra_node},
+      {"inter-node-gbps", "GB/s a device sends to another node", 1e9, nullptr, &L::bandwidth,
+       &C::inter_node},
+      {"inter-node-latency-us", "microseconds a message takes between nodes", 1e-6, nullptr,
+       &L::latency, &C::inter_node},
+  };
+  return table;
+}
+
+}  // namespace
+
+ch15::Cluster read_cluster(const std::string& path) {
+  ArgParser file("cluster file", "A cluster description (chapter 15's planner).");
+  file.option("name", "", "what the cluster is");
+  file.option("devices", "", "devices in all");
+  file.option("devices-per-node", "", "devices that share a node's link");
+  for (const Key& key : keys()) file.option(key.name, "", key.help);
+  file.config_file("the cluster's TOML file");
+  const std::string at = "--config";
+  const char* argv[] = {"cluster", at.c_str(), path.c_str()};
+  file.parse(3, argv);
+  ch15::Cluster cluster;
+  cluster.name = file.str("name");
+  for (const char* name : {"devices", "devices-per-node"})
+    FIVEFOLD_CHECK(file.given(name), "cluster file '", path, "': no '", name, "' key");
+  cluster.devices = file.integer("devices");
+  cluster.devices_per_node = file.integer("devices-per-node");
+  for (const Key& key : keys()) {
+    FIVEFOLD_CHECK(file.given(key.name), "cluster file '", path, "': no '", key.name, "' key (",
+                   key.help, ")");
+    const double value = file.real(key.name) * key.scale;
+    if (key.real)
+      cluster.*key.real = value;
+    else
+      (cluster.*key.which).*key.link = value;
+  }
+  try {
+    cluster.validate();
+  } catch (const Error& e) {
+    throw Error("cluster file '" + path + "': " + e.what());
+  }
+  return cluster;
+}
+
+std::string cluster_toml(const ch15::Cluster& cluster) {
+  std::ostringstream out;
+  out.precision(17);
+  out << "name = \"" << cluster.name << "\"\n";
+  out << "devices = " << cluster.devices << "\n";
+  out << "devices-per-node = " << cluster.devices_per_node << "\n";
+  for (const Key& key : keys()) {
+    const double value = key.real ? cluster.*key.real : (cluster.*key.which).*key.link;
+    out << key.name << " = " << value / key.scale << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace fivefold::runtime

@@ -1,0 +1,257 @@
+// Chapter 15's planner: its pieces against the chapters' exact counts, the groups' links, the
+// pipeline's idle time, the search against the trainer's own checks, and the cluster files.
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "09_data_parallel/zero.h"
+#include "15_trainer_5d/planner.h"
+#include "15_trainer_5d/predict.h"
+#include "fivefold/error.h"
+#include "fixtures.h"
+#include "runtime/cluster.h"
+#include "testing.h"
+
+using namespace fivefold;
+using namespace fivefold::ch15;
+using fivefold::ch15::testing::sizes;
+using fivefold::testing::throws_error_containing;
+
+namespace {
+
+// A Llama of 4 blocks (GQA: 4 query heads, 2 key/value heads) on 64-token rows.
+Workload small(int64_t batch = 8, int64_t micro = 1) {
+  Workload w;
+  w.model.vocab_size = 256;
+  w.model.d_model = 64;
+  w.model.n_layers = 4;
+  w.model.n_heads = 4;
+  w.model.n_kv_heads = 2;
+  w.model.d_ff = 128;
+  w.model.rope_theta = 10000;
+  w.seq_len = 64;
+  w.batch = batch;
+  w.micro_batches = micro;
+  return w;
+}
+
+// A cluster of `devices`, `per_node` a node, whose links cost nothing unless set.
+Cluster cluster(int64_t devices, int64_t per_node = 8) {
+  Cluster c;
+  c.name = "test";
+  c.devices = devices;
+  c.devices_per_node = per_node;
+  c.memory_bytes = 1e12;
+  c.peak_flops_fp32 = c.peak_flops_bf16 = 2e12;
+  c.matmul_flops_fp32 = c.matmul_flops_bf16 = 1e12;
+  c.intra_node = {0, 1e30};
+  c.inter_node = {0, 1e30};
+  return c;
+}
+
+StepEstimate estimate(const Workload& w, Layout layout, const Cluster& c,
+                      ch14::Precision precision = ch14::Precision::Fp32) {
+  return estimate_step(w, resolve_layout(layout, c.devices, w), c, precision);
+}
+
+}  // namespace
+
+// The products and the head are chapter 15's exact counts (predicted_flops, which the trainer's
+// tests equal to chapter 02's FlopCounter), one device and each rank of tp 2, with and without
+// full recomputation (8 FLOPs a weight and token instead of 6). The attention is a causal
+// kernel's: half the square, where the exact count of a per-query causal kernel is s(s + 1)/2 of
+// s² (tile 1): within (s + 1)/s.
+TEST(Planner, ComputesWhatTheChaptersCount) {
+  for (auto mode : {ch14::Recompute::None, ch14::Recompute::Full}) {
+    for (int64_t tp : {1, 2}) {
+      Workload w = small(8, 2);
+      w.attention_tile = 1;
+      w.recompute = {mode, 1, 0};
+      const Layout layout = resolve_layout(sizes(0, tp, 1, 1), tp, w);
+      const StepEstimate e = estimate_step(w, layout, cluster(tp), ch14::Precision::Fp32);
+      for (int64_t rank = 0; rank < tp; ++rank) {
+        const StepFlops exact = predicted_flops(layout, w, rank, rank_parameters(layout, w, rank));
+        EXPECT_EQ(e.flops.matrices, exact.matrices) << "tp " << tp << " rank " << rank;
+        EXPECT_EQ(e.flops.head, exact.head) << "tp " << tp << " rank " << rank;
+        const double s = static_cast<double>(w.seq_len);
+        EXPECT_NEAR(static_cast<double>(e.flops.attention) * (s + 1) / s,
+                    static_cast<double>(exact.attention), 0.5)
+            << "tp " << tp << " rank " << rank;
+      }
+      // With links that cost nothing, the step is its compute: every FLOP at the matmul rate.
+      EXPECT_DOUBLE_EQ(e.step, e.compute);
+      EXPECT_NEAR(e.compute * 1e12, static_cast<double>(e.flops.total()), 1e-3 * e.flops.total());
+    }
+  }
+}
+
+// The state is chapter 09's ZeRO formula over the rank that holds the most, as chapter 15's
+// predict counts the real model's parts (predicted_state_bytes, equal to what the trainer's ranks
+// measure): dp 2 x pp 2, each ZeRO stage; bf16 keeps 2 + 2 + 12 bytes a parameter.
+TEST(Planner, KeepsChapter09sState) {
+  const Workload w = small(8, 2);
+  for (int zero = 0; zero <= 3; ++zero) {
+    const Layout layout = resolve_layout(sizes(2, 1, 2, 1, 1, zero), 4, w);
+    int64_t most = 0, psi = 0;
+    for (int64_t rank = 0; rank < 4; ++rank) {
+      const HeldParameters held = rank_parameters(layout, w, rank);
+      most = std::max(most, predicted_state_bytes(layout, held).total());
+      psi = std::max(psi, held.elements);
+    }
+    if (zero < 3) {  // ZeRO-3's exact count pads each unit to the ranks; the planner does not
+      EXPECT_EQ(estimate(w, layout, cluster(4)).state_bytes, most) << "ZeRO-" << zero;
+    }
+    const auto fp32 = ch09::zero_memory_formula(psi, 2, zero);
+    EXPECT_EQ(estimate(w, layout, cluster(4)).state_bytes, fp32.total()) << "ZeRO-" << zero;
+    EXPECT_EQ(estimate(w, layout, cluster(4), ch14::Precision::Bf16).state_bytes,
+              fp32.parameters / 2 + fp32.gradients / 2 + fp32.optimizer * 3 / 2)
+        << "ZeRO-" << zero;
+  }
+}
+
+// A group inside a node crosses the node's link, one that spans nodes the slower link: with 2
+// devices a node, tp 2 is on the node and tp 4 is not; cp's group (tp apart) leaves the node
+// sooner.
+TEST(Planner, PutsEachGroupOnItsLink) {
+  const Workload w = small(8);
+  Cluster fast = cluster(8, 2), slow = cluster(8, 2);
+  fast.intra_node = slow.intra_node = {1e-6, 1e11};
+  fast.inter_node = {1e-6, 1e11};
+  slow.inter_node = {1e-5, 1e9};
+  auto tp_time = [&](const Cluster& c, int64_t tp) {
+    return estimate(w, sizes(0, tp, 1, 1), c).exposed.at("tp");
+  };
+  EXPECT_GT(tp_time(fast, 2), 0);
+  EXPECT_DOUBLE_EQ(tp_time(fast, 2), tp_time(slow, 2));
+  EXPECT_GT(tp_time(slow, 4), 10 * tp_time(fast, 4));
+  // The data-parallel reduction of dp 4 x tp 2 spans 8 ranks: the nodes' link.
+  Cluster no_overlap = slow;
+  no_overlap.matmul_flops_fp32 = 1e30;  // nothing to hide behind
+  EXPECT_GT(estimate(w, sizes(4, 2, 1, 1), no_overlap).exposed.at("dp"),
+            estimate(w, sizes(4, 2, 1, 1), cluster(8, 2)).exposed.at("dp"));
+}
+
+// The pipeline's idle time is chapter 11's simulator on the modelled costs: with links that cost
+// nothing and stages of equal work (4 blocks on 2 stages, the head's cost made negligible), 1F1B
+// idles (p − 1)/(m + p − 1) of the step.
+TEST(Planner, IdlesAsChapter11Simulates) {
+  Workload w = small(8, 4);
+  w.model.vocab_size = 1;  // the head's products vanish: equal stages
+  const StepEstimate e = estimate(w, sizes(1, 1, 2, 1), cluster(2));
+  EXPECT_NEAR(e.bubble / e.step, 1.0 / (4 + 1), 1e-3);
+  EXPECT_NEAR(e.step, e.compute + e.bubble, 1e-12);
+  // Recomputation makes B longer: the idle share stays (p − 1)/(m + p − 1), the step grows.
+  w.recompute = {ch14::Recompute::Full, 1, 0};
+  const StepEstimate again = estimate(w, sizes(1, 1, 2, 1), cluster(2));
+  EXPECT_NEAR(again.bubble / again.step, 1.0 / 5, 1e-3);
+  EXPECT_NEAR(static_cast<double>(again.flops.matrices) / e.flops.matrices, 4.0 / 3, 1e-9);
+  EXPECT_NEAR((again.compute - e.compute) * 1e12,
+              static_cast<double>(again.flops.total() - e.flops.total()),
+              1e-3 * static_cast<double>(again.flops.total() - e.flops.total()));  // the head: 1e-3
+}
+
+// Every layout the search counts is one the trainer accepts and every layout the trainer accepts
+// in the search's domain is counted: brute force over a wider one (every schedule with every
+// v up to 4 at every pp, every m up to 8), each through resolve_layout.
+TEST(Planner, SearchesEveryLayoutTheTrainerAccepts) {
+  const Workload w = small(8);
+  const Cluster c = cluster(8);
+  int64_t accepted = 0;
+  for (int64_t tp : {1, 2, 4, 8})
+    for (int64_t pp : {1, 2, 4, 8})
+      for (int64_t cp : {1, 2, 4, 8}) {
+        if (8 % (tp * pp * cp) != 0) continue;
+        const int64_t dp = 8 / (tp * pp * cp);
+        for (const std::string schedule : {"gpipe", "1f1b", "interleaved", "zb"})
+          for (int64_t v = 1; v <= 4; ++v)
+            for (int64_t m = 1; m <= 8; ++m)
+              for (int zero = 0; zero <= 3; ++zero)
+                for (bool sp : {false, true})
+                  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+                    // The search's domain: one schedule without pp, interleaved with v >= 2
+                    // (v = 1 is 1F1B), ZeRO 0 without replicas, the ring without cp.
+                    if ((pp == 1 && (schedule != "1f1b" || v > 1)) ||
+                        (schedule == "interleaved" && v == 1) || (dp * cp == 1 && zero > 0) ||
+                        (cp == 1 && attention != ch12::CpAttention::Ring))
+                      continue;
+                    Layout l = sizes(dp, tp, pp, cp, 1, zero);
+                    l.schedule = schedule;
+                    l.virtual_stages = v;
+                    l.sequence_parallel = sp;
+                    l.cp_attention = attention;
+                    Workload mw = w;
+                    mw.micro_batches = m;
+                    try {
+                      resolve_layout(l, 8, mw);
+                      accepted += 3;  // none, selective, full
+                    } catch (const fivefold::Error&) {
+                    }
+                  }
+      }
+  SearchLimits everything;
+  everything.keep = 1000000;
+  const Search found = search_layouts(w, c, ch14::Precision::Fp32, everything);
+  EXPECT_GT(accepted, 100);
+  EXPECT_EQ(found.valid, accepted);
+  EXPECT_EQ(found.fit, found.valid);  // a terabyte each
+  ASSERT_EQ(static_cast<int64_t>(found.best.size()), found.fit);
+  std::set<std::string> seen;
+  for (size_t i = 0; i < found.best.size(); ++i) {
+    const Candidate& k = found.best[i];
+    Workload mw = w;
+    mw.micro_batches = k.micro_batches;
+    EXPECT_NO_THROW(resolve_layout(k.layout, 8, mw)) << k.layout.describe();
+    if (i > 0) EXPECT_LE(found.best[i - 1].estimate.step, k.estimate.step);
+    seen.insert(k.layout.describe() + " m " + std::to_string(k.micro_batches) + " " +
+                ch14::to_string(k.recompute));
+  }
+  EXPECT_EQ(static_cast<int64_t>(seen.size()), found.fit);  // no layout twice
+
+  // A device too small drops what does not fit; the best kept are the fastest that fit; fixing
+  // sizes keeps only those.
+  Cluster tight = c;
+  tight.memory_bytes = 2.5e6;
+  SearchLimits three;
+  three.keep = 3;
+  const Search fitting = search_layouts(w, tight, ch14::Precision::Fp32, three);
+  EXPECT_GT(fitting.dropped, 0);
+  EXPECT_EQ(fitting.fit + fitting.dropped, found.valid);
+  ASSERT_EQ(fitting.best.size(), 3u);
+  for (const Candidate& k : fitting.best) EXPECT_LE(k.estimate.memory_bytes(), tight.memory_bytes);
+  SearchLimits tp2 = everything;
+  tp2.tp = 2;
+  for (const Candidate& k : search_layouts(w, c, ch14::Precision::Fp32, tp2).best)
+    EXPECT_EQ(k.layout.tp, 2);
+}
+
+// The presets read, and what cluster_toml writes reads back the same; a bad file is refused with
+// its name and the key.
+TEST(Planner, ReadsClusterFiles) {
+  const std::string presets =
+      std::string(FIVEFOLD_SOURCE_DIR) + "/chapters/15_trainer_5d/presets/clusters/";
+  const Cluster h100 = runtime::read_cluster(presets + "h100-sxm.toml");
+  EXPECT_EQ(h100.devices_per_node, 8);
+  EXPECT_DOUBLE_EQ(h100.peak_flops_bf16, 989e12);
+  EXPECT_DOUBLE_EQ(h100.inter_node.bandwidth, 50e9);
+  for (const char* name : {"h800.toml", "a100-80gb.toml"})
+    EXPECT_NO_THROW(runtime::read_cluster(presets + name)) << name;
+
+  const auto dir = std::filesystem::temp_directory_path() / "fivefold_test_cluster";
+  std::filesystem::create_directories(dir);
+  const std::string again = (dir / "again.toml").string();
+  std::ofstream(again) << runtime::cluster_toml(h100);
+  const Cluster back = runtime::read_cluster(again);
+  EXPECT_EQ(back.name, h100.name);
+  EXPECT_EQ(back.devices, h100.devices);
+  EXPECT_DOUBLE_EQ(back.matmul_flops_bf16, h100.matmul_flops_bf16);
+  EXPECT_DOUBLE_EQ(back.intra_node.latency, h100.intra_node.latency);
+
+  const std::string typo = (dir / "typo.toml").string();
+  std::ofstream(typo) << runtime::cluster_toml(h100) << "inter-node-gbs = 3\n";
+  EXPECT_TRUE(throws_error_containing([&] { runtime::read_cluster(typo); }, "inter-node-gbs"));
+  const std::string missing = (dir / "missing.toml").string();
+  std::ofstream(missing) << "name = \"x\"\ndevices = 8\ndevices-per-node = 8\n";
+  EXPECT_TRUE(throws_error_containing([&] { runtime::read_cluster(missing); }, "memory-gb"));
+  std::filesystem::remove_all(dir);
+}
