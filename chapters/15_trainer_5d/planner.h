@@ -32,16 +32,16 @@ struct Link {
 
 /// What the planner needs to know about the machines.
 struct Cluster {
-  std::string name;
+  std::string name;              ///< what it is (a preset's datasheet line)
   int64_t devices = 1;           ///< in all
   int64_t devices_per_node = 1;  ///< ranks whose groups stay on the node's link
   double memory_bytes = 0;       ///< per device
-  /// Dense matmul FLOP/s of one device by precision: the datasheet's peak (for MFU) and what the
-  /// step's products sustain (for time).
-  double peak_flops_fp32 = 0, peak_flops_bf16 = 0;
-  double matmul_flops_fp32 = 0, matmul_flops_bf16 = 0;
-  Link intra_node;  ///< between devices of one node
-  Link inter_node;  ///< between nodes
+  double peak_flops_fp32 = 0;    ///< the datasheet's dense fp32 FLOP/s of a device (for MFU)
+  double peak_flops_bf16 = 0;    ///< the datasheet's dense bf16 FLOP/s (for MFU)
+  double matmul_flops_fp32 = 0;  ///< fp32 FLOP/s the step's products sustain (for time)
+  double matmul_flops_bf16 = 0;  ///< bf16 FLOP/s the step's products sustain (for time)
+  Link intra_node;               ///< between devices of one node
+  Link inter_node;               ///< between nodes
   /// Throws fivefold::Error naming the first missing or impossible value.
   void validate() const;
 };
@@ -55,29 +55,32 @@ struct StepEstimate {
   double step = 0;          ///< seconds a step takes: compute + exposed + bubble
   int64_t state_bytes = 0;  ///< parameters, gradients and AdamW state kept (chapter 09)
   int64_t activation_bytes = 0;  ///< activations kept at the peak of the schedule (chapter 14)
+  /// What the device must hold: state and activations.
   int64_t memory_bytes() const { return state_bytes + activation_bytes; }
   /// What the last pipeline rank (the one with the head) computes in a step, recomputation
   /// included: chapter 02's count split by tp and cp, attention for a causal kernel (half the
   /// square).
   StepFlops flops;
-  double model_flops =
-      0;           ///< the step's model FLOPs over all ranks (6NP + attention, no recompute)
-  double mfu = 0;  ///< model_flops / (step x devices x peak)
-  double tokens_per_second = 0;
+  /// The step's model FLOPs over all ranks (6NP + causal attention, no recomputation).
+  double model_flops = 0;
+  double mfu = 0;                ///< model_flops / (step x devices x peak)
+  double tokens_per_second = 0;  ///< the global batch's tokens over the step
 };
 
-/// One layout's step on `cluster` for `work` in `precision` (fp32: 4-byte activations and
-/// 4 + 4 + 8 bytes of state per parameter; bf16: 2-byte activations and the mixed-precision
-/// 2 + 2 + 12). `layout` must come from resolve_layout for cluster.devices processes.
+/// One layout's step on `cluster` for `work` in `precision` (fp32: 4-byte elements on the wire and
+/// 4 + 4 + 8 bytes of state per parameter; bf16: 2-byte elements and the mixed-precision
+/// 2 + 2 + 12; activations as chapter 14 counts them in that precision). `layout` must come from
+/// resolve_layout for cluster.devices processes. Throws fivefold::Error for a model with MLA or
+/// experts, or ep > 1: the model does not price them yet.
 StepEstimate estimate_step(const Workload& work, const Layout& layout, const Cluster& cluster,
                            ch14::Precision precision);
 
 /// A layout the search considered: its settings and its estimate.
 struct Candidate {
-  Layout layout;
-  int64_t micro_batches = 1;  ///< per data-parallel rank
-  ch14::Recompute recompute = ch14::Recompute::None;
-  StepEstimate estimate;
+  Layout layout;                                      ///< resolved
+  int64_t micro_batches = 1;                          ///< per data-parallel rank
+  ch14::Recompute recompute = ch14::Recompute::None;  ///< every block's
+  StepEstimate estimate;                              ///< estimate_step's
 };
 
 /// Every layout of `cluster.devices` processes that resolve_layout accepts for `work`'s model,
@@ -95,9 +98,12 @@ struct Search {
 /// What the search tries: sizes given (> 0) are fixed, to compare a published layout with the
 /// others of its shape.
 struct SearchLimits {
-  int64_t keep = 10;                       ///< the best kept
-  int64_t max_micro_batches = 64;          ///< the most micro-batches tried
-  int64_t dp = 0, tp = 0, pp = 0, cp = 0;  ///< 0: every size
+  int64_t keep = 10;                ///< the best kept
+  int64_t max_micro_batches = 512;  ///< the most micro-batches tried
+  int64_t dp = 0;                   ///< data-parallel ranks; 0: every size
+  int64_t tp = 0;                   ///< tensor-parallel ranks; 0: every size
+  int64_t pp = 0;                   ///< pipeline stages; 0: every size
+  int64_t cp = 0;                   ///< context-parallel ranks; 0: every size
 };
 /// The search. A layout whose step, without the pipeline's idle time, is already slower than the
 /// `keep`-th best found so far is counted but not simulated.
