@@ -1,0 +1,89 @@
+# `fivefold plan --search` as a user runs it, and what it prints run by the trainer:
+#   cmake -DFIVEFOLD=<program> -DMPIRUN=<mpirun and its flags> -DWORK=<scratch> -DROOT=<source>
+#         -P cli_plan_search.cmake
+# A search over 4 devices for the byte-vocabulary model of 4 layers (8 rows of 16 tokens) prints
+# its table; its JSON's best 3 layouts each train 2 steps under mpirun -np 4 with the flags the
+# planner chose. The refusals: no --cluster, a cluster file with an unknown key, a GPT-2 shape, a
+# DeepSeek-V3 config (MLA and experts are not in the step-time model).
+
+file(REMOVE_RECURSE ${WORK})
+file(MAKE_DIRECTORY ${WORK})
+set(cluster ${WORK}/four.toml)
+file(WRITE ${cluster} [=[
+name = "four processes"
+devices = 4
+devices-per-node = 2
+memory-gb = 1
+peak-tflops-bf16 = 0.4
+peak-tflops-fp32 = 0.2
+matmul-tflops-bf16 = 0.2
+matmul-tflops-fp32 = 0.1
+intra-node-gbps = 5
+intra-node-latency-us = 20
+inter-node-gbps = 1
+inter-node-latency-us = 50
+]=])
+set(model --d-model 64 --n-layers 4 --n-heads 4 --n-kv-heads 2 --d-ff 256 --vocab 259 --seq 16
+    --batch 8)
+
+execute_process(COMMAND ${FIVEFOLD} plan --search --cluster ${cluster} ${model} --top 3
+                RESULT_VARIABLE rc OUTPUT_VARIABLE table ERROR_VARIABLE err)
+message("${table}${err}")
+if(NOT rc EQUAL 0 OR NOT table MATCHES "layouts the trainer accepts" OR
+   NOT table MATCHES "\n +1  [0-9.e-]+ ")
+  message(FATAL_ERROR "plan --search: no table (exit ${rc})")
+endif()
+
+execute_process(COMMAND ${FIVEFOLD} plan --search --cluster ${cluster} ${model} --top 3 --json
+                RESULT_VARIABLE rc OUTPUT_VARIABLE json ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "plan --search --json: exit ${rc}\n${err}")
+endif()
+string(JSON kept LENGTH "${json}" best)
+if(NOT kept EQUAL 3)
+  message(FATAL_ERROR "plan --search --top 3 kept ${kept} layouts")
+endif()
+math(EXPR last "${kept} - 1")
+foreach(i RANGE ${last})
+  set(flags "")
+  foreach(key dp tp pp cp zero schedule virtual_stages micro_batches recompute)
+    string(JSON value GET "${json}" best ${i} ${key})
+    set(flag ${key})
+    if(key MATCHES "^micro_batches$")
+      set(flag accum)
+    endif()
+    string(REPLACE "_" "-" flag "${flag}")
+    list(APPEND flags --${flag} ${value})
+  endforeach()
+  string(JSON sp GET "${json}" best ${i} sequence_parallel)
+  if(sp)
+    list(APPEND flags --sequence-parallel)
+  endif()
+  string(JSON layout GET "${json}" best ${i} layout)
+  message("training the planner's layout ${i}: ${layout}: ${flags}")
+  execute_process(
+    COMMAND ${MPIRUN} -np 4 ${FIVEFOLD} train --out ${WORK}/run${i} --steps 2 --batch 8 --seq 16
+            --d-model 64 --n-layers 4 --n-heads 4 --n-kv-heads 2 --d-ff 256 --synthetic-examples 300
+            --eval-every 0 --exact-match 0 --save-every 0 --peak-gflops 100 --no-progress ${flags}
+    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0 OR NOT EXISTS ${WORK}/run${i}/metrics.jsonl)
+    message(FATAL_ERROR "the planner's layout ${layout} did not train (exit ${rc}):\n${out}${err}")
+  endif()
+endforeach()
+
+function(expect_refused what expect)
+  execute_process(COMMAND ${FIVEFOLD} plan --search ${ARGN} RESULT_VARIABLE rc
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "${expect}")
+    message(FATAL_ERROR "${what}: expected a refusal matching '${expect}', got exit ${rc}:\n"
+                        "${out}${err}")
+  endif()
+endfunction()
+expect_refused("no cluster" "give --cluster FILE" ${model})
+file(WRITE ${WORK}/typo.toml "name = \"x\"\ndevice = 4\n")
+expect_refused("a cluster file's typo" "unknown setting 'device'" --cluster ${WORK}/typo.toml
+               ${model})
+expect_refused("GPT-2" "Llama-shaped" --cluster ${cluster} ${model} --gpt2)
+expect_refused("DeepSeek-V3" "MLA and experts"
+               --cluster ${cluster} --config ${ROOT}/tests/07_moe/configs/deepseek-v3.json
+               --batch 8)
