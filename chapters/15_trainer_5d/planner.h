@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "11_pipeline_parallel/schedule.h"
 #include "14_memory/precision.h"
 #include "15_trainer_5d/predict.h"
 #include "15_trainer_5d/trainer_5d.h"
@@ -66,6 +67,26 @@ struct StepEstimate {
   double mfu = 0;                ///< model_flops / (step x devices x peak)
   double tokens_per_second = 0;  ///< the global batch's tokens over the step
 };
+
+/// One micro-batch through one pipeline stage, in seconds, by part: what estimate_step derives
+/// from the chapters' terms for the largest stage of a layout (notes/15_trainer_5d.md §7).
+struct StageTimes {
+  double products = 0;            ///< the weights' products, forward (B and W each as long)
+  double attention_forward = 0;   ///< the causal attention's forward products
+  double attention_backward = 0;  ///< its backward products
+  double recomputed = 0;          ///< what backward runs forward again (chapter 14)
+  double tp = 0;                  ///< tp's collectives in forward (backward has as many)
+  double tp_recomputed = 0;       ///< tp's collectives of the recomputed forward
+  double cp_forward = 0;          ///< cp's communication forward leaves exposed
+  double cp_backward = 0;         ///< and backward
+  double pp_send = 0;             ///< one send of the stage's output, or of its input's gradient
+};
+
+/// **The exercise** (README, "Choosing the layout"): chapter 11's simulator costs of one
+/// micro-batch through one stage: F, the forward with what it sends and waits for; B, the input's
+/// gradient; W, the weights' gradient (the two halves of the backward, which ZB-H1 schedules
+/// apart). Which part belongs to which, and which communication is paid in both directions?
+ch11::UnitCosts micro_batch_costs(const StageTimes& stage);
 
 /// One layout's step on `cluster` for `work` in `precision` (fp32: 4-byte elements on the wire and
 /// 4 + 4 + 8 bytes of state per parameter; bf16: 2-byte elements and the mixed-precision

@@ -171,13 +171,20 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
     pp_send = transfer(group_link(cluster, t * c * d, p), 1, bytes);
   }
 
-  // One micro-batch through the largest stage, as chapter 11's simulator takes it. Each weight's
-  // product is run three times (forward, the input's gradient B, the weight's W); B also runs
-  // attention's backward, what is recomputed, and the backward's communication.
-  costs.forward = products + attention + tp_forward + cp_forward + pp_send;
-  costs.backward_input = products + attention_backward + recomputed + tp_forward + tp_recomputed +
-                         cp_backward + pp_send;
-  costs.backward_weight = products;
+  // One micro-batch through the largest stage, as chapter 11's simulator takes it.
+  StageTimes stage;
+  stage.products = products;
+  stage.attention_forward = attention;
+  stage.attention_backward = attention_backward;
+  stage.recomputed = recomputed;
+  stage.tp = tp_forward;
+  stage.tp_recomputed = tp_recomputed;
+  stage.cp_forward = cp_forward;
+  stage.cp_backward = cp_backward;
+  stage.pp_send = pp_send;
+  const std::vector<double> scale = costs.scale;
+  costs = micro_batch_costs(stage);
+  costs.scale = scale;
   const double per_micro_batch = costs.forward + costs.backward_input + costs.backward_weight;
   const double makespan = m * busiest * per_micro_batch;
 

@@ -57,6 +57,28 @@ StepEstimate estimate(const Workload& w, Layout layout, const Cluster& c,
 
 }  // namespace
 
+// The exercise's contract: F is the forward with what it sends and waits for; B the input's
+// gradient, with attention's backward, what is recomputed and the backward's communication; W
+// the weights' gradient alone.
+TEST(Planner, PricesAMicroBatchFromItsParts) {
+  StageTimes t;
+  t.products = 1;
+  t.attention_forward = 2;
+  t.attention_backward = 4;
+  t.recomputed = 8;
+  t.tp = 16;
+  t.tp_recomputed = 32;
+  t.cp_forward = 64;
+  t.cp_backward = 128;
+  t.pp_send = 256;
+  const ch11::UnitCosts costs = micro_batch_costs(t);
+  EXPECT_DOUBLE_EQ(costs.forward, 1 + 2 + 16 + 64 + 256) << "F: products, attention, tp, cp, pp";
+  EXPECT_DOUBLE_EQ(costs.backward_input, 1 + 4 + 8 + 16 + 32 + 128 + 256)
+      << "B: products, attention's backward, the recomputed forward, tp twice over, cp, pp";
+  EXPECT_DOUBLE_EQ(costs.backward_weight, 1) << "W: the weights' products alone";
+  EXPECT_TRUE(costs.scale.empty());
+}
+
 // The products and the head are chapter 15's exact counts (predicted_flops, which the trainer's
 // tests equal to chapter 02's FlopCounter), one device and each rank of tp 2, with and without
 // full recomputation (8 FLOPs a weight and token instead of 6). The attention is a causal
