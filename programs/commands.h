@@ -5,6 +5,8 @@ namespace fivefold::commands {
 
 /// `fivefold plan`: a transformer's parameters, FLOPs, time and each parallelism's terms.
 int plan(int argc, char** argv);
+/// `fivefold calibrate`: this machine's cluster description for the planner, measured.
+int calibrate(int argc, char** argv);
 /// `fivefold train`: the chapters' training run, on one process or in any layout (chapter 15).
 int train(int argc, char** argv);
 /// `fivefold generate`: continue a prompt from a checkpoint.

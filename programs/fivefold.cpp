@@ -65,6 +65,7 @@ void usage() {
       "  eval      loss, perplexity and exact match of a checkpoint, or the logits of a "
       "sequence\n"
       "  tokenize  a text file into a .bin of token ids (SentencePiece)\n"
+      "  calibrate this machine's cluster description for `plan --search`, measured (mpirun)\n"
       "  compare   training curves of runs side by side (table, SVG)\n\n"
       "Run `fivefold <command> --help` for a command's options. Several processes:\n"
       "  mpirun -np 4 -x OMP_WAIT_POLICY=passive fivefold info         (MPI backend)\n"
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
     if (command == "info") return info(argc - 1, argv + 1);
     if (command == "plan") return fivefold::commands::plan(argc - 1, argv + 1);
     if (command == "train") return fivefold::commands::train(argc - 1, argv + 1);
+    if (command == "calibrate") return fivefold::commands::calibrate(argc - 1, argv + 1);
     if (command == "generate") return fivefold::commands::generate(argc - 1, argv + 1);
     if (command == "eval") return fivefold::commands::eval(argc - 1, argv + 1);
     if (command == "tokenize") return fivefold::commands::tokenize(argc - 1, argv + 1);

@@ -169,6 +169,9 @@ void declare_flags(ArgParser& args) {
                    "with --search: the cluster's TOML description (presets in "
                    "chapters/15_trainer_5d/presets/clusters/)");
   args.option("batch", "0", "with --search: the global batch, in sequences");
+  args.option("zero", "",
+              "with --search: only this ZeRO stage (--tp, --pp, --cp, --dp, "
+              "--schedule, --virtual-stages and --micro-batches, given, fix theirs)");
   args.option("top", "5", "with --search: how many layouts to print");
   args.option("max-micro-batches", "512", "with --search: the most micro-batches to try");
   args.flag("json", "print JSON instead of a table");

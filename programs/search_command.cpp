@@ -7,8 +7,13 @@
 #include "15_trainer_5d/planner.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
+#include "fivefold/io.h"
+#include "fivefold/log.h"
+#include "fivefold/runtime.h"
 #include "plan_sections.h"
+#include "runtime/calibrate.h"
 #include "runtime/cluster.h"
+#include "runtime/settings.h"
 
 namespace fivefold::commands {
 
@@ -80,6 +85,10 @@ int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int6
   limits.tp = args.integer("tp");
   limits.pp = args.integer("pp");
   limits.cp = args.integer("cp");
+  if (args.given("zero")) limits.zero = static_cast<int>(args.integer("zero"));
+  if (args.given("schedule")) limits.schedule = args.str("schedule");
+  if (args.given("virtual-stages")) limits.virtual_stages = args.integer("virtual-stages");
+  if (args.given("micro-batches")) limits.micro_batches = args.integer("micro-batches");
   const ch15::Search found = ch15::search_layouts(work, cluster, precision, limits);
   if (args.on("json")) {
     nlohmann::json out = {{"cluster", cluster.name},
@@ -117,6 +126,44 @@ int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int6
         e.exposed.at("dp"), e.bubble, si(static_cast<double>(e.memory_bytes()), "B").c_str(), e.mfu,
         c.layout.describe().c_str(), static_cast<long long>(c.micro_batches),
         ch14::to_string(c.recompute).c_str());
+  }
+  return 0;
+}
+
+int calibrate(int argc, char** argv) {
+  ArgParser args("fivefold calibrate",
+                 "This machine as chapter 15's planner describes a cluster, measured on the ranks "
+                 "of the job (under mpirun, one rank a device): the step's product rate in fp32 "
+                 "and bf16 (every rank training the model alone, at once), the link's latency "
+                 "and bandwidth (all-reduces and ring send/receives), the memory each rank may "
+                 "use. Writes the cluster file `fivefold plan --search --cluster` reads.");
+  args.option("cluster-out", "", "where to write the cluster's TOML file (required)");
+  args.option("timed-steps", "6", "steps timed in each precision (after one warm-up step)");
+  args.option("sizes", "4096,65536,1048576,4194304", "message sizes in bytes");
+  runtime::declare_run_flags(args);  // the model, --seq and --batch of the step that is timed
+  if (!args.parse(argc, argv)) return 0;
+  FIVEFOLD_CHECK(!args.str("cluster-out").empty(), "fivefold calibrate: give --cluster-out FILE");
+  FIVEFOLD_CHECK(!args.given("out"),
+                 "fivefold calibrate: it trains nothing it keeps: "
+                 "leave out --out (the cluster goes to --cluster-out)");
+  runtime::CalibrationOptions options;
+  options.run = runtime::run_from_flags(args);
+  options.run.model.validate();
+  options.steps = args.integer("timed-steps");
+  FIVEFOLD_CHECK(options.steps >= 1, "--timed-steps must be at least 1");
+  options.sizes = args.integers("sizes");
+  Runtime runtime;
+  const runtime::Calibration found = runtime::calibrate(runtime.world(), options);
+  if (runtime.world()->rank() == 0) {
+    io::write_file_atomic(args.str("cluster-out"), "# fivefold calibrate (" +
+                                                       std::to_string(runtime.world()->size()) +
+                                                       " ranks): " + found.measured.dump() + "\n" +
+                                                       runtime::cluster_toml(found.cluster));
+    log0() << "wrote " << args.str("cluster-out") << ": fp32 "
+           << si(found.cluster.matmul_flops_fp32) << "FLOP/s, bf16 "
+           << si(found.cluster.matmul_flops_bf16) << "FLOP/s a rank; latency "
+           << found.cluster.intra_node.latency * 1e6 << " us, "
+           << si(found.cluster.intra_node.bandwidth, "B/s");
   }
   return 0;
 }

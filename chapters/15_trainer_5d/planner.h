@@ -116,8 +116,8 @@ struct Search {
   int64_t dropped = 0;          ///< valid - fit
   std::vector<Candidate> best;  ///< the fastest `keep` that fit, fastest first
 };
-/// What the search tries: sizes given (> 0) are fixed, to compare a published layout with the
-/// others of its shape.
+/// What the search tries: what is given is fixed (to price a published layout among the others of
+/// its shape, or one layout alone).
 struct SearchLimits {
   int64_t keep = 10;                ///< the best kept
   int64_t max_micro_batches = 512;  ///< the most micro-batches tried
@@ -125,6 +125,10 @@ struct SearchLimits {
   int64_t tp = 0;                   ///< tensor-parallel ranks; 0: every size
   int64_t pp = 0;                   ///< pipeline stages; 0: every size
   int64_t cp = 0;                   ///< context-parallel ranks; 0: every size
+  int zero = -1;                    ///< ZeRO stage; -1: every stage
+  std::string schedule;             ///< pipeline schedule; "": every schedule
+  int64_t virtual_stages = 0;       ///< with interleaved; 0: every v
+  int64_t micro_batches = 0;        ///< per data-parallel rank; 0: every divisor
 };
 /// The search. A layout whose step, without the pipeline's idle time, is already slower than the
 /// `keep`-th best found so far is counted but not simulated.

@@ -80,7 +80,7 @@ ch15::Cluster read_cluster(const std::string& path) {
 
 std::string cluster_toml(const ch15::Cluster& cluster) {
   std::ostringstream out;
-  out.precision(17);
+  out.precision(8);
   out << "name = \"" << cluster.name << "\"\n";
   out << "devices = " << cluster.devices << "\n";
   out << "devices-per-node = " << cluster.devices_per_node << "\n";

@@ -387,7 +387,11 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
         }
         for (int64_t m : divisors(work.batch / dp)) {
           if (m > max_micro_batches) break;
+          if (!allowed(m, limits.micro_batches)) continue;
           for (const auto& [schedule, v] : schedules) {
+            if ((!limits.schedule.empty() && pp > 1 && schedule != limits.schedule) ||
+                (pp > 1 && !allowed(v, limits.virtual_stages)))
+              continue;
             Layout base;
             base.dp = dp;
             base.tp = tp;
@@ -404,19 +408,20 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
             }
             for (int zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero)
               for (bool sp : {false, true})
-                for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
-                  if ((sp && !sp_allowed) || (cp == 1 && attention != ch12::CpAttention::Ring))
-                    continue;
-                  Layout layout = base;
-                  layout.zero = zero;
-                  layout.sequence_parallel = sp;
-                  layout.cp_attention = attention;
-                  for (auto mode :
-                       {ch14::Recompute::None, ch14::Recompute::Selective, ch14::Recompute::Full}) {
-                    w.recompute = {mode, 1, 0};
-                    consider(layout, w);
+                if (limits.zero < 0 || zero == limits.zero || dp * cp == 1)
+                  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+                    if ((sp && !sp_allowed) || (cp == 1 && attention != ch12::CpAttention::Ring))
+                      continue;
+                    Layout layout = base;
+                    layout.zero = zero;
+                    layout.sequence_parallel = sp;
+                    layout.cp_attention = attention;
+                    for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective,
+                                      ch14::Recompute::Full}) {
+                      w.recompute = {mode, 1, 0};
+                      consider(layout, w);
+                    }
                   }
-                }
           }
         }
       }

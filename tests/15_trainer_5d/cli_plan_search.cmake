@@ -4,7 +4,8 @@
 # A search over 4 devices for the byte-vocabulary model of 4 layers (8 rows of 16 tokens) prints
 # its table; its JSON's best 3 layouts each train 2 steps under mpirun -np 4 with the flags the
 # planner chose. The refusals: no --cluster, a cluster file with an unknown key, a GPT-2 shape, a
-# DeepSeek-V3 config (MLA and experts are not in the step-time model).
+# DeepSeek-V3 config (MLA and experts are not in the step-time model). `fivefold calibrate` on 2
+# ranks writes a cluster file the search reads back; on one process it is refused.
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
@@ -70,6 +71,30 @@ foreach(i RANGE ${last})
     message(FATAL_ERROR "the planner's layout ${layout} did not train (exit ${rc}):\n${out}${err}")
   endif()
 endforeach()
+
+# `fivefold calibrate` on 2 ranks writes a cluster file that the search reads back.
+execute_process(COMMAND ${MPIRUN} -np 2 ${FIVEFOLD} calibrate --cluster-out ${WORK}/here.toml
+                        --d-model 64 --n-layers 2 --n-heads 4 --seq 16 --batch 4 --timed-steps 2
+                        --sizes 4096,65536
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT EXISTS ${WORK}/here.toml)
+  message(FATAL_ERROR "fivefold calibrate failed (exit ${rc}):\n${out}${err}")
+endif()
+file(READ ${WORK}/here.toml here)
+message("${here}")
+if(NOT here MATCHES "devices = 2\n" OR NOT here MATCHES "matmul-tflops-bf16 = [0-9]")
+  message(FATAL_ERROR "the calibrated cluster file lacks its devices or rates")
+endif()
+execute_process(COMMAND ${FIVEFOLD} plan --search --cluster ${WORK}/here.toml ${model} --top 1
+                RESULT_VARIABLE rc OUTPUT_VARIABLE table ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT table MATCHES "this machine, 2 ranks")
+  message(FATAL_ERROR "plan --search did not read the calibrated file (exit ${rc}):\n${table}${err}")
+endif()
+execute_process(COMMAND ${FIVEFOLD} calibrate --cluster-out ${WORK}/alone.toml --d-model 64
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "a link needs two ranks" OR EXISTS ${WORK}/alone.toml)
+  message(FATAL_ERROR "calibrate on one process: expected a refusal, got exit ${rc}:\n${out}${err}")
+endif()
 
 function(expect_refused what expect)
   execute_process(COMMAND ${FIVEFOLD} plan --search ${ARGN} RESULT_VARIABLE rc

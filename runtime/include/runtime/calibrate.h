@@ -1,0 +1,46 @@
+#pragma once
+/// @file calibrate.h
+/// @brief `fivefold calibrate`: this machine as chapter 15's planner describes a cluster,
+/// measured on the ranks of a job (one rank a device: under mpirun, each rank gets its share of
+/// the cores).
+///
+/// - The product rate, by precision: every rank trains the given model alone, at once (so that
+///   they share the machine as a job's ranks do); the step's FLOPs as the planner counts them
+///   (estimate_step on one device) over the median step time. It folds into the rate what a step
+///   does besides its products (norms, softmax, AdamW), in proportion to them.
+/// - The link: all-reduces over every rank and ring send/receives at each message size, the
+///   slowest rank's median; latency and bandwidth fitted to time = latency x messages + wire bytes
+///   / bandwidth (ring messages and wire bytes as the planner counts them). One host: inside a
+///   node and between nodes alike.
+/// - Memory: the machine's MemAvailable over the ranks.
+
+#include <cstdint>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "15_trainer_5d/planner.h"
+#include "fivefold/dist.h"
+#include "runtime/run.h"
+
+namespace fivefold::runtime {
+
+/// What calibrate measures on.
+struct CalibrationOptions {
+  RunConfig run;      ///< the model, sequence and batch whose step gives the product rate
+  int64_t steps = 6;  ///< timed steps (the first is left out: warm-up)
+  std::vector<int64_t> sizes = {4096, 65536, 1 << 20, 4 << 20};  ///< message bytes
+  int64_t iterations = 8;                                        ///< timed messages a size
+};
+
+/// The description and what each figure came from.
+struct Calibration {
+  ch15::Cluster cluster;    ///< name "this machine", devices and devices per node the job's ranks
+  nlohmann::json measured;  ///< step times, message times, the fit
+};
+
+/// Measures on every rank of `world` (collective; at least 2 ranks, to time a link). Throws
+/// fivefold::Error for one rank, naming how to run it.
+Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptions& options);
+
+}  // namespace fivefold::runtime

@@ -1,0 +1,144 @@
+// fivefold calibrate: this machine's cluster description, measured.
+#include "runtime/calibrate.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+
+#include "07_moe/moe.h"
+#include "14_memory/precision.h"
+#include "fivefold/error.h"
+#include "fivefold/timer.h"
+#include "runtime/layout.h"
+
+namespace fivefold::runtime {
+
+namespace {
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// The slowest rank's value.
+double slowest(double seconds, dist::Communicator& world) {
+  auto t = torch::tensor({seconds}, torch::kDouble);
+  world.all_reduce(t, dist::ReduceOp::Max);
+  return t.item<double>();
+}
+
+// Each step's seconds, from the loop's hooks.
+class StepClock : public RunObserver {
+ public:
+  void step_begins(int64_t) override { start_ = std::chrono::steady_clock::now(); }
+  void step_ended(int64_t, ch03::TrainingStep&, const ch03::StepResult&) override {
+    seconds.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+  }
+  std::vector<double> seconds;
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
+int64_t available_memory() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  int64_t kib = 0;
+  while (meminfo >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
+}  // namespace
+
+Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptions& options) {
+  const int n = world->size();
+  FIVEFOLD_CHECK(n >= 2,
+                 "fivefold calibrate: a link needs two ranks: run it under mpirun -np N "
+                 "(N >= 2, one rank a device)");
+  Calibration out;
+  ch15::Cluster& c = out.cluster;
+  c.name = "this machine, " + std::to_string(n) + " ranks (fivefold calibrate)";
+  c.devices = c.devices_per_node = n;
+  c.memory_bytes = static_cast<double>(available_memory()) / n;
+
+  // The product rate: each rank trains the model alone, all at once.
+  ch15::Workload work = workload_of(options.run);
+  ch15::Cluster unit = c;  // any valid description: the FLOPs do not depend on it
+  unit.peak_flops_fp32 = unit.peak_flops_bf16 = unit.matmul_flops_fp32 = unit.matmul_flops_bf16 = 1;
+  unit.intra_node = unit.inter_node = {0, 1};
+  unit.memory_bytes = 1;
+  const ch15::Layout one = ch15::resolve_layout({}, 1, work);
+  for (const char* precision : {"fp32", "bf16"}) {
+    RunConfig run = options.run;
+    run.precision = precision;
+    run.steps = run.train.total_steps = options.steps + 1;
+    run.train.warmup_steps = 0;  // the learning rate does not change the time
+    run.eval_every = 0;
+    run.exact_match_examples = 0;
+    run.progress = false;
+    run.out_dir.clear();
+    run.placement = {};
+    run.build_model = ch07::make_model;  // what the trainer builds (chapter 15's apply_layout)
+    StepClock clock;
+    run.observers.push_back(&clock);
+    world->barrier();
+    run_training(run);
+    clock.seconds.erase(clock.seconds.begin());  // warm-up
+    const double step = slowest(median(clock.seconds), *world);
+    const double flops = static_cast<double>(
+        ch15::estimate_step(work, one, unit, ch14::parse_precision(precision)).flops.total());
+    const double rate = flops / step;
+    if (std::string(precision) == "fp32")
+      c.matmul_flops_fp32 = c.peak_flops_fp32 = rate;
+    else
+      c.matmul_flops_bf16 = c.peak_flops_bf16 = rate;
+    out.measured["step"][precision] = {{"seconds", step}, {"flops", flops}, {"rate", rate}};
+  }
+
+  // The link: all-reduce over every rank, and each rank sending to the next while receiving
+  // from the previous (the ring's step, as cp's ring and pp's sends run).
+  std::vector<std::array<double, 3>> samples;  // messages, wire bytes, seconds
+  for (int64_t bytes : options.sizes) {
+    auto buffer = torch::ones({bytes / 4}, torch::kFloat);
+    auto received = torch::empty_like(buffer);
+    auto time = [&](const std::function<void()>& op) {
+      op();  // warm-up
+      std::vector<double> each;
+      for (int64_t i = 0; i < options.iterations; ++i) {
+        world->barrier();
+        Timer timer;
+        op();
+        each.push_back(timer.seconds());
+      }
+      return slowest(median(each), *world);
+    };
+    const double all_reduce = time([&] { world->all_reduce(buffer); });
+    const double ring = time([&] {
+      world->send_recv(buffer, (world->rank() + 1) % n, received, (world->rank() + n - 1) % n);
+    });
+    samples.push_back({2.0 * (n - 1), 2.0 * (n - 1) / n * bytes, all_reduce});
+    samples.push_back({1.0, static_cast<double>(bytes), ring});
+    out.measured["messages"].push_back(
+        {{"bytes", bytes}, {"all_reduce_s", all_reduce}, {"send_recv_s", ring}});
+  }
+  // Least squares for seconds = latency·messages + wire / bandwidth.
+  double mm = 0, mw = 0, ww = 0, mt = 0, wt = 0;
+  for (const auto& [m, w, t] : samples) {
+    mm += m * m, mw += m * w, ww += w * w, mt += m * t, wt += w * t;
+  }
+  const double det = mm * ww - mw * mw;
+  double latency = (mt * ww - wt * mw) / det, per_byte = (mm * wt - mw * mt) / det;
+  if (latency < 0) latency = 0, per_byte = wt / ww;  // the fit through zero
+  FIVEFOLD_CHECK(per_byte > 0,
+                 "fivefold calibrate: the message times do not grow with their "
+                 "size; run it again on a quieter machine");
+  c.intra_node = c.inter_node = {latency, 1 / per_byte};
+  out.measured["link"] = {{"latency_s", latency}, {"bandwidth_bytes_per_s", 1 / per_byte}};
+  c.validate();
+  return out;
+}
+
+}  // namespace fivefold::runtime
