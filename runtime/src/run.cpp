@@ -124,6 +124,16 @@ std::string changed(bool resume, const std::string& now, const std::string& befo
 
 }  // namespace
 
+namespace {
+
+// Puts a process-wide matmul kernel back when it goes out of scope.
+struct RestoreMatmulKernel {
+  std::shared_ptr<const MatmulKernel> previous;
+  ~RestoreMatmulKernel() { set_matmul_kernel(previous); }
+};
+
+}  // namespace
+
 RunResult run_training(const RunConfig& requested, bool resume) {
   RunConfig c = requested;
   RunResult result;
@@ -192,12 +202,10 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   // step builds itself (its tp slice, its stage, its experts).
   if (c.fast) c.train.make_adamw = fused_adamw;
   std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
-  // The matmul kernel is process-wide: the lesson's run unsets one a run before it installed.
-  if (c.fast) {
-    install_fast_paths(trainer->model());
-  } else {
-    set_matmul_kernel(nullptr);
-  }
+  // The matmul kernel is process-wide: each run starts from none (a run before may have left its
+  // oneDNN or bf16 kernel), installs its own, and puts back what it found when it returns.
+  const RestoreMatmulKernel restore{set_matmul_kernel(nullptr)};
+  if (c.fast) install_fast_paths(trainer->model());
   // Chapter 14: the products in bf16, after a look at whether this CPU computes bf16 faster.
   const std::string precision_change = changed(resume, c.precision, trained_in, "in");
   if (ch14::parse_precision(c.precision) == ch14::Precision::Bf16) {

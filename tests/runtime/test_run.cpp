@@ -92,6 +92,20 @@ TEST(Trainer, ResumeContinuesBitForBit) {
   EXPECT_EQ(metrics(stopped), metrics(straight));
 }
 
+// The matmul kernel is process-wide: a bf16 run must not leave its kernel to the next run in the
+// same process (seen: `fivefold calibrate`, which trains several runs, had its next run's
+// attention self-check fail, and an fp32 run after a bf16 one would have multiplied in bf16).
+TEST(Trainer, ARunLeavesTheNextItsOwnPrecision) {
+  RunConfig fp32 = tiny("", 3);
+  const RunResult first = run_training(fp32);
+  RunConfig bf16 = fp32;
+  bf16.precision = "bf16";
+  const RunResult rounded = run_training(bf16);
+  const RunResult again = run_training(fp32);
+  EXPECT_EQ(again.losses, first.losses);  // bit for bit: fp32 again
+  EXPECT_NE(rounded.losses, first.losses);
+}
+
 TEST(Trainer, WritesMetricsAndKeepsTheNewestCheckpoints) {
   ScratchDir scratch("layout");
   const std::string out = scratch.path("run");
