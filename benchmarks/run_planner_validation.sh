@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The planner (chapter 15, `fivefold plan --search`) against runs measured here: calibrates this
-# machine on 2 ranks (`fivefold calibrate`), then for each of 13 layouts of 1-2 ranks asks the
+# machine on 2 ranks (`fivefold calibrate`: a device is one of its 2 cores), then for each of 12
+# layouts of the 2 devices asks the
 # planner for its step time (the sizes, ZeRO stage, schedule, virtual stages and micro-batches
 # fixed; sequence parallelism, cp's kernel and recomputation as the planner chooses them), trains
 # that layout 7 steps and takes the median step time of steps 2-7 from metrics.jsonl. Prints a
 # Markdown table, the median absolute error, and whether the layout the planner ranks first is
 # the fastest measured.
 #   benchmarks/run_planner_validation.sh [BUILD (build)] [WORK (build/planner-validation)]
-# One-rank layouts run with FIVEFOLD_THREADS=1: a device is one core, as each of 2 ranks gets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build}
@@ -23,10 +23,10 @@ cluster=$work/this-machine.toml
 
 # name | ranks | dp tp pp cp | zero | schedule | v | m
 layouts=(
-  "one|1|1 1 1 1|0|1f1b|1|1" "one, 2 micro-batches|1|1 1 1 1|0|1f1b|1|2"
   "dp 2|2|2 1 1 1|0|1f1b|1|1" "dp 2, ZeRO-1|2|2 1 1 1|1|1f1b|1|1"
   "dp 2, ZeRO-2|2|2 1 1 1|2|1f1b|1|1" "dp 2, ZeRO-3|2|2 1 1 1|3|1f1b|1|1"
-  "dp 2, ZeRO-1, 2 micro-batches|2|2 1 1 1|1|1f1b|1|2" "tp 2|2|1 2 1 1|0|1f1b|1|1"
+  "dp 2, ZeRO-1, 2 micro-batches|2|2 1 1 1|1|1f1b|1|2"
+  "dp 2, ZeRO-3, 2 micro-batches|2|2 1 1 1|3|1f1b|1|2" "tp 2|2|1 2 1 1|0|1f1b|1|1"
   "pp 2, gpipe|2|1 1 2 1|0|gpipe|1|4" "pp 2, 1f1b|2|1 1 2 1|0|1f1b|1|4"
   "pp 2, zb|2|1 1 2 1|0|zb|1|4" "pp 2, interleaved v 2|2|1 1 2 1|0|interleaved|2|4"
   "cp 2|2|1 1 1 2|0|1f1b|1|1")
@@ -75,10 +75,9 @@ import statistics, sys
 rows = [line.strip().split('|') for line in open(sys.argv[1])]
 errors = [abs(float(p) - float(m)) / float(m) for _, m, p in rows]
 print(f"\nmedian absolute error {100 * statistics.median(errors):.1f}% over {len(rows)} layouts")
-two = [r for r in rows if not r[0].startswith('one')]
-best_predicted = min(two, key=lambda r: float(r[2]))
-best_measured = min(two, key=lambda r: float(r[1]))
+best_predicted = min(rows, key=lambda r: float(r[2]))
+best_measured = min(rows, key=lambda r: float(r[1]))
 gap = float(best_predicted[1]) / float(best_measured[1]) - 1
-print(f"2 ranks: the planner ranks '{best_predicted[0]}' first; the fastest measured is "
+print(f"the planner ranks '{best_predicted[0]}' first; the fastest measured is "
       f"'{best_measured[0]}'; the planner's first is {100 * gap:.1f}% slower than it")
 PY

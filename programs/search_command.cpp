@@ -138,7 +138,7 @@ int calibrate(int argc, char** argv) {
                  "and bandwidth (all-reduces and ring send/receives), the memory each rank may "
                  "use. Writes the cluster file `fivefold plan --search --cluster` reads.");
   args.option("cluster-out", "", "where to write the cluster's TOML file (required)");
-  args.option("timed-steps", "6", "steps timed in each precision (after one warm-up step)");
+  args.option("timed-steps", "10", "steps timed in each precision (after one warm-up step)");
   args.option("sizes", "4096,65536,1048576,4194304", "message sizes in bytes");
   runtime::declare_run_flags(args);  // the model, --seq and --batch of the step that is timed
   if (!args.parse(argc, argv)) return 0;

@@ -41,8 +41,12 @@ struct Cluster {
   double peak_flops_bf16 = 0;    ///< the datasheet's dense bf16 FLOP/s (for MFU)
   double matmul_flops_fp32 = 0;  ///< fp32 FLOP/s the step's products sustain (for time)
   double matmul_flops_bf16 = 0;  ///< bf16 FLOP/s the step's products sustain (for time)
-  Link intra_node;               ///< between devices of one node
-  Link inter_node;               ///< between nodes
+  /// Seconds a step's optimizer takes per parameter it updates, and whatever else a step costs
+  /// once whatever its tokens (AdamW streams each parameter's value, gradient and two moments:
+  /// memory-bound).
+  double optimizer_seconds_per_parameter = 0;
+  Link intra_node;  ///< between devices of one node
+  Link inter_node;  ///< between nodes
   /// Throws fivefold::Error naming the first missing or impossible value.
   void validate() const;
 };
@@ -53,7 +57,8 @@ struct StepEstimate {
   /// Seconds of communication not hidden behind compute, by group: "tp", "cp", "pp", "dp".
   std::map<std::string, double> exposed;
   double bubble = 0;        ///< seconds the pipeline leaves the rank idle (chapter 11's simulator)
-  double step = 0;          ///< seconds a step takes: compute + exposed + bubble
+  double optimizer = 0;     ///< seconds of the optimizer's update of the rank's share (ZeRO: 1/N)
+  double step = 0;          ///< seconds a step takes: compute + exposed + bubble + optimizer
   int64_t state_bytes = 0;  ///< parameters, gradients and AdamW state kept (chapter 09)
   int64_t activation_bytes = 0;  ///< activations kept at the peak of the schedule (chapter 14)
   /// What the device must hold: state and activations.

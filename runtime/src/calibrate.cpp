@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 
+#include "02_flops_6np/flops.h"
 #include "07_moe/moe.h"
 #include "14_memory/precision.h"
 #include "fivefold/error.h"
@@ -70,10 +71,14 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
   unit.peak_flops_fp32 = unit.peak_flops_bf16 = unit.matmul_flops_fp32 = unit.matmul_flops_bf16 = 1;
   unit.intra_node = unit.inter_node = {0, 1};
   unit.memory_bytes = 1;
-  const ch15::Layout one = ch15::resolve_layout({}, 1, work);
-  for (const char* precision : {"fp32", "bf16"}) {
+  // A step costs its products at the rate and, once a step whatever its tokens, the optimizer's
+  // update (and the loop's own work): two batches, the run's and half of it, give both.
+  FIVEFOLD_CHECK(options.run.batch >= 2 && options.run.batch % 2 == 0,
+                 "fivefold calibrate: --batch must be even (the step is timed at it and at half)");
+  auto timed_step = [&](const char* precision, int64_t batch) {
     RunConfig run = options.run;
     run.precision = precision;
+    run.batch = batch;
     run.steps = run.train.total_steps = options.steps + 1;
     run.train.warmup_steps = 0;  // the learning rate does not change the time
     run.eval_every = 0;
@@ -87,16 +92,37 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
     world->barrier();
     run_training(run);
     clock.seconds.erase(clock.seconds.begin());  // warm-up
-    const double step = slowest(median(clock.seconds), *world);
-    const double flops = static_cast<double>(
-        ch15::estimate_step(work, one, unit, ch14::parse_precision(precision)).flops.total());
-    const double rate = flops / step;
-    if (std::string(precision) == "fp32")
+    ch15::Workload w = work;
+    w.batch = batch;
+    const double flops =
+        static_cast<double>(ch15::estimate_step(w, ch15::resolve_layout({}, 1, w), unit,
+                                                ch14::parse_precision(precision))
+                                .flops.total());
+    return std::make_pair(slowest(median(clock.seconds), *world), flops);
+  };
+  double fixed = 0;
+  for (const char* precision : {"fp32", "bf16"}) {
+    const auto [full, full_flops] = timed_step(precision, options.run.batch);
+    const auto [half, half_flops] = timed_step(precision, options.run.batch / 2);
+    double rate = (full_flops - half_flops) / (full - half);
+    double once = full - full_flops / rate;
+    if (!(full > half) || once < 0) rate = full_flops / full, once = 0;  // noise: no fixed part
+    if (std::string(precision) == "fp32") {
       c.matmul_flops_fp32 = c.peak_flops_fp32 = rate;
-    else
+      fixed = once;
+    } else {
       c.matmul_flops_bf16 = c.peak_flops_bf16 = rate;
-    out.measured["step"][precision] = {{"seconds", step}, {"flops", flops}, {"rate", rate}};
+    }
+    out.measured["step"][precision] = {{"seconds", full},
+                                       {"flops", full_flops},
+                                       {"half_batch_seconds", half},
+                                       {"half_batch_flops", half_flops},
+                                       {"rate", rate},
+                                       {"once_a_step_s", once}};
   }
+  const double parameters =
+      static_cast<double>(ch02::count_parameters(options.run.model.shape()).total);
+  c.optimizer_seconds_per_parameter = fixed / parameters;
 
   // The link: all-reduce over every rank, and each rank sending to the next while receiving
   // from the previous (the ring's step, as cp's ring and pp's sends run).

@@ -31,6 +31,8 @@ const std::vector<Key>& keys() {
        &C::matmul_flops_bf16},
       {"matmul-tflops-fp32", "fp32 TFLOP/s the step's products sustain", 1e12,
        &C::matmul_flops_fp32},
+      {"adamw-ns-per-parameter", "nanoseconds the optimizer's update takes per parameter", 1e-9,
+       &C::optimizer_seconds_per_parameter},
       {"intra-node-gbps", "GB/s a device sends inside its node", 1e9, nullptr, &L::bandwidth,
        &C::intra_node},
       {"intra-node-latency-us", "microseconds a message takes inside a node", 1e-6, nullptr,

@@ -25,6 +25,8 @@ void Cluster::validate() const {
   FIVEFOLD_CHECK(
       matmul_flops_fp32 > 0 && matmul_flops_bf16 > 0 && peak_flops_fp32 > 0 && peak_flops_bf16 > 0,
       "cluster '", name, "': give the peak and sustained matmul FLOP/s in fp32 and bf16");
+  FIVEFOLD_CHECK(optimizer_seconds_per_parameter >= 0, "cluster '", name,
+                 "': the optimizer's seconds per parameter cannot be negative");
   FIVEFOLD_CHECK(intra_node.bandwidth > 0 && inter_node.bandwidth > 0 && intra_node.latency >= 0 &&
                      inter_node.latency >= 0,
                  "cluster '", name, "': give both links' bandwidth (> 0) and latency (>= 0)");
@@ -253,9 +255,9 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
              : std::max(in_flight * per_micro_batch_kept, per_micro_batch_kept + logits);
 
   // The data-parallel reduction of the step's gradients (fp32) runs beside the last micro-batch's
-  // backward; ZeRO-1 and 2 also gather the updated parameters, ZeRO-3 gathers them for every
-  // micro-batch's forward and backward and reduces each micro-batch's gradients, beside its
-  // compute.
+  // backward (chapter 09's buckets); ZeRO-1 and 2 also gather the updated parameters; ZeRO-3
+  // gathers them for every micro-batch's forward and backward and reduces each micro-batch's
+  // gradients, each unit when it is needed: chapter 09 does not prefetch, so none of it hides.
   double dp_time = 0;
   if (replicas > 1) {
     const Link& link = group_link(cluster, t, replicas);
@@ -270,12 +272,15 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
                 transfer(link, messages / 2, gather_wire(params, replicas));
     } else {
       const double each = transfer(link, 1.5 * messages, gather_wire(2 * params + grads, replicas));
-      dp_time = m * std::max(0.0, each - busiest * per_micro_batch);
+      dp_time = m * each;
     }
   }
   e.exposed["dp"] = dp_time;
+  // The optimizer updates what the rank keeps: its parameters, or under ZeRO its 1/N shard.
+  e.optimizer = cluster.optimizer_seconds_per_parameter *
+                static_cast<double>(layout.zero == 0 ? held : (held + replicas - 1) / replicas);
 
-  e.step = makespan + dp_time;
+  e.step = makespan + dp_time + e.optimizer;
   const double step_tokens = static_cast<double>(work.batch) * seq;
   e.model_flops = step_tokens * 3 * (f.total() - (f.attention_scores + f.attention_values) / 2);
   const double peak = bf16 ? cluster.peak_flops_bf16 : cluster.peak_flops_fp32;
@@ -286,8 +291,9 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
 
 // The pipeline's idle time (chapter 11's simulator run on the modelled costs) added to `e`.
 void add_pipeline(StepEstimate& e, const ch11::Simulation& timeline) {
-  const double scale = e.tokens_per_second * e.step;             // tokens a step
-  e.bubble = timeline.makespan - (e.step - e.exposed.at("dp"));  // the busiest rank's idle time
+  const double scale = e.tokens_per_second * e.step;  // tokens a step
+  e.bubble = timeline.makespan -
+             (e.step - e.exposed.at("dp") - e.optimizer);  // the busiest rank's idle time
   e.mfu *= e.step / (e.step + e.bubble);
   e.step += e.bubble;
   e.tokens_per_second = scale / e.step;

@@ -4,10 +4,12 @@
 /// measured on the ranks of a job (one rank a device: under mpirun, each rank gets its share of
 /// the cores).
 ///
-/// - The product rate, by precision: every rank trains the given model alone, at once (so that
-///   they share the machine as a job's ranks do); the step's FLOPs as the planner counts them
-///   (estimate_step on one device) over the median step time. It folds into the rate what a step
-///   does besides its products (norms, softmax, AdamW), in proportion to them.
+/// - The product rate, by precision, and what a step costs once: every rank trains the given
+///   model alone, at once (so that they share the machine as a job's ranks do), at the batch and
+///   at half of it; the median step times against the step's FLOPs as the planner counts them
+///   (estimate_step on one device) give the rate (the slope: it folds in what a step does
+///   besides its products, norms and softmax, in proportion to them) and the time a step costs
+///   whatever its tokens (the intercept: the optimizer's update, per parameter).
 /// - The link: all-reduces over every rank and ring send/receives at each message size, the
 ///   slowest rank's median; latency and bandwidth fitted to time = latency x messages + wire bytes
 ///   / bandwidth (ring messages and wire bytes as the planner counts them). One host: inside a
@@ -28,7 +30,7 @@ namespace fivefold::runtime {
 /// What calibrate measures on.
 struct CalibrationOptions {
   RunConfig run;      ///< the model, sequence and batch whose step gives the product rate
-  int64_t steps = 6;  ///< timed steps (the first is left out: warm-up)
+  int64_t steps = 10;  ///< timed steps (the first is left out: warm-up)
   std::vector<int64_t> sizes = {4096, 65536, 1 << 20, 4 << 20};  ///< message bytes
   int64_t iterations = 8;                                        ///< timed messages a size
 };
