@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <fstream>
 
 #include "02_flops_6np/flops.h"
 #include "07_moe/moe.h"
@@ -42,15 +41,6 @@ class StepClock : public RunObserver {
  private:
   std::chrono::steady_clock::time_point start_;
 };
-
-int64_t available_memory() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key, unit;
-  int64_t kib = 0;
-  while (meminfo >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
-  return 0;
-}
 
 }  // namespace
 

@@ -82,9 +82,6 @@ ch15::Workload workload_of(const RunConfig& run) {
           recompute_config(run)};
 }
 
-namespace {
-
-// Bytes of memory the system can still give (MemAvailable in /proc/meminfo); 0 when unknown.
 int64_t available_memory() {
   std::ifstream meminfo("/proc/meminfo");
   std::string key, unit;
@@ -94,8 +91,6 @@ int64_t available_memory() {
   }
   return 0;
 }
-
-}  // namespace
 
 void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& layout,
                           int local_ranks) {

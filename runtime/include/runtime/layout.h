@@ -27,6 +27,9 @@ ch15::Layout layout_from_flags(const ArgParser& args);
 /// micro-batches, and the tile of the fast paths' attention kernel (0 without the fast paths).
 ch15::Workload workload_of(const RunConfig& run);
 
+/// Bytes of memory the system can still give (MemAvailable in /proc/meminfo); 0 when unknown.
+int64_t available_memory();
+
 /// Refuses, before anything is allocated, a model whose fp32 weights, gradients and AdamW state
 /// (chapter 09's ZeRO formula over the layout's dp x cp ranks) for `local_ranks` processes on this
 /// machine do not fit in its available memory (MemAvailable in /proc/meminfo; unknown: no check).
