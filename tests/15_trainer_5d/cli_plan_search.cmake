@@ -19,6 +19,7 @@ peak-tflops-bf16 = 0.4
 peak-tflops-fp32 = 0.2
 matmul-tflops-bf16 = 0.2
 matmul-tflops-fp32 = 0.1
+adamw-ns-per-parameter = 1
 intra-node-gbps = 5
 intra-node-latency-us = 20
 inter-node-gbps = 1
