@@ -17,6 +17,11 @@ namespace fivefold::ch10 {
 /// norms whole on every rank.
 int64_t parameters_per_rank(const ch02::TransformerShape& shape, int t, int rank = 0);
 
+/// Rank `rank` of `t`'s part of every block as a shape of its own: its query heads, its key/value
+/// heads (one, shared, when there are fewer than ranks) and its MLP features (the first d_ff mod t
+/// ranks one more). The residual width, the vocabulary and the layers stay whole.
+ch02::TransformerShape rank_shape(const ch02::TransformerShape& shape, int t, int rank = 0);
+
 /// Operations and bytes of one kind, as the communicator counts them (comm_stats.h).
 struct Traffic {
   int64_t calls = 0;          ///< operations

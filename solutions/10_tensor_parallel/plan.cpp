@@ -29,6 +29,14 @@ double TensorParallelTraffic::wire_bytes() const {
   return all_reduce.wire_bytes + all_gather.wire_bytes + reduce_scatter.wire_bytes;
 }
 
+ch02::TransformerShape rank_shape(const ch02::TransformerShape& shape, int t, int rank) {
+  ch02::TransformerShape mine = shape;
+  mine.n_heads = shape.n_heads / t;
+  mine.n_kv_heads = std::max<int64_t>(1, shape.n_kv_heads / t);
+  mine.d_ff = split_sizes(shape.d_ff, t)[static_cast<size_t>(rank)];
+  return mine;
+}
+
 TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shape, int t, int64_t b,
                                               int64_t s, bool sequence_parallel,
                                               int64_t element_bytes) {

@@ -7,6 +7,7 @@
 
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
+#include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/plan.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
@@ -64,11 +65,9 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
   // This rank's share (its heads, key/value heads (one, shared, when there are fewer than ranks)
   // and MLP width) as a model of its own: chapter 11's block formula counts what it keeps without
   // recomputation. With sequence parallelism, also its share of the tokens.
-  const int64_t h = shape.n_heads / t, kv = std::max<int64_t>(1, shape.n_kv_heads / t);
-  ch02::TransformerShape mine = shape;
-  mine.n_heads = h;
-  mine.n_kv_heads = kv;
-  mine.d_ff = split_sizes(shape.d_ff, t)[static_cast<size_t>(r)];
+  const ch02::TransformerShape mine =
+      ch10::rank_shape(shape, static_cast<int>(t), static_cast<int>(r));
+  const int64_t h = mine.n_heads, kv = mine.n_kv_heads;
   const int64_t own = tp.sequence_parallel ? split_sizes(seq, t)[static_cast<size_t>(r)] : seq;
   // Under sequence parallelism the residual stream's part (each norm's x², 1/rms and x/rms, the
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens

@@ -51,15 +51,6 @@ double transfer(const Link& link, double calls, double wire) {
 double all_reduce_wire(double bytes, int64_t n) { return 2.0 * (n - 1) / n * bytes; }
 double gather_wire(double bytes, int64_t n) { return static_cast<double>(n - 1) / n * bytes; }
 
-// This rank's part of one block's width: its heads, key/value heads and MLP features (chapter
-// 10's split), for chapter 14's activation formula when cp and tp both split the block.
-ch02::TransformerShape tp_part(ch02::TransformerShape shape, int64_t t) {
-  shape.n_heads /= t;
-  shape.n_kv_heads = std::max<int64_t>(1, shape.n_kv_heads / t);
-  shape.d_ff = (shape.d_ff + t - 1) / t;
-  return shape;
-}
-
 // The estimate with the pipeline's timeline left out: a step of m·v micro-batches back to back
 // (exact without pp, a lower bound with it), for a rank that keeps `in_flight` micro-batches at
 // once. `costs` receives the pipeline simulator's costs of one micro-batch through one stage.
@@ -236,8 +227,8 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
     // tp with cp is not derived in chapter 14: this rank's heads and features under cp, and with
     // sequence parallelism the residual stream's part (6d + 2 numbers a token, or full
     // recomputation's kept input, d) for its 1/t of the tokens, as chapter 14 counts it under tp.
-    block =
-        ch14::block_activation_bytes(tp_part(shape, t), rows, seq, mode, {}, precision, cp_share);
+    block = ch14::block_activation_bytes(ch10::rank_shape(shape, static_cast<int>(t)), rows, seq,
+                                         mode, {}, precision, cp_share);
     if (layout.sequence_parallel) {
       const int64_t per_token =
           mode == ch14::Recompute::Full ? shape.d_model : 6 * shape.d_model + 2;
