@@ -282,9 +282,11 @@ int plan(int argc, char** argv) {
   if (args.given("config")) {
     const auto config = io::read_json(args.str("config"));
     if (config.is_object() && config.value("model_type", "") == "deepseek_v3") {
-      FIVEFOLD_CHECK(!args.on("search"),
-                     "fivefold plan --search: the planner's step-time model covers dense "
-                     "Llama-shaped models; MLA and experts (deepseek_v3) are not in it yet");
+      if (args.on("search")) {  // chapter 15's planner: MLA and experts without tp and cp
+        FIVEFOLD_CHECK(args.integer("ep") >= 0, "--ep must be >= 0");
+        return plan_search(args, ch03::config_from_json(config),
+                           args.given("seq") ? args.integer("seq") : 4096);
+      }
       return plan_deepseek_config(args, config);
     }
     try {
@@ -302,7 +304,7 @@ int plan(int argc, char** argv) {
                  "--ep: the model has no routed experts to distribute (give a DeepSeek-V3 "
                  "config.json, model_type deepseek_v3)");
   if (args.given("seq")) context = args.integer("seq");
-  if (args.on("search")) return plan_search(args, shape, context);
+  if (args.on("search")) return plan_search(args, llama_config(shape), context);
   const auto out = ch02::plan(shape, context, args.real("tokens"), args.real("budget"),
                               args.real("peak"), args.real("mfu"), args.integer("devices"));
   auto result = out;

@@ -18,9 +18,14 @@ class ArgParser;
 
 namespace fivefold::commands {
 
+/// Chapter 03's model config for a Llama-shaped chapter 02 shape (what resolve_layout checks);
+/// throws fivefold::Error for GPT-2's shape, which chapter 03 does not build.
+ch03::ModelConfig llama_config(const ch02::TransformerShape& shape);
+
 /// `fivefold plan --search` (search_command.cpp): chapter 15's planner over --cluster's layouts
-/// for `shape` at `context` tokens, printed fastest first.
-int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int64_t context);
+/// for `model` (Llama, or DeepSeek-V3's MLA and experts) at `context` tokens, printed fastest
+/// first.
+int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t context);
 
 /// 1234567 -> "1.23 M" (for the readable table), with `unit` after the prefix.
 std::string si(double value, const char* unit = "");

@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <string>
 
+#include "07_moe/moe.h"
 #include "14_memory/recompute.h"
 #include "15_trainer_5d/planner.h"
 #include "fivefold/cli.h"
@@ -17,9 +18,8 @@
 
 namespace fivefold::commands {
 
-namespace {
+namespace {}  // namespace
 
-// Chapter 03's model config for a Llama-shaped chapter 02 shape (what resolve_layout checks).
 ch03::ModelConfig llama_config(const ch02::TransformerShape& shape) {
   FIVEFOLD_CHECK(shape.gated_mlp && !shape.layer_norm && !shape.biases,
                  "fivefold plan --search: the planner models Llama-shaped models (RMSNorm, "
@@ -37,6 +37,8 @@ ch03::ModelConfig llama_config(const ch02::TransformerShape& shape) {
   return config;
 }
 
+namespace {
+
 nlohmann::json candidate_json(const ch15::Candidate& c) {
   const ch15::StepEstimate& e = c.estimate;
   return {{"layout", c.layout.describe()},
@@ -44,6 +46,7 @@ nlohmann::json candidate_json(const ch15::Candidate& c) {
           {"tp", c.layout.tp},
           {"pp", c.layout.pp},
           {"cp", c.layout.cp},
+          {"ep", c.layout.ep},
           {"zero", c.layout.zero},
           {"sequence_parallel", c.layout.sequence_parallel},
           {"schedule", c.layout.schedule},
@@ -62,7 +65,7 @@ nlohmann::json candidate_json(const ch15::Candidate& c) {
 
 }  // namespace
 
-int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int64_t context) {
+int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t context) {
   FIVEFOLD_CHECK(args.given("cluster"),
                  "fivefold plan --search: give --cluster FILE (presets in "
                  "chapters/15_trainer_5d/presets/clusters/)");
@@ -72,7 +75,7 @@ int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int6
   ch15::Cluster cluster = runtime::read_cluster(args.str("cluster"));
   if (args.given("devices")) cluster.devices = args.integer("devices");
   ch15::Workload work;
-  work.model = llama_config(shape);
+  work.model = model;
   work.seq_len = context;
   work.batch = args.integer("batch");
   const auto precision = ch14::parse_precision(args.str("precision"));
@@ -85,6 +88,7 @@ int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int6
   limits.tp = args.integer("tp");
   limits.pp = args.integer("pp");
   limits.cp = args.integer("cp");
+  limits.ep = args.integer("ep");
   if (args.given("zero")) limits.zero = static_cast<int>(args.integer("zero"));
   if (args.given("schedule")) limits.schedule = args.str("schedule");
   if (args.given("virtual-stages")) limits.virtual_stages = args.integer("virtual-stages");
@@ -114,15 +118,20 @@ int plan_search(const ArgParser& args, const ch02::TransformerShape& shape, int6
   FIVEFOLD_CHECK(!found.best.empty(), "fivefold plan --search: no layout of ", cluster.devices,
                  " devices fits this model in ", si(cluster.memory_bytes, "B"), " a device (",
                  found.dropped, " tried)");
-  std::printf("%4s  %-9s %-9s %-9s %-9s %-9s %-9s %-9s %-9s %-6s %s\n", "#", "step s", "compute",
-              "tp", "cp", "pp", "dp", "bubble", "memory", "MFU", "layout");
+  const bool experts = ch07::has_routed_experts(model);
+  std::printf("%4s  %-9s %-9s %-9s %-9s %-9s%s %-9s %-9s %-9s %-6s %s\n", "#", "step s", "compute",
+              "tp", "cp", "pp", experts ? " ep       " : "", "dp", "bubble", "memory", "MFU",
+              "layout");
   for (size_t i = 0; i < found.best.size(); ++i) {
     const ch15::Candidate& c = found.best[i];
     const ch15::StepEstimate& e = c.estimate;
+    char ep[16] = "";
+    if (experts)
+      std::snprintf(ep, sizeof ep, " %-9.3g", e.exposed.count("ep") ? e.exposed.at("ep") : 0.0);
     std::printf(
-        "%4zu  %-9.4g %-9.4g %-9.3g %-9.3g %-9.3g %-9.3g %-9.3g %-9s %-6.3f %s, m %lld, "
+        "%4zu  %-9.4g %-9.4g %-9.3g %-9.3g %-9.3g%s %-9.3g %-9.3g %-9s %-6.3f %s, m %lld, "
         "recompute %s\n",
-        i + 1, e.step, e.compute, e.exposed.at("tp"), e.exposed.at("cp"), e.exposed.at("pp"),
+        i + 1, e.step, e.compute, e.exposed.at("tp"), e.exposed.at("cp"), e.exposed.at("pp"), ep,
         e.exposed.at("dp"), e.bubble, si(static_cast<double>(e.memory_bytes()), "B").c_str(), e.mfu,
         c.layout.describe().c_str(), static_cast<long long>(c.micro_batches),
         ch14::to_string(c.recompute).c_str());

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "02_flops_6np/flops.h"
 #include "03_transformer/model.h"
 #include "fivefold/dist.h"
 
@@ -197,6 +198,39 @@ struct MoeParameters {
 /// The counts from a config's dimensions (chapter 03's attention or chapter 06's MLA; dense or MoE
 /// MLPs). DeepSeek-V3's config gives its published 671 B total, 37 B active.
 MoeParameters count_parameters(const ch03::ModelConfig& config);
+
+/// One block's parameters, by what multiplies a token and what does not.
+struct BlockParameters {
+  int64_t attention = 0;  ///< attention's weight matrices (grouped-query, or MLA's projections)
+  int64_t output = 0;     ///< of those, the output projection (heads' values back to d_model)
+  /// The MLP's matrices every token multiplies: the dense MLP, or a MoE layer's router and shared
+  /// experts.
+  int64_t mlp = 0;
+  int64_t expert = 0;      ///< one routed expert's matrices (0 in a dense block)
+  int64_t experts = 0;     ///< routed experts: E (0 in a dense block)
+  int64_t per_token = 0;   ///< routed experts a token goes to: k (0 in a dense block)
+  int64_t vectors = 0;     ///< what multiplies no token: the norms, the router's bias
+  /// Of vectors, what no optimizer trains: the router's bias (the balancing rule moves it).
+  int64_t frozen = 0;
+  int64_t query_key = 0;   ///< a head's query and key width (MLA: nope + rope)
+  int64_t value = 0;       ///< a head's value width
+  /// Every parameter of the block.
+  int64_t total() const { return attention + mlp + experts * expert + vectors; }
+  /// Those one token uses.
+  int64_t active() const { return attention + mlp + per_token * expert + vectors; }
+};
+
+/// Block `layer` (from 0) of `config`: count_parameters, one block at a time.
+BlockParameters block_parameters(const ch03::ModelConfig& config, int64_t layer);
+
+/// Forward matmul FLOPs one token spends in block `layer` of `config` at `context` tokens, by
+/// component, counted as chapter 02 counts them: 2 a weight the token multiplies (k routed
+/// experts, the router and the shared experts in a MoE layer; MLA's down- and up-projections in
+/// qkv), and the full [context x context] square of scores as chapter 03's attention runs it
+/// (heads x query/key width, heads x value width). lm_head is 0: the head is not a block's. For
+/// a Llama config, equal to chapter 02's forward_flops_per_token over n_layers.
+ch02::FlopBreakdown block_forward_flops(const ch03::ModelConfig& config, int64_t layer,
+                                        int64_t context);
 
 /// After each optimizer step (the training run's after_step, runtime/run.h): applies every MoE
 /// layer's bias update and resets its counts. Returns, over the MoE layers, "moe_load" (each

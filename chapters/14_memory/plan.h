@@ -81,9 +81,13 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// assignment (k a token) its input row, its expert's output and that output gated (3d), the
 /// expert's SwiGLU (4f_e) and 3 gate values, plus four int64 indices. Per block: the
 /// probabilities 4b·h·s², the mask s², RoPE's cos and sin 4s·r. Dropless routing without the
-/// auxiliary loss only (refused otherwise, as not derived).
+/// auxiliary loss only (refused otherwise, as not derived). With full recomputation (`mode`
+/// Full) the block keeps its input, 4bsd, as a Llama block does, and a MoE layer its last routing
+/// (k int64 indices and k gates a token, kept outside the graph); selective recomputation is not
+/// derived for MLA and is refused.
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
-                                        int64_t batch, int64_t seq);
+                                        int64_t batch, int64_t seq,
+                                        Recompute mode = Recompute::None);
 
 /// A recomputation choice and what it costs: the blocks' activations for one micro-batch and the
 /// training FLOPs per token.

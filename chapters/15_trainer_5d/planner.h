@@ -10,8 +10,8 @@
 /// the modelled costs, and the memory each rank needs from chapter 09's ZeRO formulas and chapter
 /// 14's activations. A collective of B wire bytes over a link costs B / bandwidth plus one
 /// latency per message; what overlaps with compute is stated where it is modelled
-/// (notes/15_trainer_5d.md, "Choosing the layout"). Dense Llama-shaped models (chapter 03's
-/// shape); layouts without expert parallelism.
+/// (notes/15_trainer_5d.md, "Choosing the layout"). Llama-shaped models (chapter 03) in every
+/// layout; MLA and MoE models (chapters 06-07) without tp and cp, with ep (chapter 13).
 #include <cstdint>
 #include <map>
 #include <string>
@@ -84,6 +84,9 @@ struct StageTimes {
   double tp_recomputed = 0;       ///< tp's collectives of the recomputed forward
   double cp_forward = 0;          ///< cp's communication forward leaves exposed
   double cp_backward = 0;         ///< and backward
+  double ep_forward = 0;          ///< ep's all-to-alls in forward (counts, dispatch, combine)
+  double ep_backward = 0;         ///< and their mirror in backward
+  double ep_recomputed = 0;       ///< ep's all-to-alls of the recomputed forward
   double pp_send = 0;             ///< one send of the stage's output, or of its input's gradient
 };
 
@@ -96,8 +99,10 @@ ch11::UnitCosts micro_batch_costs(const StageTimes& stage);
 /// One layout's step on `cluster` for `work` in `precision` (fp32: 4-byte elements on the wire and
 /// 4 + 4 + 8 bytes of state per parameter; bf16: 2-byte elements and the mixed-precision
 /// 2 + 2 + 12; activations as chapter 14 counts them in that precision). `layout` must come from
-/// resolve_layout for cluster.devices processes. Throws fivefold::Error for a model with MLA or
-/// experts, or ep > 1: the model does not price them yet.
+/// resolve_layout for cluster.devices processes. A model with MLA and experts (chapters 06-07,
+/// DeepSeek-V3's shape) is priced block by block, with ep's all-to-alls (chapter 13); it throws
+/// fivefold::Error for such a model with tp or cp > 1 or selective recomputation, whose
+/// activations chapter 14 does not derive.
 StepEstimate estimate_step(const Workload& work, const Layout& layout, const Cluster& cluster,
                            ch14::Precision precision);
 
@@ -114,7 +119,9 @@ struct Candidate {
 /// (0 alone without replicas), sequence parallelism (with tp), cp's ring and all-gather kernels
 /// (zig-zag), the schedules (1F1B alone without pp; interleaved with every v >= 2), micro-batches
 /// (the divisors of the rows per data-parallel rank, at most `max_micro_batches`) and
-/// recomputation (none, selective, full); work.micro_batches and work.recompute are ignored.
+/// recomputation (none, selective, full); work.micro_batches and work.recompute are ignored. A
+/// model with MLA and experts: tp and cp 1, recomputation none or full, and ep over every size
+/// that divides dp·cp and the experts.
 struct Search {
   int64_t valid = 0;            ///< layouts the trainer accepts (x the three recomputations)
   int64_t fit = 0;              ///< of those, whose memory fits the device
@@ -130,6 +137,7 @@ struct SearchLimits {
   int64_t tp = 0;                   ///< tensor-parallel ranks; 0: every size
   int64_t pp = 0;                   ///< pipeline stages; 0: every size
   int64_t cp = 0;                   ///< context-parallel ranks; 0: every size
+  int64_t ep = 0;                   ///< expert-parallel ranks (a model with experts); 0: every
   int zero = -1;                    ///< ZeRO stage; -1: every stage
   std::string schedule;             ///< pipeline schedule; "": every schedule
   int64_t virtual_stages = 0;       ///< with interleaved; 0: every v

@@ -257,39 +257,61 @@ ExpertLoad MoeImpl::update_bias(dist::Communicator* comm) {
   return used;
 }
 
-MoeParameters count_parameters(const ch03::ModelConfig& c) {
+BlockParameters block_parameters(const ch03::ModelConfig& c, int64_t layer) {
   const int64_t d = c.d_model, h = c.n_heads;
-  int64_t attention;                                                       // per layer
+  BlockParameters b;
+  b.vectors = 2 * d;                                                       // the two norms
   if (!c.extensions.is_null() && c.extensions.contains("kv_lora_rank")) {  // MLA (chapter 06)
     const auto m = ch06::MlaConfig::from_json(c.extensions);
-    const int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
-    attention = (m.q_lora_rank > 0 ? d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk
-                                   : d * h * qk) +
-                d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank +
-                m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d;
-  } else {  // chapter 03's grouped-query attention
-    const int64_t hd = c.resolved_head_dim();
-    attention = d * h * hd + 2 * d * c.n_kv_heads * hd + h * hd * d;
+    b.query_key = m.qk_nope_head_dim + m.qk_rope_head_dim;
+    b.value = m.v_head_dim;
+    const int64_t query = m.q_lora_rank > 0 ? d * m.q_lora_rank + m.q_lora_rank * h * b.query_key
+                                            : d * h * b.query_key;
+    b.output = h * m.v_head_dim * d;
+    b.attention = query + d * (m.kv_lora_rank + m.qk_rope_head_dim) +
+                  m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + b.output;
+    b.vectors += m.q_lora_rank + m.kv_lora_rank;  // the latents' norms (none without q_lora)
+  } else {                                        // chapter 03's grouped-query attention
+    b.query_key = b.value = c.resolved_head_dim();
+    b.output = h * b.value * d;
+    b.attention = d * h * b.query_key + 2 * d * c.n_kv_heads * b.value + b.output;
   }
-  const bool moe = has_routed_experts(c);
-  const MoeConfig e = moe ? MoeConfig::from_json(c.extensions) : MoeConfig{};
-  const int64_t expert = 3 * d * e.moe_intermediate_size;
+  const MoeConfig e = has_routed_experts(c) ? MoeConfig::from_json(c.extensions) : MoeConfig{};
+  if (has_routed_experts(c) && e.is_moe_layer(layer)) {
+    b.expert = 3 * d * e.moe_intermediate_size;
+    b.experts = e.n_routed_experts;
+    b.per_token = e.num_experts_per_tok;
+    b.mlp = e.n_routed_experts * d + e.n_shared_experts * b.expert;  // router, shared experts
+    b.vectors += e.n_routed_experts;                                 // the router's bias
+    b.frozen = e.n_routed_experts;
+  } else {
+    b.mlp = 3 * d * c.d_ff;
+  }
+  return b;
+}
+
+MoeParameters count_parameters(const ch03::ModelConfig& c) {
   MoeParameters p;
-  p.total = c.vocab_size * d * (c.tied_embeddings ? 1 : 2) + d;  // embedding, head, final norm
+  p.total = c.vocab_size * c.d_model * (c.tied_embeddings ? 1 : 2) + c.d_model;  // + final norm
   p.active = p.total;
   for (int64_t i = 0; i < c.n_layers; ++i) {
-    const int64_t common = 2 * d + attention;  // two norms and attention
-    if (moe && e.is_moe_layer(i)) {
-      const int64_t router = e.n_routed_experts * d + e.n_routed_experts,
-                    shared = e.n_shared_experts * expert;
-      p.total += common + router + e.n_routed_experts * expert + shared;
-      p.active += common + router + e.num_experts_per_tok * expert + shared;
-    } else {
-      p.total += common + 3 * d * c.d_ff;
-      p.active += common + 3 * d * c.d_ff;
-    }
+    const BlockParameters b = block_parameters(c, i);
+    p.total += b.total();
+    p.active += b.active();
   }
   return p;
+}
+
+ch02::FlopBreakdown block_forward_flops(const ch03::ModelConfig& c, int64_t layer,
+                                        int64_t context) {
+  const BlockParameters b = block_parameters(c, layer);
+  ch02::FlopBreakdown f;
+  f.qkv = 2.0 * (b.attention - b.output);
+  f.output_projection = 2.0 * b.output;
+  f.attention_scores = 2.0 * c.n_heads * b.query_key * context;
+  f.attention_values = 2.0 * c.n_heads * b.value * context;
+  f.mlp = 2.0 * (b.mlp + b.per_token * b.expert);
+  return f;
 }
 
 nlohmann::json after_step(ch03::Transformer& model, dist::Communicator* comm) {

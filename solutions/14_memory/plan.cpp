@@ -91,7 +91,9 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 }
 
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
-                                        int64_t batch, int64_t seq) {
+                                        int64_t batch, int64_t seq, Recompute mode) {
+  FIVEFOLD_CHECK(mode != Recompute::Selective,
+                 "deepseek_block_activation_bytes: selective recomputation is not derived for MLA");
   const auto mla = ch06::MlaConfig::from_json(config.extensions);
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   const bool routed = ch07::has_routed_experts(config) && moe.is_moe_layer(layer);
@@ -115,6 +117,10 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
     int64s += 4 * k;
   }
   const int64_t tokens = batch * seq;
+  // Full: the block's input, and a MoE layer's last routing (k expert indices and gates a token),
+  // which the layer keeps outside the graph (ch07::MoeImpl::last_routing).
+  if (mode == Recompute::Full)
+    return 4 * tokens * d + (routed ? tokens * moe.num_experts_per_tok * (8 + 4) : 0);
   int64_t bytes = tokens * (4 * floats + 8 * int64s) + 4 * batch * h * seq * seq + seq * seq;
   if (config.rope_theta > 0) bytes += 4 * seq * r;  // cos and sin, [s, r/2] each
   return bytes;

@@ -7,12 +7,14 @@
 #include <tuple>
 
 #include "02_flops_6np/flops.h"
+#include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/pipeline.h"
 #include "11_pipeline_parallel/schedule.h"
 #include "12_context_parallel/plan.h"
+#include "13_expert_parallel/expert_parallel.h"
 #include "14_memory/plan.h"
 #include "fivefold/error.h"
 
@@ -57,10 +59,14 @@ double gather_wire(double bytes, int64_t n) { return static_cast<double>(n - 1) 
 StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout,
                                       const Cluster& cluster, ch14::Precision precision,
                                       int64_t in_flight, ch11::UnitCosts& costs) {
-  FIVEFOLD_CHECK(work.model.extensions.is_null() && layout.ep == 1,
-                 "estimate_step: the step-time model covers dense Llama-shaped models (no MLA, "
-                 "no experts, ep 1)");
-  const ch02::TransformerShape shape = work.model.shape();
+  const ch03::ModelConfig& config = work.model;
+  const bool deepseek = !config.extensions.is_null();  // chapter 06's MLA, chapter 07's experts
+  FIVEFOLD_CHECK(!deepseek || (layout.tp == 1 && layout.cp == 1),
+                 "estimate_step: MLA and MoE blocks are priced without tp or cp (chapter 14's "
+                 "activations for them are derived on one device)");
+  FIVEFOLD_CHECK(!deepseek || work.recompute.mode != ch14::Recompute::Selective,
+                 "estimate_step: selective recomputation is not derived for MLA");
+  const ch02::TransformerShape shape = config.shape();
   const int64_t t = layout.tp, c = layout.cp, p = layout.pp, v = layout.virtual_stages;
   const int64_t d = layout.dp, m = work.micro_batches, L = shape.n_layers;
   const int64_t rows = work.batch / (d * m), seq = work.seq_len;
@@ -70,34 +76,56 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   const double flops_per_s = bf16 ? cluster.matmul_flops_bf16 : cluster.matmul_flops_fp32;
   const ch14::Recompute mode = work.recompute.mode;
 
-  // Compute (chapter 02's count per token): tp splits every product by heads and features, cp the
-  // tokens (zig-zag balances the causal work). Attention is chapter 12's causal blockwise kernel:
-  // half the square of scores, 2(d_k + d_v) FLOPs a score forward, 6·d_k + 4·d_v backward (which
-  // computes q·kᵀ again instead of keeping the probabilities).
+  // Compute (chapter 07's count per token of each block, chapter 02's for Llama): tp splits every
+  // product by heads and features, cp the tokens (zig-zag balances the causal work). Attention is
+  // chapter 12's causal blockwise kernel: half the square of scores, 2(d_k + d_v) FLOPs a score
+  // forward, 6·d_k + 4·d_v backward (which computes q·kᵀ again instead of keeping the
+  // probabilities). A MoE block's products are its k experts', the router's and the shared ones'.
   const ch02::FlopBreakdown f = ch02::forward_flops_per_token(shape, seq);
-  const double block_products = (f.qkv + f.output_projection + f.mlp) / L;
-  const double block_attention = (f.attention_scores + f.attention_values) / L / 2;
-  const double block_attention_training =
-      block_attention * ch12::blockwise_flops_per_score(shape.head_dim, shape.head_dim) /
-      (4.0 * shape.head_dim);
+  std::vector<double> block_products(L), block_attention(L), block_attention_training(L);
+  std::vector<ch07::BlockParameters> block(L);
+  for (int64_t i = 0; i < L; ++i) {
+    const ch02::FlopBreakdown b = ch07::block_forward_flops(config, i, seq);
+    block[i] = ch07::block_parameters(config, i);
+    block_products[i] = b.qkv + b.output_projection + b.mlp;
+    block_attention[i] = (b.attention_scores + b.attention_values) / 2;
+    block_attention_training[i] =
+        block_attention[i] * ch12::blockwise_flops_per_score(block[i].query_key, block[i].value) /
+        (2.0 * (block[i].query_key + block[i].value));
+  }
   const double seconds = tokens / t / flops_per_s;  // per FLOP of one token, for this rank
   // Chapter 11 splits the blocks over the p·v virtual stages; the last also runs the head. The
-  // costs below are the largest stage's blocks (and the head without a pipeline); costs.scale
-  // weighs each stage against it.
-  std::vector<int64_t> blocks;
-  for (const auto& [first, last] : ch11::stage_layers(L, p * v)) blocks.push_back(last - first);
-  const int64_t layers = *std::max_element(blocks.begin(), blocks.end());
+  // costs below are those of the stage with the most work in its blocks (and the head without a
+  // pipeline); costs.scale weighs each stage against it.
+  const auto stages = ch11::stage_layers(L, p * v);
+  std::vector<double> stage_work;  // a token's training FLOPs in each stage's blocks
+  for (const auto& [first, last] : stages) {
+    double work_of = 0;
+    for (int64_t i = first; i < last; ++i)
+      work_of += 3 * block_products[i] + block_attention_training[i];
+    stage_work.push_back(work_of);
+  }
+  const size_t largest = static_cast<size_t>(
+      std::max_element(stage_work.begin(), stage_work.end()) - stage_work.begin());
+  const auto [first_layer, last_layer] = stages[largest];
+  const int64_t layers = last_layer - first_layer;
+  double stage_products = 0, stage_attention = 0, stage_attention_training = 0;
+  int64_t stage_moe_layers = 0;
+  for (int64_t i = first_layer; i < last_layer; ++i) {
+    stage_products += block_products[i];
+    stage_attention += block_attention[i];
+    stage_attention_training += block_attention_training[i];
+    stage_moe_layers += block[i].experts > 0 ? 1 : 0;
+  }
   const double head = p == 1 ? f.lm_head * seconds : 0;
-  const double products = layers * block_products * seconds + head;
-  const double attention = layers * block_attention * seconds;
-  const double attention_backward = layers * (block_attention_training - block_attention) * seconds;
+  const double products = stage_products * seconds + head;
+  const double attention = stage_attention * seconds;
+  const double attention_backward = (stage_attention_training - stage_attention) * seconds;
   if (p > 1) {
-    const double block_work = 3 * block_products + block_attention_training;
     costs.scale.clear();
-    for (size_t s = 0; s < blocks.size(); ++s)
-      costs.scale.push_back(
-          (blocks[s] * block_work + (s + 1 == blocks.size() ? 3 * f.lm_head : 0)) /
-          (layers * block_work));
+    for (size_t s = 0; s < stages.size(); ++s)
+      costs.scale.push_back((stage_work[s] + (s + 1 == stages.size() ? 3 * f.lm_head : 0)) /
+                            stage_work[largest]);
   }
   // The busiest rank's share of the step's work, in stages of the largest (rank r runs stages
   // r, r + p, ...).
@@ -156,6 +184,26 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
     cp_backward *= layers;
   }
 
+  // Expert parallelism (chapter 13): each MoE block's all-to-alls (the counts, the dispatch and
+  // the combine forward, their mirror backward) when the router spreads the tokens evenly over
+  // the ep ranks; chapter 13 waits for each, so none of it hides.
+  double ep_forward = 0, ep_backward = 0;
+  if (layout.ep > 1 && stage_moe_layers > 0) {
+    const auto moe = ch07::MoeConfig::from_json(config.extensions);
+    const int64_t routed = static_cast<int64_t>(tokens) * moe.num_experts_per_tok / layout.ep;
+    const std::vector<int64_t> sent(static_cast<size_t>(layout.ep), routed);
+    const auto traffic =
+        ch13::expert_parallel_traffic(sent, sent, 0, moe.n_routed_experts, shape.d_model, element);
+    const double all =
+        transfer(group_link(cluster, t, layout.ep), static_cast<double>(traffic.calls),
+                 static_cast<double>(traffic.wire_bytes)) *
+        stage_moe_layers;
+    const double forward_share =
+        static_cast<double>(traffic.forward_payload_bytes) / traffic.payload_bytes;
+    ep_forward = all * forward_share;
+    ep_backward = all - ep_forward;
+  }
+
   // The pipeline (chapter 11): each stage sends its output forward and its input's gradient back,
   // one micro-batch at a time (split over tp under sequence parallelism).
   double pp_send = 0;
@@ -174,6 +222,9 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   stage.tp_recomputed = tp_recomputed;
   stage.cp_forward = cp_forward;
   stage.cp_backward = cp_backward;
+  stage.ep_forward = ep_forward;
+  stage.ep_backward = ep_backward;
+  stage.ep_recomputed = mode == ch14::Recompute::Full ? ep_forward : 0;
   stage.pp_send = pp_send;
   const std::vector<double> scale = costs.scale;
   costs = micro_batch_costs(stage);
@@ -182,65 +233,95 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   const double makespan = m * busiest * per_micro_batch;
 
   StepEstimate e;
-  int64_t last_blocks = 0;  // on the last pipeline rank
-  for (size_t s = static_cast<size_t>(p) - 1; s < blocks.size(); s += static_cast<size_t>(p))
-    last_blocks += blocks[s];
+  double last_products = 0, last_attention = 0, last_attention_training = 0;  // the last rank's
+  for (size_t s = static_cast<size_t>(p) - 1; s < stages.size(); s += static_cast<size_t>(p))
+    for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
+      last_products += block_products[i];
+      last_attention += block_attention[i];
+      last_attention_training += block_attention_training[i];
+    }
   const double rank_tokens = m * tokens / t;  // a step's, times the products' share
   const bool full = mode == ch14::Recompute::Full, again = mode != ch14::Recompute::None;
-  e.flops.matrices = std::llround(rank_tokens * last_blocks * block_products * (full ? 4 : 3));
-  e.flops.attention = std::llround(rank_tokens * last_blocks *
-                                   (block_attention_training + (again ? block_attention : 0)));
+  e.flops.matrices = std::llround(rank_tokens * last_products * (full ? 4 : 3));
+  e.flops.attention =
+      std::llround(rank_tokens * (last_attention_training + (again ? last_attention : 0)));
   e.flops.head = std::llround(rank_tokens * f.lm_head * 3);
   e.compute = m * busiest * (3 * products + attention + attention_backward + recomputed);
   e.exposed["tp"] = m * busiest * (2 * tp_forward + tp_recomputed);
   e.exposed["cp"] = m * busiest * (cp_forward + cp_backward);
+  if (layout.ep > 1)
+    e.exposed["ep"] = m * busiest * (ep_forward + ep_backward + stage.ep_recomputed);
   e.exposed["pp"] = m * busiest * 2 * pp_send;
 
-  // State (chapter 09's ZeRO formulas over dp·cp, which average the gradients) for the rank that
-  // holds the most: its blocks, the embedding on the first stage, the final norm and the head on
-  // the last (a tied embedding's copy there, as chapter 11 keeps it); tp's share as chapter 10
-  // splits the whole model.
+  // State (chapter 09's ZeRO formulas) for the rank that holds the most: its blocks, the
+  // embedding on the first stage, the final norm and the head on the last (a tied embedding's
+  // copy there, as chapter 11 keeps it); tp's share as chapter 10 splits the whole model; 1/ep of
+  // the routed experts (chapter 13). ZeRO runs over the dp·cp/ep ranks that hold the same
+  // experts (chapter 15's compose_step), for every parameter.
   const ch02::ParameterCount count = ch02::count_parameters(shape);
-  const int64_t final_norm = shape.d_model;
-  const int64_t per_block = (count.attention + count.mlp + count.norms - final_norm) / L;
-  std::vector<int64_t> rank_held(static_cast<size_t>(p), 0);
-  for (size_t s = 0; s < blocks.size(); ++s)
-    rank_held[s % static_cast<size_t>(p)] += blocks[s] * per_block;
-  rank_held.front() += count.embedding;
-  rank_held.back() +=
-      final_norm + (p > 1 && shape.tied_embeddings ? count.embedding : count.lm_head);
+  std::vector<int64_t> rank_replicated(static_cast<size_t>(p), 0), rank_experts(rank_replicated),
+      rank_frozen(rank_replicated);
+  for (size_t s = 0; s < stages.size(); ++s)
+    for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
+      const int64_t experts = block[i].experts * block[i].expert;
+      rank_replicated[s % static_cast<size_t>(p)] += block[i].total() - experts - block[i].frozen;
+      rank_experts[s % static_cast<size_t>(p)] += experts / layout.ep;
+      rank_frozen[s % static_cast<size_t>(p)] += block[i].frozen;
+    }
+  rank_replicated.front() += count.embedding;
+  rank_replicated.back() +=
+      shape.d_model + (p > 1 && shape.tied_embeddings ? count.embedding : count.lm_head);
   const double tp_share =
       static_cast<double>(ch10::parameters_per_rank(shape, static_cast<int>(t))) / count.total;
-  const int64_t held = static_cast<int64_t>(std::ceil(
-      tp_share * static_cast<double>(*std::max_element(rank_held.begin(), rank_held.end()))));
-  const int64_t replicas = d * c;
-  ch03::StateBytes state = ch09::zero_memory_formula(held, replicas, layout.zero);
+  const int64_t replicas = d * c / layout.ep;
+  int64_t held = 0, held_experts = 0, frozen = 0;  // trained: held + held_experts
+  for (int64_t r = 0; r < p; ++r) {
+    const int64_t all = static_cast<int64_t>(
+        std::ceil(tp_share * static_cast<double>(rank_replicated[r] + rank_experts[r])));
+    if (all > held + held_experts) {
+      held = all - rank_experts[r];
+      held_experts = rank_experts[r];
+      frozen = rank_frozen[r];
+    }
+  }
+  ch03::StateBytes state = ch09::zero_memory_formula(held + held_experts, replicas, layout.zero);
   if (bf16) state = {state.parameters / 2, state.gradients / 2, state.optimizer * 3 / 2};
+  state.parameters += 4 * frozen;  // kept whole, with no gradient or moments
   e.state_bytes = state.total();
 
   // Activations (chapter 14's block term, this rank's share under tp or cp) for the micro-batches
-  // the schedule keeps in flight, each through one virtual stage.
+  // the schedule keeps in flight, each through one virtual stage. MLA and MoE blocks: chapter
+  // 14's fp32 count on one device, in bf16 too (an upper bound: not derived in bf16).
   ch14::TensorParallelShare tp_share_of{t, 0, layout.sequence_parallel};
   ch14::ContextParallelShare cp_share{c, 0, layout.cp_layout, layout.cp_attention};
-  int64_t block = 0;
-  if (c > 1) {
-    // tp with cp is not derived in chapter 14: this rank's heads and features under cp, and with
-    // sequence parallelism the residual stream's part (6d + 2 numbers a token, or full
-    // recomputation's kept input, d) for its 1/t of the tokens, as chapter 14 counts it under tp.
-    block = ch14::block_activation_bytes(ch10::rank_shape(shape, static_cast<int>(t)), rows, seq,
-                                         mode, {}, precision, cp_share);
-    if (layout.sequence_parallel) {
-      const int64_t per_token =
-          mode == ch14::Recompute::Full ? shape.d_model : 6 * shape.d_model + 2;
-      block -= static_cast<int64_t>(4 * tokens * (t - 1) / t) * per_token;
+  int64_t stage_kept = 0;  // the stage that keeps the most
+  for (const auto& [first, last] : stages) {
+    int64_t kept = 0;
+    for (int64_t i = first; i < last; ++i) {
+      if (deepseek) {
+        kept += ch14::deepseek_block_activation_bytes(config, i, rows, seq, mode);
+      } else if (c > 1) {
+        // tp with cp is not derived in chapter 14: this rank's heads and features under cp, and
+        // with sequence parallelism the residual stream's part (6d + 2 numbers a token, or full
+        // recomputation's kept input, d) for its 1/t of the tokens, as chapter 14 counts it
+        // under tp.
+        kept += ch14::block_activation_bytes(ch10::rank_shape(shape, static_cast<int>(t)), rows,
+                                             seq, mode, {}, precision, cp_share);
+        if (layout.sequence_parallel) {
+          const int64_t per_token =
+              mode == ch14::Recompute::Full ? shape.d_model : 6 * shape.d_model + 2;
+          kept -= static_cast<int64_t>(4 * tokens * (t - 1) / t) * per_token;
+        }
+      } else {
+        kept += ch14::block_activation_bytes(shape, rows, seq, mode, tp_share_of, precision);
+      }
     }
-  } else {
-    block = ch14::block_activation_bytes(shape, rows, seq, mode, tp_share_of, precision);
+    stage_kept = std::max(stage_kept, kept);
   }
   const int64_t stage_input =
       static_cast<int64_t>(tokens) * shape.d_model * 4 / (layout.sequence_parallel ? t : 1);
   const int64_t logits = 2 * static_cast<int64_t>(tokens) * (shape.vocab_size / t) * 4;
-  const int64_t per_micro_batch_kept = layers * block + stage_input;  // the last stage: + logits
+  const int64_t per_micro_batch_kept = stage_kept + stage_input;  // the last stage: + logits
   e.activation_bytes =
       p == 1 ? per_micro_batch_kept + logits
              : std::max(in_flight * per_micro_batch_kept, per_micro_batch_kept + logits);
@@ -249,31 +330,35 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   // backward (chapter 09's buckets); ZeRO-1 and 2 also gather the updated parameters; ZeRO-3
   // gathers them for every micro-batch's forward and backward and reduces each micro-batch's
   // gradients, each unit when it is needed: chapter 09 does not prefetch, so none of it hides.
-  double dp_time = 0;
-  if (replicas > 1) {
-    const Link& link = group_link(cluster, t, replicas);
-    const double grads = 4.0 * held, params = static_cast<double>(element) * held;
-    const double messages = std::ceil(grads / 25e6) * 2 * (replicas - 1);  // 25 MB buckets
-    if (layout.zero == 0) {
-      dp_time = std::max(0.0, transfer(link, messages, all_reduce_wire(grads, replicas)) -
-                                  busiest * (costs.backward_input + costs.backward_weight));
-    } else if (layout.zero < 3) {
-      dp_time = std::max(0.0, transfer(link, messages / 2, gather_wire(grads, replicas)) -
-                                  busiest * (costs.backward_input + costs.backward_weight)) +
-                transfer(link, messages / 2, gather_wire(params, replicas));
-    } else {
-      const double each = transfer(link, 1.5 * messages, gather_wire(2 * params + grads, replicas));
-      dp_time = m * each;
-    }
-  }
+  // With ep, chapter 09's step runs over the ranks that hold the same experts (tp·ep apart), and
+  // chapter 13 first all-reduces the other parameters' gradients over the ep group.
+  const double backward = busiest * (costs.backward_input + costs.backward_weight);
+  auto reduction = [&](int64_t parameters, int64_t n, const Link& link, int zero) {
+    if (n == 1 || parameters == 0) return 0.0;
+    const double grads = 4.0 * parameters, params = static_cast<double>(element) * parameters;
+    const double messages = std::ceil(grads / 25e6) * 2 * (n - 1);  // 25 MB buckets
+    if (zero == 0)
+      return std::max(0.0, transfer(link, messages, all_reduce_wire(grads, n)) - backward);
+    if (zero < 3)
+      return std::max(0.0, transfer(link, messages / 2, gather_wire(grads, n)) - backward) +
+             transfer(link, messages / 2, gather_wire(params, n));
+    return m * transfer(link, 1.5 * messages, gather_wire(2 * params + grads, n));
+  };
+  const double dp_time = reduction(held + held_experts, replicas,
+                                   group_link(cluster, t * layout.ep, replicas), layout.zero) +
+                         reduction(held, layout.ep, group_link(cluster, t, layout.ep), 0);
   e.exposed["dp"] = dp_time;
   // The optimizer updates what the rank keeps: its parameters, or under ZeRO its 1/N shard.
-  e.optimizer = cluster.optimizer_seconds_per_parameter *
-                static_cast<double>(layout.zero == 0 ? held : (held + replicas - 1) / replicas);
+  const int64_t updated = held + held_experts;
+  e.optimizer =
+      cluster.optimizer_seconds_per_parameter *
+      static_cast<double>(layout.zero == 0 ? updated : (updated + replicas - 1) / replicas);
 
   e.step = makespan + dp_time + e.optimizer;
   const double step_tokens = static_cast<double>(work.batch) * seq;
-  e.model_flops = step_tokens * 3 * (f.total() - (f.attention_scores + f.attention_values) / 2);
+  double model_flops_per_token = f.lm_head;  // forward, causal attention
+  for (int64_t i = 0; i < L; ++i) model_flops_per_token += block_products[i] + block_attention[i];
+  e.model_flops = step_tokens * 3 * model_flops_per_token;
   const double peak = bf16 ? cluster.peak_flops_bf16 : cluster.peak_flops_fp32;
   e.mfu = e.model_flops / (e.step * cluster.devices * peak);
   e.tokens_per_second = step_tokens / e.step;
@@ -360,68 +445,81 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
     search.best.insert(at, candidate);
     if (static_cast<int64_t>(search.best.size()) > keep) search.best.pop_back();
   };
+  // MLA and MoE blocks are priced without tp and cp, and without selective recomputation
+  // (estimate_step); a model with routed experts tries every ep that divides dp·cp.
+  const bool deepseek = !work.model.extensions.is_null();
+  const bool experts = ch07::has_routed_experts(work.model);
+  FIVEFOLD_CHECK(!deepseek || (limits.tp <= 1 && limits.cp <= 1),
+                 "search_layouts: MLA and MoE blocks are priced without tp or cp (chapter 14's "
+                 "activations for them are derived on one device)");
+  FIVEFOLD_CHECK(experts || limits.ep <= 1,
+                 "search_layouts: ep ", limits.ep, " needs a model with routed experts");
   for (int64_t tp : divisors(world))
     for (int64_t cp : divisors(world / tp))
-      for (int64_t pp : divisors(world / (tp * cp))) {
-        const int64_t dp = world / (tp * cp * pp);
-        if (!allowed(tp, limits.tp) || !allowed(cp, limits.cp) || !allowed(pp, limits.pp) ||
-            !allowed(dp, limits.dp))
-          continue;
-        if (work.batch % dp != 0) continue;  // resolve_layout refuses every m
-        std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
-        if (pp > 1) {
-          schedules = {{"gpipe", 1}, {"1f1b", 1}, {"zb", 1}};
-          for (int64_t v = 2; v * pp <= work.model.n_layers; ++v)  // more: fewer than a layer
-            schedules.emplace_back("interleaved", v);
-        }
-        // Sequence parallelism asks one more thing of tp (check_tensor_parallel); the ZeRO
-        // stage and cp's kernel ask nothing of the model, the batch or the schedule.
-        bool sp_allowed = tp > 1;
-        try {
-          if (tp > 1) ch10::check_tensor_parallel(work.model, static_cast<int>(tp), true);
-        } catch (const Error&) {
-          sp_allowed = false;
-        }
-        for (int64_t m : divisors(work.batch / dp)) {
-          if (m > max_micro_batches) break;
-          if (!allowed(m, limits.micro_batches)) continue;
-          for (const auto& [schedule, v] : schedules) {
-            if ((!limits.schedule.empty() && pp > 1 && schedule != limits.schedule) ||
-                (pp > 1 && !allowed(v, limits.virtual_stages)))
-              continue;
-            Layout base;
-            base.dp = dp;
-            base.tp = tp;
-            base.pp = pp;
-            base.cp = cp;
-            base.schedule = schedule;
-            base.virtual_stages = v;
-            Workload w = work;
-            w.micro_batches = m;
-            try {
-              base = resolve_layout(base, world, w);  // the trainer's own checks
-            } catch (const Error&) {
-              continue;
-            }
-            for (int zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero)
-              for (bool sp : {false, true})
-                if (limits.zero < 0 || zero == limits.zero || dp * cp == 1)
-                  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
-                    if ((sp && !sp_allowed) || (cp == 1 && attention != ch12::CpAttention::Ring))
-                      continue;
-                    Layout layout = base;
-                    layout.zero = zero;
-                    layout.sequence_parallel = sp;
-                    layout.cp_attention = attention;
-                    for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective,
-                                      ch14::Recompute::Full}) {
-                      w.recompute = {mode, 1, 0};
-                      consider(layout, w);
+      for (int64_t pp : divisors(world / (tp * cp)))
+        for (int64_t ep : divisors(experts ? world / (tp * pp) : 1)) {
+          const int64_t dp = world / (tp * cp * pp);
+          if (!allowed(tp, limits.tp) || !allowed(cp, limits.cp) || !allowed(pp, limits.pp) ||
+              !allowed(dp, limits.dp) || !allowed(ep, limits.ep) || (dp * cp) % ep != 0 ||
+              (deepseek && (tp > 1 || cp > 1)))
+            continue;
+          if (work.batch % dp != 0) continue;  // resolve_layout refuses every m
+          std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
+          if (pp > 1) {
+            schedules = {{"gpipe", 1}, {"1f1b", 1}, {"zb", 1}};
+            for (int64_t v = 2; v * pp <= work.model.n_layers; ++v)  // more: fewer than a layer
+              schedules.emplace_back("interleaved", v);
+          }
+          // Sequence parallelism asks one more thing of tp (check_tensor_parallel); the ZeRO
+          // stage and cp's kernel ask nothing of the model, the batch or the schedule.
+          bool sp_allowed = tp > 1;
+          try {
+            if (tp > 1) ch10::check_tensor_parallel(work.model, static_cast<int>(tp), true);
+          } catch (const Error&) {
+            sp_allowed = false;
+          }
+          for (int64_t m : divisors(work.batch / dp)) {
+            if (m > max_micro_batches) break;
+            if (!allowed(m, limits.micro_batches)) continue;
+            for (const auto& [schedule, v] : schedules) {
+              if ((!limits.schedule.empty() && pp > 1 && schedule != limits.schedule) ||
+                  (pp > 1 && !allowed(v, limits.virtual_stages)))
+                continue;
+              Layout base;
+              base.dp = dp;
+              base.tp = tp;
+              base.pp = pp;
+              base.cp = cp;
+              base.ep = ep;
+              base.schedule = schedule;
+              base.virtual_stages = v;
+              Workload w = work;
+              w.micro_batches = m;
+              try {
+                base = resolve_layout(base, world, w);  // the trainer's own checks
+              } catch (const Error&) {
+                continue;
+              }
+              for (int zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero)
+                for (bool sp : {false, true})
+                  if (limits.zero < 0 || zero == limits.zero || dp * cp == 1)
+                    for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+                      if ((sp && !sp_allowed) || (cp == 1 && attention != ch12::CpAttention::Ring))
+                        continue;
+                      Layout layout = base;
+                      layout.zero = zero;
+                      layout.sequence_parallel = sp;
+                      layout.cp_attention = attention;
+                      for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective,
+                                        ch14::Recompute::Full}) {
+                        if (deepseek && mode == ch14::Recompute::Selective) continue;
+                        w.recompute = {mode, 1, 0};
+                        consider(layout, w);
+                      }
                     }
-                  }
+            }
           }
         }
-      }
   search.dropped = search.valid - search.fit;
   return search;
 }

@@ -9,10 +9,11 @@ ch11::UnitCosts micro_batch_costs(const StageTimes& t) {
   // Each weight's product runs three times: forward, then the input's gradient (B) and the
   // weight's gradient (W). B also runs attention's backward and what recomputation runs again, and
   // it carries the backward's collectives: tp's mirror forward's (and the recomputed forward's),
-  // cp's own, and the gradient's send to the previous stage. W needs nobody.
-  costs.forward = t.products + t.attention_forward + t.tp + t.cp_forward + t.pp_send;
+  // cp's and ep's own (and ep's recomputed), and the gradient's send to the previous stage. W
+  // needs nobody.
+  costs.forward = t.products + t.attention_forward + t.tp + t.cp_forward + t.ep_forward + t.pp_send;
   costs.backward_input = t.products + t.attention_backward + t.recomputed + t.tp + t.tp_recomputed +
-                         t.cp_backward + t.pp_send;
+                         t.cp_backward + t.ep_backward + t.ep_recomputed + t.pp_send;
   costs.backward_weight = t.products;
   return costs;
 }

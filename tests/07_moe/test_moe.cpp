@@ -329,6 +329,48 @@ TEST(Moe, ParameterCountsMatchNumelAndDeepSeekV3) {
   EXPECT_NEAR(p.active / 1e9, 37, 1);
 }
 
+// block_forward_flops against chapter 02's counter on the whole model (MLA with and without the
+// query latent, a dense first block, two MoE blocks, dropless): the forward is the blocks' sum
+// plus the head, and a training step (forward and backward) three times that. A Llama config
+// gives chapter 02's count, part by part.
+TEST(Moe, BlockFlopsAreWhatTheModelMultiplies) {
+  for (const nlohmann::json& q_lora : {nlohmann::json(nullptr), nlohmann::json(12)}) {
+    auto config = tiny_model();
+    config.extensions["q_lora_rank"] = q_lora;
+    const int64_t batch = 2, seq = 6;
+    SCOPED_TRACE("q_lora_rank " + q_lora.dump());
+    double forward = 2.0 * config.d_model * config.vocab_size;  // the head
+    for (int64_t layer = 0; layer < config.n_layers; ++layer)
+      forward += block_forward_flops(config, layer, seq).total();
+    Transformer model = make_model(config);
+    auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(3, "tokens"));
+    {
+      torch::NoGradGuard no_grad;
+      ch02::FlopCounter counter;
+      model->forward(tokens);
+      EXPECT_EQ(counter.flops(), batch * seq * forward);
+    }
+    ch02::FlopCounter counter;
+    ch03::loss_of(model, {tokens, tokens}).backward();
+    EXPECT_EQ(counter.flops(), 3 * batch * seq * forward);
+  }
+  ModelConfig llama;
+  llama.vocab_size = 100;
+  llama.d_model = 64;
+  llama.n_layers = 3;
+  llama.n_heads = 8;
+  llama.n_kv_heads = 2;
+  llama.d_ff = 96;
+  const auto whole = ch02::forward_flops_per_token(llama.shape(), 10);
+  const auto block = block_forward_flops(llama, 1, 10);
+  EXPECT_DOUBLE_EQ(3 * block.qkv, whole.qkv);
+  EXPECT_DOUBLE_EQ(3 * block.attention_scores, whole.attention_scores);
+  EXPECT_DOUBLE_EQ(3 * block.attention_values, whole.attention_values);
+  EXPECT_DOUBLE_EQ(3 * block.output_projection, whole.output_projection);
+  EXPECT_DOUBLE_EQ(3 * block.mlp, whole.mlp);
+  EXPECT_EQ(block.lm_head, 0);
+}
+
 TEST(Moe, CheckpointsCarryDeepSeekV3Names) {
   ScratchDir scratch("moe");
   const auto dir = scratch.path("checkpoint");

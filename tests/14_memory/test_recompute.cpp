@@ -325,9 +325,10 @@ TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
 // A DeepSeek-V3-shaped block (chapter 06's MLA, chapter 07's MoE) keeps what
 // deepseek_block_activation_bytes says: its dense first layer and a MoE layer, with 1, 2 and 3 rows
 // (one row keeps kv_b_proj's whole output), with k 2 and 3, without the query latent, without the
-// shared expert.
+// shared expert; with full recomputation of every block, its input (and a MoE layer its routing).
 TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
-  for (int variant = 0; variant < 4; ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {
+    const Recompute mode = variant == 4 ? Recompute::Full : Recompute::None;
     for (int64_t seq : {4, 8}) {
       for (int64_t batch : {1, 2, 3}) {
         auto config = ch10::testing::deepseek_config();
@@ -342,13 +343,14 @@ TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
         for (int64_t layers : {1, 2, 3}) {
           config.n_layers = layers;
           ch03::Transformer model = ch07::make_model(config);
+          apply_recompute(model, {mode, 1, 0});
           MemoryTracker memory;
           auto loss = ch03::loss_of(model, {tokens, tokens});
           kept.push_back(memory.current_bytes());
         }
         for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
           EXPECT_EQ(kept[layer] - kept[layer - 1],
-                    deepseek_block_activation_bytes(config, layer, batch, seq))
+                    deepseek_block_activation_bytes(config, layer, batch, seq, mode))
               << "block " << layer;
       }
     }
@@ -368,4 +370,7 @@ TEST(Recompute, ADeepSeekBlockFormulaRefusesWhatItDoesNotCount) {
       EXPECT_NE(std::string(e.what()).find("dropless"), std::string::npos) << e.what();
     }
   }
+  EXPECT_THROW(deepseek_block_activation_bytes(ch10::testing::deepseek_config(), 1, 2, 8,
+                                               Recompute::Selective),
+               Error);
 }

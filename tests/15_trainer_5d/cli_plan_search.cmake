@@ -3,9 +3,10 @@
 #         -P cli_plan_search.cmake
 # A search over 4 devices for the byte-vocabulary model of 4 layers (8 rows of 16 tokens) prints
 # its table; its JSON's best 3 layouts each train 2 steps under mpirun -np 4 with the flags the
-# planner chose. The refusals: no --cluster, a cluster file with an unknown key, a GPT-2 shape, a
-# DeepSeek-V3 config (MLA and experts are not in the step-time model). `fivefold calibrate` on 2
-# ranks writes a cluster file the search reads back; on one process it is refused.
+# planner chose; so do the best 2 with experts split of DeepSeek-V3 in miniature. The refusals: no
+# --cluster, a cluster file with an unknown key, a GPT-2 shape, MLA and experts under tp (not
+# derived), --ep for a model without experts. `fivefold calibrate` on 2 ranks writes a cluster
+# file the search reads back; on one process it is refused.
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
@@ -45,33 +46,50 @@ string(JSON kept LENGTH "${json}" best)
 if(NOT kept EQUAL 3)
   message(FATAL_ERROR "plan --search --top 3 kept ${kept} layouts")
 endif()
-math(EXPR last "${kept} - 1")
-foreach(i RANGE ${last})
-  set(flags "")
-  foreach(key dp tp pp cp zero schedule virtual_stages micro_batches recompute)
-    string(JSON value GET "${json}" best ${i} ${key})
-    set(flag ${key})
-    if(key MATCHES "^micro_batches$")
-      set(flag accum)
+# Each of the JSON's best layouts trains 2 steps under mpirun -np 4 with the planner's flags.
+function(train_best json model_flags)
+  string(JSON kept LENGTH "${json}" best)
+  math(EXPR last "${kept} - 1")
+  foreach(i RANGE ${last})
+    set(flags "")
+    foreach(key dp tp pp cp ep zero schedule virtual_stages micro_batches recompute)
+      string(JSON value GET "${json}" best ${i} ${key})
+      set(flag ${key})
+      if(key MATCHES "^micro_batches$")
+        set(flag accum)
+      endif()
+      string(REPLACE "_" "-" flag "${flag}")
+      list(APPEND flags --${flag} ${value})
+    endforeach()
+    string(JSON sp GET "${json}" best ${i} sequence_parallel)
+    if(sp)
+      list(APPEND flags --sequence-parallel)
     endif()
-    string(REPLACE "_" "-" flag "${flag}")
-    list(APPEND flags --${flag} ${value})
+    string(JSON layout GET "${json}" best ${i} layout)
+    string(MD5 run "${layout}${flags}")
+    message("training the planner's layout ${i}: ${layout}: ${flags}")
+    execute_process(
+      COMMAND ${MPIRUN} -np 4 ${FIVEFOLD} train --out ${WORK}/${run} --steps 2 --batch 8 --seq 16
+              ${model_flags} --synthetic-examples 300 --eval-every 0 --exact-match 0
+              --save-every 0 --peak-gflops 100 --no-progress ${flags}
+      RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+    if(NOT rc EQUAL 0 OR NOT EXISTS ${WORK}/${run}/metrics.jsonl)
+      message(FATAL_ERROR "the planner's layout ${layout} did not train (exit ${rc}):\n${out}${err}")
+    endif()
   endforeach()
-  string(JSON sp GET "${json}" best ${i} sequence_parallel)
-  if(sp)
-    list(APPEND flags --sequence-parallel)
-  endif()
-  string(JSON layout GET "${json}" best ${i} layout)
-  message("training the planner's layout ${i}: ${layout}: ${flags}")
-  execute_process(
-    COMMAND ${MPIRUN} -np 4 ${FIVEFOLD} train --out ${WORK}/run${i} --steps 2 --batch 8 --seq 16
-            --d-model 64 --n-layers 4 --n-heads 4 --n-kv-heads 2 --d-ff 256 --synthetic-examples 300
-            --eval-every 0 --exact-match 0 --save-every 0 --peak-gflops 100 --no-progress ${flags}
-    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0 OR NOT EXISTS ${WORK}/run${i}/metrics.jsonl)
-    message(FATAL_ERROR "the planner's layout ${layout} did not train (exit ${rc}):\n${out}${err}")
-  endif()
-endforeach()
+endfunction()
+train_best("${json}" "--d-model;64;--n-layers;4;--n-heads;4;--n-kv-heads;2;--d-ff;256")
+
+# DeepSeek-V3 in miniature (MLA, experts after a dense block): the search prices ep's
+# all-to-alls; its best 2 layouts with the experts split over 2 ranks train as chosen.
+set(moe_config ${ROOT}/tests/07_moe/configs/tiny-deepseek-v3-moe.json)
+execute_process(COMMAND ${FIVEFOLD} plan --search --cluster ${cluster} --config ${moe_config}
+                        --batch 8 --seq 16 --ep 2 --top 2 --json
+                RESULT_VARIABLE rc OUTPUT_VARIABLE json ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT json MATCHES "\"ep\": 2" OR NOT json MATCHES "\"ep\": [0-9.e-]+")
+  message(FATAL_ERROR "plan --search on a DeepSeek config: exit ${rc}\n${json}${err}")
+endif()
+train_best("${json}" "--model-config;${moe_config}")
 
 # `fivefold calibrate` on 2 ranks writes a cluster file that the search reads back.
 execute_process(COMMAND ${MPIRUN} -np 2 ${FIVEFOLD} calibrate --cluster-out ${WORK}/here.toml
@@ -110,6 +128,6 @@ file(WRITE ${WORK}/typo.toml "name = \"x\"\ndevice = 4\n")
 expect_refused("a cluster file's typo" "unknown setting 'device'" --cluster ${WORK}/typo.toml
                ${model})
 expect_refused("GPT-2" "Llama-shaped" --cluster ${cluster} ${model} --gpt2)
-expect_refused("DeepSeek-V3" "MLA and experts"
-               --cluster ${cluster} --config ${ROOT}/tests/07_moe/configs/deepseek-v3.json
-               --batch 8)
+expect_refused("DeepSeek-V3 under tp" "without tp or cp"
+               --cluster ${cluster} --config ${moe_config} --batch 8 --seq 16 --tp 2)
+expect_refused("ep without experts" "no routed experts" --cluster ${cluster} ${model} --ep 2)

@@ -71,10 +71,15 @@ TEST(Planner, PricesAMicroBatchFromItsParts) {
   t.cp_forward = 64;
   t.cp_backward = 128;
   t.pp_send = 256;
+  t.ep_forward = 512;
+  t.ep_backward = 1024;
+  t.ep_recomputed = 2048;
   const ch11::UnitCosts costs = micro_batch_costs(t);
-  EXPECT_DOUBLE_EQ(costs.forward, 1 + 2 + 16 + 64 + 256) << "F: products, attention, tp, cp, pp";
-  EXPECT_DOUBLE_EQ(costs.backward_input, 1 + 4 + 8 + 16 + 32 + 128 + 256)
-      << "B: products, attention's backward, the recomputed forward, tp twice over, cp, pp";
+  EXPECT_DOUBLE_EQ(costs.forward, 1 + 2 + 16 + 64 + 256 + 512)
+      << "F: products, attention, tp, cp, ep, pp";
+  EXPECT_DOUBLE_EQ(costs.backward_input, 1 + 4 + 8 + 16 + 32 + 128 + 256 + 1024 + 2048)
+      << "B: products, attention's backward, the recomputed forward, tp twice over, cp, pp, ep "
+         "and ep's recomputed forward";
   EXPECT_DOUBLE_EQ(costs.backward_weight, 1) << "W: the weights' products alone";
   EXPECT_TRUE(costs.scale.empty());
 }
@@ -130,6 +135,71 @@ TEST(Planner, KeepsChapter09sState) {
               fp32.parameters / 2 + fp32.gradients / 2 + fp32.optimizer * 3 / 2)
         << "ZeRO-" << zero;
   }
+}
+
+// DeepSeek-V3 in miniature (chapter 06's MLA, chapter 07's experts after a dense first block):
+// products, head and state are the trainer's exact counts of the ranks' real model parts
+// (predicted_flops, predicted_state_bytes) with experts over ep, with and without a pipeline;
+// ep's all-to-alls are exposed on a link that costs, and tp, cp and selective recomputation,
+// which chapter 14 does not derive for these blocks, are refused.
+TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
+  Workload w = small(8, 2);
+  w.attention_tile = 1;
+  w.model.n_heads = w.model.n_kv_heads = 4;
+  w.model.extensions = {{"q_lora_rank", 16},        {"kv_lora_rank", 16},
+                        {"qk_nope_head_dim", 8},    {"qk_rope_head_dim", 4},
+                        {"v_head_dim", 6},          {"n_routed_experts", 8},
+                        {"num_experts_per_tok", 2}, {"n_shared_experts", 1},
+                        {"moe_intermediate_size", 24}, {"n_group", 1},
+                        {"topk_group", 1},          {"first_k_dense_replace", 1}};
+  for (auto mode : {ch14::Recompute::None, ch14::Recompute::Full})
+    for (const auto& [pp, ep] : {std::pair<int64_t, int64_t>{1, 1}, {1, 2}, {1, 4}, {2, 2}}) {
+      w.recompute = {mode, 1, 0};
+      SCOPED_TRACE("pp " + std::to_string(pp) + ", ep " + std::to_string(ep) + ", " +
+                   ch14::to_string(mode));
+      for (int zero = 0; zero <= 2; ++zero) {
+        const Layout layout = resolve_layout(sizes(4 / pp, 1, pp, 1, ep, zero), 4, w);
+        const StepEstimate e = estimate_step(w, layout, cluster(4), ch14::Precision::Fp32);
+        int64_t most = 0;
+        for (int64_t rank = 0; rank < 4; ++rank) {
+          const HeldParameters held = rank_parameters(layout, w, rank);
+          most = std::max(most, predicted_state_bytes(layout, held).total());
+          if (rank != 3 || zero > 0) continue;  // rank 3: on the last stage
+          const StepFlops exact = predicted_flops(layout, w, rank, held);
+          EXPECT_EQ(e.flops.matrices, exact.matrices);
+          EXPECT_EQ(e.flops.head, exact.head);
+          const double s = static_cast<double>(w.seq_len);
+          EXPECT_NEAR(static_cast<double>(e.flops.attention) * (s + 1) / s,
+                      static_cast<double>(exact.attention), 0.5);
+        }
+        EXPECT_EQ(e.state_bytes, most) << "ZeRO-" << zero;
+        EXPECT_LT(e.exposed.count("ep") ? e.exposed.at("ep") : 0.0, 1e-20);  // free links
+      }
+      if (ep == 1) continue;
+      Cluster costly = cluster(4);
+      costly.intra_node = {1e-6, 1e9};
+      const Layout layout = resolve_layout(sizes(4 / pp, 1, pp, 1, ep, 0), 4, w);
+      EXPECT_GT(estimate_step(w, layout, costly, ch14::Precision::Fp32).exposed.at("ep"), 0);
+    }
+  w.recompute = {ch14::Recompute::None, 1, 0};
+  EXPECT_TRUE(throws_error_containing(
+      [&] { estimate(w, sizes(2, 2, 1, 1), cluster(4)); }, "without tp or cp"));
+  EXPECT_TRUE(throws_error_containing(
+      [&] { estimate(w, sizes(2, 1, 1, 2), cluster(4)); }, "without tp or cp"));
+  w.recompute = {ch14::Recompute::Selective, 1, 0};
+  EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(4, 1, 1, 1), cluster(4)); },
+                                      "selective recomputation"));
+  // The search tries what can be priced: every ep, none or full, tp and cp 1.
+  SearchLimits everything;
+  everything.keep = 100000;
+  const Search found = search_layouts(w, cluster(4), ch14::Precision::Fp32, everything);
+  std::set<int64_t> eps;
+  for (const Candidate& k : found.best) {
+    EXPECT_EQ(k.layout.tp * k.layout.cp, 1) << k.layout.describe();
+    EXPECT_NE(k.recompute, ch14::Recompute::Selective) << k.layout.describe();
+    eps.insert(k.layout.ep);
+  }
+  EXPECT_EQ(eps, (std::set<int64_t>{1, 2, 4}));
 }
 
 // A group inside a node crosses the node's link, one that spans nodes the slower link: with 2
