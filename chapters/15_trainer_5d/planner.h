@@ -19,16 +19,32 @@
 
 #include "11_pipeline_parallel/schedule.h"
 #include "14_memory/precision.h"
+#include "fivefold/dist.h"
 #include "15_trainer_5d/predict.h"
 #include "15_trainer_5d/trainer_5d.h"
 
 namespace fivefold::ch15 {
 
-/// One class of link between two devices: inside a node (NVLink, shared memory) or between
-/// nodes (InfiniBand, TCP).
-struct Link {
+/// A collective's cost on a link: time = latency x messages + wire bytes / bandwidth.
+struct LinkLine {
   double latency = 0;    ///< seconds per message
   double bandwidth = 0;  ///< bytes per second one device sends (each direction)
+};
+
+/// One class of link between two devices: inside a node (NVLink, shared memory) or between
+/// nodes (InfiniBand, TCP). One line prices every collective, unless the collective has a line of
+/// its own (`fivefold calibrate` fits one for each collective it times: an all-reduce also adds,
+/// an all-to-all talks to every rank at once).
+struct Link {
+  Link() = default;
+  /// One line for every collective.
+  Link(double latency, double bandwidth) : latency(latency), bandwidth(bandwidth) {}
+  double latency = 0;    ///< seconds per message
+  double bandwidth = 0;  ///< bytes per second one device sends (each direction)
+  std::map<dist::Op, LinkLine> by_collective;  ///< lines of their own, by collective
+  /// Seconds for `messages` messages of collective `op` carrying `wire` bytes in all (ring
+  /// messages and wire bytes, chapter 08).
+  double seconds(dist::Op op, double messages, double wire) const;
 };
 
 /// What the planner needs to know about the machines.

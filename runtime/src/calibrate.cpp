@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 
 #include "02_flops_6np/flops.h"
 #include "07_moe/moe.h"
@@ -114,12 +115,18 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
       static_cast<double>(ch02::count_parameters(options.run.model.shape()).total);
   c.optimizer_seconds_per_parameter = fixed / parameters;
 
-  // The link: all-reduce over every rank, and each rank sending to the next while receiving
-  // from the previous (the ring's step, as cp's ring and pp's sends run).
-  std::vector<std::array<double, 3>> samples;  // messages, wire bytes, seconds
+  // The link: each collective the chapters run, over every rank, at each size (`bytes` the whole
+  // tensor: an all-gather's result, a reduce-scatter's or an all-to-all's input; a send/receive
+  // is each rank sending to the next while receiving from the previous, the ring's step, as cp's
+  // ring and pp's sends run).
+  using Samples = std::vector<std::array<double, 3>>;  // messages, wire bytes, seconds
+  std::map<dist::Op, Samples> samples;
   for (int64_t bytes : options.sizes) {
-    auto buffer = torch::ones({bytes / 4}, torch::kFloat);
+    const int64_t elements = bytes / 4 / n * n;  // a multiple of the ranks
+    auto buffer = torch::ones({elements}, torch::kFloat);
+    auto part = torch::ones({elements / n}, torch::kFloat);
     auto received = torch::empty_like(buffer);
+    const std::vector<int64_t> even(static_cast<size_t>(n), elements / n);
     auto time = [&](const std::function<void()>& op) {
       op();  // warm-up
       std::vector<double> each;
@@ -131,28 +138,49 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
       }
       return slowest(median(each), *world);
     };
-    const double all_reduce = time([&] { world->all_reduce(buffer); });
-    const double ring = time([&] {
-      world->send_recv(buffer, (world->rank() + 1) % n, received, (world->rank() + n - 1) % n);
-    });
-    samples.push_back({2.0 * (n - 1), 2.0 * (n - 1) / n * bytes, all_reduce});
-    samples.push_back({1.0, static_cast<double>(bytes), ring});
-    out.measured["messages"].push_back(
-        {{"bytes", bytes}, {"all_reduce_s", all_reduce}, {"send_recv_s", ring}});
+    const double whole = 4.0 * static_cast<double>(elements), share = (n - 1.0) / n * whole;
+    nlohmann::json row = {{"bytes", whole}};
+    auto add = [&](dist::Op op, double messages, double wire, double seconds) {
+      samples[op].push_back({messages, wire, seconds});
+      row[std::string(dist::op_name(op)) + "_s"] = seconds;
+    };
+    add(dist::Op::AllReduce, 2.0 * (n - 1), 2 * share, time([&] { world->all_reduce(buffer); }));
+    add(dist::Op::AllGather, n - 1.0, share, time([&] { world->all_gather(part); }));
+    add(dist::Op::ReduceScatter, n - 1.0, share, time([&] { world->reduce_scatter(buffer); }));
+    add(dist::Op::AllToAll, n - 1.0, share, time([&] { world->all_to_all(buffer, even, even); }));
+    add(dist::Op::SendRecv, 1.0, whole, time([&] {
+          world->send_recv(buffer, (world->rank() + 1) % n, received, (world->rank() + n - 1) % n);
+        }));
+    out.measured["messages"].push_back(row);
   }
   // Least squares for seconds = latency·messages + wire / bandwidth.
-  double mm = 0, mw = 0, ww = 0, mt = 0, wt = 0;
-  for (const auto& [m, w, t] : samples) {
-    mm += m * m, mw += m * w, ww += w * w, mt += m * t, wt += w * t;
+  auto fit = [](const Samples& points, const std::string& what) {
+    double mm = 0, mw = 0, ww = 0, mt = 0, wt = 0;
+    for (const auto& [m, w, t] : points) {
+      mm += m * m, mw += m * w, ww += w * w, mt += m * t, wt += w * t;
+    }
+    const double det = mm * ww - mw * mw;
+    double latency = (mt * ww - wt * mw) / det, per_byte = (mm * wt - mw * mt) / det;
+    if (!(latency >= 0) || !(per_byte > 0)) latency = 0, per_byte = wt / ww;  // through zero
+    FIVEFOLD_CHECK(per_byte > 0, "fivefold calibrate: the ", what,
+                   " times do not grow with their size; run it again on a quieter machine");
+    return ch15::LinkLine{latency, 1 / per_byte};
+  };
+  Samples every;
+  ch15::Link link;
+  for (const auto& [op, points] : samples) {
+    every.insert(every.end(), points.begin(), points.end());
+    link.by_collective[op] = fit(points, dist::op_name(op));
+    out.measured["link"][dist::op_name(op)] = {
+        {"latency_s", link.by_collective[op].latency},
+        {"bandwidth_bytes_per_s", link.by_collective[op].bandwidth}};
   }
-  const double det = mm * ww - mw * mw;
-  double latency = (mt * ww - wt * mw) / det, per_byte = (mm * wt - mw * mt) / det;
-  if (latency < 0) latency = 0, per_byte = wt / ww;  // the fit through zero
-  FIVEFOLD_CHECK(per_byte > 0,
-                 "fivefold calibrate: the message times do not grow with their "
-                 "size; run it again on a quieter machine");
-  c.intra_node = c.inter_node = {latency, 1 / per_byte};
-  out.measured["link"] = {{"latency_s", latency}, {"bandwidth_bytes_per_s", 1 / per_byte}};
+  const ch15::LinkLine common = fit(every, "message");  // for a collective without its own line
+  link.latency = common.latency;
+  link.bandwidth = common.bandwidth;
+  c.intra_node = c.inter_node = link;
+  out.measured["link"]["every"] = {{"latency_s", common.latency},
+                                   {"bandwidth_bytes_per_s", common.bandwidth}};
   c.validate();
   return out;
 }

@@ -45,6 +45,24 @@ const std::vector<Key>& keys() {
   return table;
 }
 
+// The collectives a link may price on lines of their own, and the key each line's figures take:
+// "intra-node-all-reduce-gbps", "intra-node-all-reduce-latency-us", ...
+constexpr dist::Op kCollectives[] = {dist::Op::AllReduce, dist::Op::AllGather,
+                                     dist::Op::ReduceScatter, dist::Op::AllToAll,
+                                     dist::Op::SendRecv};
+struct LinkClass {
+  const char* prefix;
+  ch15::Link ch15::Cluster::*link;
+};
+constexpr LinkClass kLinks[] = {{"intra-node", &ch15::Cluster::intra_node},
+                                {"inter-node", &ch15::Cluster::inter_node}};
+
+std::string collective_key(const LinkClass& link, dist::Op op, const char* figure) {
+  std::string name = dist::op_name(op);
+  for (char& ch : name) ch = ch == '_' ? '-' : ch;
+  return std::string(link.prefix) + "-" + name + "-" + figure;
+}
+
 }  // namespace
 
 ch15::Cluster read_cluster(const std::string& path) {
@@ -53,6 +71,13 @@ ch15::Cluster read_cluster(const std::string& path) {
   file.option("devices", "", "devices in all");
   file.option("devices-per-node", "", "devices that share a node's link");
   for (const Key& key : keys()) file.option(key.name, "", key.help);
+  for (const LinkClass& link : kLinks)
+    for (dist::Op op : kCollectives) {
+      file.option(collective_key(link, op, "gbps"), "",
+                  "GB/s of this collective's own line (with its latency)");
+      file.option(collective_key(link, op, "latency-us"), "",
+                  "microseconds a message of this collective's own line (with its GB/s)");
+    }
   file.config_file("the cluster's TOML file");
   const std::string at = "--config";
   const char* argv[] = {"cluster", at.c_str(), path.c_str()};
@@ -72,6 +97,15 @@ ch15::Cluster read_cluster(const std::string& path) {
     else
       (cluster.*key.which).*key.link = value;
   }
+  for (const LinkClass& link : kLinks)
+    for (dist::Op op : kCollectives) {
+      const std::string gbps = collective_key(link, op, "gbps");
+      const std::string latency = collective_key(link, op, "latency-us");
+      FIVEFOLD_CHECK(file.given(gbps) == file.given(latency), "cluster file '", path, "': give '",
+                     gbps, "' and '", latency, "' together");
+      if (file.given(gbps))
+        (cluster.*link.link).by_collective[op] = {file.real(latency) * 1e-6, file.real(gbps) * 1e9};
+    }
   try {
     cluster.validate();
   } catch (const Error& e) {
@@ -90,6 +124,11 @@ std::string cluster_toml(const ch15::Cluster& cluster) {
     const double value = key.real ? cluster.*key.real : (cluster.*key.which).*key.link;
     out << key.name << " = " << value / key.scale << "\n";
   }
+  for (const LinkClass& link : kLinks)
+    for (const auto& [op, line] : (cluster.*link.link).by_collective) {
+      out << collective_key(link, op, "gbps") << " = " << line.bandwidth / 1e9 << "\n";
+      out << collective_key(link, op, "latency-us") << " = " << line.latency / 1e-6 << "\n";
+    }
   return out.str();
 }
 

@@ -32,6 +32,16 @@ void Cluster::validate() const {
   FIVEFOLD_CHECK(intra_node.bandwidth > 0 && inter_node.bandwidth > 0 && intra_node.latency >= 0 &&
                      inter_node.latency >= 0,
                  "cluster '", name, "': give both links' bandwidth (> 0) and latency (>= 0)");
+  for (const Link* link : {&intra_node, &inter_node})
+    for (const auto& [op, line] : link->by_collective)
+      FIVEFOLD_CHECK(line.bandwidth > 0 && line.latency >= 0, "cluster '", name,
+                     "': ", dist::op_name(op), "'s own line needs bandwidth > 0 and latency >= 0");
+}
+
+double Link::seconds(dist::Op op, double messages, double wire) const {
+  const auto own = by_collective.find(op);
+  const LinkLine line = own != by_collective.end() ? own->second : LinkLine{latency, bandwidth};
+  return messages * line.latency + wire / line.bandwidth;
 }
 
 namespace {
@@ -41,11 +51,6 @@ namespace {
 // when that span fits in a node, the nodes' link otherwise (its slowest hop sets a ring's pace).
 const Link& group_link(const Cluster& cluster, int64_t stride, int64_t size) {
   return stride * size <= cluster.devices_per_node ? cluster.intra_node : cluster.inter_node;
-}
-
-// Seconds for `calls` messages carrying `wire` bytes in all over `link`.
-double transfer(const Link& link, double calls, double wire) {
-  return calls * link.latency + wire / link.bandwidth;
 }
 
 // Ring collectives over n ranks: the wire bytes one rank sends for an all-reduce of `bytes`, and
@@ -148,9 +153,15 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
     stage.n_layers = layers;
     const auto traffic = ch10::tensor_parallel_traffic(stage, static_cast<int>(t), rows, seq / c,
                                                        layout.sequence_parallel, element);
-    const double calls = static_cast<double>(traffic.all_reduce.calls + traffic.all_gather.calls +
-                                             traffic.reduce_scatter.calls);
-    tp_forward = transfer(group_link(cluster, 1, t), calls, traffic.wire_bytes()) / 2;
+    const Link& link = group_link(cluster, 1, t);
+    using dist::Op;
+    tp_forward = (link.seconds(Op::AllReduce, static_cast<double>(traffic.all_reduce.calls),
+                               traffic.all_reduce.wire_bytes) +
+                  link.seconds(Op::AllGather, static_cast<double>(traffic.all_gather.calls),
+                               traffic.all_gather.wire_bytes) +
+                  link.seconds(Op::ReduceScatter, static_cast<double>(traffic.reduce_scatter.calls),
+                               traffic.reduce_scatter.wire_bytes)) /
+                 2;
   }
   const double tp_recomputed = mode == ch14::Recompute::Full ? tp_forward : 0;
 
@@ -170,15 +181,16 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
     const double forward_share = traffic.forward_payload_bytes / payload;
     const double block_attention_time = attention / layers;  // forward; backward twice that
     if (layout.cp_attention == ch12::CpAttention::Ring) {
-      const double sends = transfer(link, static_cast<double>(traffic.send_recv.calls),
-                                    traffic.send_recv.payload_bytes * scale);
+      const double sends =
+          link.seconds(dist::Op::SendRecv, static_cast<double>(traffic.send_recv.calls),
+                       traffic.send_recv.payload_bytes * scale);
       cp_forward = std::max(0.0, sends * forward_share - block_attention_time);
       cp_backward = std::max(0.0, sends * (1 - forward_share) - 2 * block_attention_time);
     } else {
-      cp_forward = transfer(link, static_cast<double>(traffic.all_gather.calls),
-                            gather_wire(traffic.all_gather.payload_bytes * scale, c));
-      cp_backward = transfer(link, static_cast<double>(traffic.all_to_all.calls),
-                             gather_wire(traffic.all_to_all.payload_bytes * scale, c));
+      cp_forward = link.seconds(dist::Op::AllGather, static_cast<double>(traffic.all_gather.calls),
+                                gather_wire(traffic.all_gather.payload_bytes * scale, c));
+      cp_backward = link.seconds(dist::Op::AllToAll, static_cast<double>(traffic.all_to_all.calls),
+                                 gather_wire(traffic.all_to_all.payload_bytes * scale, c));
     }
     cp_forward *= layers;
     cp_backward *= layers;
@@ -194,10 +206,10 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
     const std::vector<int64_t> sent(static_cast<size_t>(layout.ep), routed);
     const auto traffic =
         ch13::expert_parallel_traffic(sent, sent, 0, moe.n_routed_experts, shape.d_model, element);
-    const double all =
-        transfer(group_link(cluster, t, layout.ep), static_cast<double>(traffic.calls),
-                 static_cast<double>(traffic.wire_bytes)) *
-        stage_moe_layers;
+    const double all = group_link(cluster, t, layout.ep)
+                           .seconds(dist::Op::AllToAll, static_cast<double>(traffic.calls),
+                                    static_cast<double>(traffic.wire_bytes)) *
+                       stage_moe_layers;
     const double forward_share =
         static_cast<double>(traffic.forward_payload_bytes) / traffic.payload_bytes;
     ep_forward = all * forward_share;
@@ -209,7 +221,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   double pp_send = 0;
   if (p > 1) {
     const double bytes = tokens * shape.d_model * element / (layout.sequence_parallel ? t : 1);
-    pp_send = transfer(group_link(cluster, t * c * d, p), 1, bytes);
+    pp_send = group_link(cluster, t * c * d, p).seconds(dist::Op::SendRecv, 1, bytes);
   }
 
   // One micro-batch through the largest stage, as chapter 11's simulator takes it.
@@ -333,16 +345,18 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   // With ep, chapter 09's step runs over the ranks that hold the same experts (tp·ep apart), and
   // chapter 13 first all-reduces the other parameters' gradients over the ep group.
   const double backward = busiest * (costs.backward_input + costs.backward_weight);
+  using dist::Op;
   auto reduction = [&](int64_t parameters, int64_t n, const Link& link, int zero) {
     if (n == 1 || parameters == 0) return 0.0;
     const double grads = 4.0 * parameters, params = static_cast<double>(element) * parameters;
     const double messages = std::ceil(grads / 25e6) * 2 * (n - 1);  // 25 MB buckets
     if (zero == 0)
-      return std::max(0.0, transfer(link, messages, all_reduce_wire(grads, n)) - backward);
-    if (zero < 3)
-      return std::max(0.0, transfer(link, messages / 2, gather_wire(grads, n)) - backward) +
-             transfer(link, messages / 2, gather_wire(params, n));
-    return m * transfer(link, 1.5 * messages, gather_wire(2 * params + grads, n));
+      return std::max(0.0,
+                      link.seconds(Op::AllReduce, messages, all_reduce_wire(grads, n)) - backward);
+    const double gather = link.seconds(Op::AllGather, messages / 2, gather_wire(params, n));
+    const double scatter = link.seconds(Op::ReduceScatter, messages / 2, gather_wire(grads, n));
+    if (zero < 3) return std::max(0.0, scatter - backward) + gather;
+    return m * (2 * gather + scatter);  // gathered for forward and backward
   };
   const double dp_time = reduction(held + held_experts, replicas,
                                    group_link(cluster, t * layout.ep, replicas), layout.zero) +
@@ -452,8 +466,8 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
   FIVEFOLD_CHECK(!deepseek || (limits.tp <= 1 && limits.cp <= 1),
                  "search_layouts: MLA and MoE blocks are priced without tp or cp (chapter 14's "
                  "activations for them are derived on one device)");
-  FIVEFOLD_CHECK(experts || limits.ep <= 1,
-                 "search_layouts: ep ", limits.ep, " needs a model with routed experts");
+  FIVEFOLD_CHECK(experts || limits.ep <= 1, "search_layouts: ep ", limits.ep,
+                 " needs a model with routed experts");
   for (int64_t tp : divisors(world))
     for (int64_t cp : divisors(world / tp))
       for (int64_t pp : divisors(world / (tp * cp)))

@@ -146,12 +146,18 @@ TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
   Workload w = small(8, 2);
   w.attention_tile = 1;
   w.model.n_heads = w.model.n_kv_heads = 4;
-  w.model.extensions = {{"q_lora_rank", 16},        {"kv_lora_rank", 16},
-                        {"qk_nope_head_dim", 8},    {"qk_rope_head_dim", 4},
-                        {"v_head_dim", 6},          {"n_routed_experts", 8},
-                        {"num_experts_per_tok", 2}, {"n_shared_experts", 1},
-                        {"moe_intermediate_size", 24}, {"n_group", 1},
-                        {"topk_group", 1},          {"first_k_dense_replace", 1}};
+  w.model.extensions = {{"q_lora_rank", 16},
+                        {"kv_lora_rank", 16},
+                        {"qk_nope_head_dim", 8},
+                        {"qk_rope_head_dim", 4},
+                        {"v_head_dim", 6},
+                        {"n_routed_experts", 8},
+                        {"num_experts_per_tok", 2},
+                        {"n_shared_experts", 1},
+                        {"moe_intermediate_size", 24},
+                        {"n_group", 1},
+                        {"topk_group", 1},
+                        {"first_k_dense_replace", 1}};
   for (auto mode : {ch14::Recompute::None, ch14::Recompute::Full})
     for (const auto& [pp, ep] : {std::pair<int64_t, int64_t>{1, 1}, {1, 2}, {1, 4}, {2, 2}}) {
       w.recompute = {mode, 1, 0};
@@ -182,10 +188,10 @@ TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
       EXPECT_GT(estimate_step(w, layout, costly, ch14::Precision::Fp32).exposed.at("ep"), 0);
     }
   w.recompute = {ch14::Recompute::None, 1, 0};
-  EXPECT_TRUE(throws_error_containing(
-      [&] { estimate(w, sizes(2, 2, 1, 1), cluster(4)); }, "without tp or cp"));
-  EXPECT_TRUE(throws_error_containing(
-      [&] { estimate(w, sizes(2, 1, 1, 2), cluster(4)); }, "without tp or cp"));
+  EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(2, 2, 1, 1), cluster(4)); },
+                                      "without tp or cp"));
+  EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(2, 1, 1, 2), cluster(4)); },
+                                      "without tp or cp"));
   w.recompute = {ch14::Recompute::Selective, 1, 0};
   EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(4, 1, 1, 1), cluster(4)); },
                                       "selective recomputation"));
@@ -345,5 +351,45 @@ TEST(Planner, ReadsClusterFiles) {
   const std::string missing = (dir / "missing.toml").string();
   std::ofstream(missing) << "name = \"x\"\ndevices = 8\ndevices-per-node = 8\n";
   EXPECT_TRUE(throws_error_containing([&] { runtime::read_cluster(missing); }, "memory-gb"));
+
+  // A collective's own line (what calibrate writes) comes back; half of one is refused.
+  Cluster own = h100;
+  own.inter_node.by_collective[dist::Op::AllToAll] = {7e-6, 12e9};
+  const std::string lines = (dir / "lines.toml").string();
+  std::ofstream(lines) << runtime::cluster_toml(own);
+  const Cluster read = runtime::read_cluster(lines);
+  ASSERT_EQ(read.inter_node.by_collective.size(), 1u);
+  EXPECT_DOUBLE_EQ(read.inter_node.by_collective.at(dist::Op::AllToAll).latency, 7e-6);
+  EXPECT_DOUBLE_EQ(read.inter_node.by_collective.at(dist::Op::AllToAll).bandwidth, 12e9);
+  EXPECT_TRUE(read.intra_node.by_collective.empty());
+  const std::string half = (dir / "half.toml").string();
+  std::ofstream(half) << runtime::cluster_toml(h100) << "intra-node-all-reduce-gbps = 3\n";
+  EXPECT_TRUE(throws_error_containing([&] { runtime::read_cluster(half); },
+                                      "intra-node-all-reduce-latency-us"));
   std::filesystem::remove_all(dir);
+}
+
+// A collective with a line of its own is priced on it, the others on the link's: a slow
+// all-reduce slows tp's f and g and DDP's reduction, not the pipeline's sends; a slow
+// send/receive the pipeline alone.
+TEST(Planner, PricesEachCollectiveOnItsOwnLine) {
+  const Workload w = small(8, 4);
+  Cluster base = cluster(4);
+  base.intra_node = base.inter_node = {1e-6, 1e10};
+  base.matmul_flops_fp32 = 1e30;  // nothing to hide the reduction behind
+  Cluster slow_reduce = base, slow_send = base;
+  for (Cluster* c : {&slow_reduce, &slow_send})
+    for (Link* link : {&c->intra_node, &c->inter_node})
+      link->by_collective[c == &slow_reduce ? dist::Op::AllReduce : dist::Op::SendRecv] = {1e-5,
+                                                                                           1e8};
+  auto exposed = [&](const Cluster& c, const Layout& l, const char* group) {
+    return estimate(w, l, c).exposed.at(group);
+  };
+  const Layout tp = sizes(2, 2, 1, 1), pp = sizes(2, 1, 2, 1);
+  EXPECT_GT(exposed(slow_reduce, tp, "tp"), 10 * exposed(base, tp, "tp"));
+  EXPECT_GT(exposed(slow_reduce, tp, "dp"), 10 * exposed(base, tp, "dp"));
+  EXPECT_DOUBLE_EQ(exposed(slow_reduce, pp, "pp"), exposed(base, pp, "pp"));
+  EXPECT_GT(exposed(slow_send, pp, "pp"), 10 * exposed(base, pp, "pp"));
+  EXPECT_DOUBLE_EQ(exposed(slow_send, tp, "tp"), exposed(base, tp, "tp"));
+  EXPECT_DOUBLE_EQ(base.intra_node.seconds(dist::Op::AllGather, 3, 2e10), 3e-6 + 2);
 }

@@ -10,10 +10,12 @@
 ///   (estimate_step on one device) give the rate (the slope: it folds in what a step does
 ///   besides its products, norms and softmax, in proportion to them) and the time a step costs
 ///   whatever its tokens (the intercept: the optimizer's update, per parameter).
-/// - The link: all-reduces over every rank and ring send/receives at each message size, the
-///   slowest rank's median; latency and bandwidth fitted to time = latency x messages + wire bytes
-///   / bandwidth (ring messages and wire bytes as the planner counts them). One host: inside a
-///   node and between nodes alike.
+/// - The link: each collective the chapters run (all-reduce, all-gather, reduce-scatter,
+///   all-to-all over every rank, and ring send/receives) at each message size, the slowest rank's
+///   median; for each, latency and bandwidth fitted to time = latency x messages + wire bytes /
+///   bandwidth (ring messages and wire bytes as the planner counts them), its own line in the
+///   cluster file, and one line fitted to them all for anything else. At the job's rank count
+///   only; one host: inside a node and between nodes alike.
 /// - Memory: the machine's MemAvailable over the ranks.
 
 #include <cstdint>

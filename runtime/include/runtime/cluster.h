@@ -18,6 +18,10 @@
 ///     intra-node-latency-us = 3
 ///     inter-node-gbps = 50            # GB/s one device sends to other nodes
 ///     inter-node-latency-us = 5
+///     # optional: a collective's own line (all-reduce, all-gather, reduce-scatter, all-to-all,
+///     # send-recv), both figures together; `fivefold calibrate` writes one for each it times
+///     intra-node-all-reduce-gbps = 300
+///     intra-node-all-reduce-latency-us = 8
 
 #include <string>
 
