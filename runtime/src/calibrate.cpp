@@ -1,6 +1,8 @@
 // fivefold calibrate: this machine's cluster description, measured.
 #include "runtime/calibrate.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -9,6 +11,7 @@
 #include "02_flops_6np/flops.h"
 #include "07_moe/moe.h"
 #include "14_memory/precision.h"
+#include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 #include "fivefold/timer.h"
 #include "runtime/layout.h"
@@ -43,6 +46,76 @@ class StepClock : public RunObserver {
   std::chrono::steady_clock::time_point start_;
 };
 
+// Each collective the chapters run, over `group`'s ranks, at each size (`bytes` the whole
+// tensor: an all-gather's result, a reduce-scatter's or an all-to-all's input; a send/receive is
+// each rank sending to the next while receiving from the previous, the ring's step, as cp's ring
+// and pp's sends run), the slowest rank's median over `world` (every group times at once, as a
+// job's groups share the links); a line fitted to each collective and one to them all.
+ch15::Link measure_link(dist::Communicator& group, dist::Communicator& world,
+                        const CalibrationOptions& options, nlohmann::json& measured) {
+  const int n = group.size();
+  using Samples = std::vector<std::array<double, 3>>;  // messages, wire bytes, seconds
+  std::map<dist::Op, Samples> samples;
+  for (int64_t bytes : options.sizes) {
+    const int64_t elements = bytes / 4 / n * n;  // a multiple of the ranks
+    auto buffer = torch::ones({elements}, torch::kFloat);
+    auto part = torch::ones({elements / n}, torch::kFloat);
+    auto received = torch::empty_like(buffer);
+    const std::vector<int64_t> even(static_cast<size_t>(n), elements / n);
+    auto time = [&](const std::function<void()>& op) {
+      op();  // warm-up
+      std::vector<double> each;
+      for (int64_t i = 0; i < options.iterations; ++i) {
+        world.barrier();
+        Timer timer;
+        op();
+        each.push_back(timer.seconds());
+      }
+      return slowest(median(each), world);
+    };
+    const double whole = 4.0 * static_cast<double>(elements), share = (n - 1.0) / n * whole;
+    nlohmann::json row = {{"bytes", whole}, {"ranks", n}};
+    auto add = [&](dist::Op op, double messages, double wire, double seconds) {
+      samples[op].push_back({messages, wire, seconds});
+      row[std::string(dist::op_name(op)) + "_s"] = seconds;
+    };
+    add(dist::Op::AllReduce, 2.0 * (n - 1), 2 * share, time([&] { group.all_reduce(buffer); }));
+    add(dist::Op::AllGather, n - 1.0, share, time([&] { group.all_gather(part); }));
+    add(dist::Op::ReduceScatter, n - 1.0, share, time([&] { group.reduce_scatter(buffer); }));
+    add(dist::Op::AllToAll, n - 1.0, share, time([&] { group.all_to_all(buffer, even, even); }));
+    add(dist::Op::SendRecv, 1.0, whole, time([&] {
+          group.send_recv(buffer, (group.rank() + 1) % n, received, (group.rank() + n - 1) % n);
+        }));
+    measured["messages"].push_back(row);
+  }
+  // Least squares for seconds = latency·messages + wire / bandwidth.
+  auto fit = [](const Samples& points, const std::string& what) {
+    double mm = 0, mw = 0, ww = 0, mt = 0, wt = 0;
+    for (const auto& [m, w, t] : points) {
+      mm += m * m, mw += m * w, ww += w * w, mt += m * t, wt += w * t;
+    }
+    const double det = mm * ww - mw * mw;
+    double latency = (mt * ww - wt * mw) / det, per_byte = (mm * wt - mw * mt) / det;
+    if (!(latency >= 0) || !(per_byte > 0)) latency = 0, per_byte = wt / ww;  // through zero
+    FIVEFOLD_CHECK(per_byte > 0, "fivefold calibrate: the ", what,
+                   " times do not grow with their size; run it again on a quieter machine");
+    return ch15::LinkLine{latency, 1 / per_byte};
+  };
+  Samples every;
+  ch15::Link link;
+  for (const auto& [op, points] : samples) {
+    every.insert(every.end(), points.begin(), points.end());
+    link.by_collective[op] = fit(points, dist::op_name(op));
+    measured[dist::op_name(op)] = {{"latency_s", link.by_collective[op].latency},
+                                   {"bandwidth_bytes_per_s", link.by_collective[op].bandwidth}};
+  }
+  const ch15::LinkLine common = fit(every, "message");  // for a collective without its own line
+  link.latency = common.latency;
+  link.bandwidth = common.bandwidth;
+  measured["every"] = {{"latency_s", common.latency}, {"bandwidth_bytes_per_s", common.bandwidth}};
+  return link;
+}
+
 }  // namespace
 
 Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptions& options) {
@@ -53,7 +126,7 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
   Calibration out;
   ch15::Cluster& c = out.cluster;
   c.name = "this machine, " + std::to_string(n) + " ranks (fivefold calibrate)";
-  c.devices = c.devices_per_node = n;
+  c.devices = n;
   c.memory_bytes = static_cast<double>(available_memory()) / n;
 
   // The product rate: each rank trains the model alone, all at once.
@@ -115,72 +188,37 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
       static_cast<double>(ch02::count_parameters(options.run.model.shape()).total);
   c.optimizer_seconds_per_parameter = fixed / parameters;
 
-  // The link: each collective the chapters run, over every rank, at each size (`bytes` the whole
-  // tensor: an all-gather's result, a reduce-scatter's or an all-to-all's input; a send/receive
-  // is each rank sending to the next while receiving from the previous, the ring's step, as cp's
-  // ring and pp's sends run).
-  using Samples = std::vector<std::array<double, 3>>;  // messages, wire bytes, seconds
-  std::map<dist::Op, Samples> samples;
-  for (int64_t bytes : options.sizes) {
-    const int64_t elements = bytes / 4 / n * n;  // a multiple of the ranks
-    auto buffer = torch::ones({elements}, torch::kFloat);
-    auto part = torch::ones({elements / n}, torch::kFloat);
-    auto received = torch::empty_like(buffer);
-    const std::vector<int64_t> even(static_cast<size_t>(n), elements / n);
-    auto time = [&](const std::function<void()>& op) {
-      op();  // warm-up
-      std::vector<double> each;
-      for (int64_t i = 0; i < options.iterations; ++i) {
-        world->barrier();
-        Timer timer;
-        op();
-        each.push_back(timer.seconds());
-      }
-      return slowest(median(each), *world);
-    };
-    const double whole = 4.0 * static_cast<double>(elements), share = (n - 1.0) / n * whole;
-    nlohmann::json row = {{"bytes", whole}};
-    auto add = [&](dist::Op op, double messages, double wire, double seconds) {
-      samples[op].push_back({messages, wire, seconds});
-      row[std::string(dist::op_name(op)) + "_s"] = seconds;
-    };
-    add(dist::Op::AllReduce, 2.0 * (n - 1), 2 * share, time([&] { world->all_reduce(buffer); }));
-    add(dist::Op::AllGather, n - 1.0, share, time([&] { world->all_gather(part); }));
-    add(dist::Op::ReduceScatter, n - 1.0, share, time([&] { world->reduce_scatter(buffer); }));
-    add(dist::Op::AllToAll, n - 1.0, share, time([&] { world->all_to_all(buffer, even, even); }));
-    add(dist::Op::SendRecv, 1.0, whole, time([&] {
-          world->send_recv(buffer, (world->rank() + 1) % n, received, (world->rank() + n - 1) % n);
-        }));
-    out.measured["messages"].push_back(row);
+  // The links: inside a node, the ranks that share a host; between nodes, one rank of each host.
+  // On one host both are the link over every rank.
+  const std::string host = [] {
+    char name[256] = {};
+    gethostname(name, sizeof name - 1);
+    return std::string(name);
+  }();
+  std::vector<std::string> hosts;  // in order of first appearance
+  int host_index = -1, local_index = 0;
+  const auto names = all_gather_json(host, *world);
+  for (int r = 0; r < n; ++r) {
+    const std::string name = names[static_cast<size_t>(r)].get<std::string>();
+    if (std::find(hosts.begin(), hosts.end(), name) == hosts.end()) hosts.push_back(name);
+    if (r < world->rank() && name == host) ++local_index;
   }
-  // Least squares for seconds = latency·messages + wire / bandwidth.
-  auto fit = [](const Samples& points, const std::string& what) {
-    double mm = 0, mw = 0, ww = 0, mt = 0, wt = 0;
-    for (const auto& [m, w, t] : points) {
-      mm += m * m, mw += m * w, ww += w * w, mt += m * t, wt += w * t;
-    }
-    const double det = mm * ww - mw * mw;
-    double latency = (mt * ww - wt * mw) / det, per_byte = (mm * wt - mw * mt) / det;
-    if (!(latency >= 0) || !(per_byte > 0)) latency = 0, per_byte = wt / ww;  // through zero
-    FIVEFOLD_CHECK(per_byte > 0, "fivefold calibrate: the ", what,
-                   " times do not grow with their size; run it again on a quieter machine");
-    return ch15::LinkLine{latency, 1 / per_byte};
-  };
-  Samples every;
-  ch15::Link link;
-  for (const auto& [op, points] : samples) {
-    every.insert(every.end(), points.begin(), points.end());
-    link.by_collective[op] = fit(points, dist::op_name(op));
-    out.measured["link"][dist::op_name(op)] = {
-        {"latency_s", link.by_collective[op].latency},
-        {"bandwidth_bytes_per_s", link.by_collective[op].bandwidth}};
+  host_index = static_cast<int>(std::find(hosts.begin(), hosts.end(), host) - hosts.begin());
+  const int per_host = n / static_cast<int>(hosts.size());
+  FIVEFOLD_CHECK(per_host * static_cast<int>(hosts.size()) == n,
+                 "fivefold calibrate: give every host the same number of ranks (", n, " ranks on ",
+                 hosts.size(), " hosts)");
+  c.devices_per_node = per_host;
+  if (hosts.size() == 1) {
+    c.intra_node = c.inter_node = measure_link(*world, *world, options, out.measured["link"]);
+  } else {
+    auto node = world->split(host_index, world->rank(), "calibrate.node");
+    auto across = world->split(local_index, world->rank(), "calibrate.hosts");
+    c.inter_node = measure_link(*across, *world, options, out.measured["inter_node"]);
+    c.intra_node = per_host > 1 ? measure_link(*node, *world, options, out.measured["intra_node"])
+                                : c.inter_node;  // no group stays inside a node of one device
   }
-  const ch15::LinkLine common = fit(every, "message");  // for a collective without its own line
-  link.latency = common.latency;
-  link.bandwidth = common.bandwidth;
-  c.intra_node = c.inter_node = link;
-  out.measured["link"]["every"] = {{"latency_s", common.latency},
-                                   {"bandwidth_bytes_per_s", common.bandwidth}};
+  out.measured["hosts"] = hosts.size();
   c.validate();
   return out;
 }

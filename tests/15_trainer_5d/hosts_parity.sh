@@ -5,7 +5,8 @@
 #   so its 2-, 4- and 8-rank layouts run 1, 1 and 2 ranks a host; Gloo: 2 hosts);
 # - a run saved across 2 hosts resumes on this machine alone in another layout, and its whole
 #   curve is the one process's;
-# - (MPI) the main preset's 16-rank 5D layout, 8 ranks a host;
+# - (MPI) the main preset's 16-rank 5D layout, 8 ranks a host; `fivefold calibrate` over 2 hosts
+#   of 2 ranks times the node's link (shared memory) and the nodes' (TCP) apart;
 # - (Gloo) torchrun itself, one agent a host, where Debian's python3-torch is installed.
 # Skipped (exit 77), saying why, where network namespaces cannot be made.
 #   hosts_parity.sh <build dir> <mpi|gloo> <work dir>
@@ -80,5 +81,20 @@ if [ "$backend" = mpi ]; then
     --no-progress --tp 1 --pp 1 --cp 1 --ep 1 --zero 0 --sequence-parallel=false \
     >"$work/main-single.log" 2>&1 || { cat "$work/main-single.log"; exit 1; }
   "$fivefold" compare --runs "$work/main-5d,$work/main-single" --tolerance 1e-4 --check-steps 3
+
+  echo "== fivefold calibrate over 2 hosts, 2 ranks each: the node's link and the nodes' apart"
+  "$hosts" mpirun "$name" --per-host 2 -- -np 4 "$fivefold" calibrate \
+    --cluster-out "$work/two-hosts.toml" --d-model 32 --n-layers 1 --n-heads 4 --seq 16 \
+    --batch 4 --timed-steps 2 --sizes 4096,65536,1048576 >"$work/calibrate.log" 2>&1 ||
+    { cat "$work/calibrate.log"; echo "FAIL: calibrate across hosts failed"; exit 1; }
+  cat "$work/two-hosts.toml"
+  grep -q '"hosts":2' "$work/two-hosts.toml" && grep -q '^devices-per-node = 2$' "$work/two-hosts.toml" ||
+    { echo "FAIL: calibrate did not see 2 hosts of 2 ranks"; exit 1; }
+  for key in intra-node-send-recv-gbps inter-node-send-recv-gbps inter-node-all-reduce-gbps; do
+    grep -q "^$key = [0-9]" "$work/two-hosts.toml" || { echo "FAIL: no $key"; exit 1; }
+  done
+  intra=$(sed -n 's/^intra-node-send-recv-gbps = //p' "$work/two-hosts.toml")
+  inter=$(sed -n 's/^inter-node-send-recv-gbps = //p' "$work/two-hosts.toml")
+  [ "$intra" != "$inter" ] || { echo "FAIL: one line for shared memory and TCP ($intra GB/s)"; exit 1; }
 fi
 echo "ok: every run across the hosts gave the one process's curve"

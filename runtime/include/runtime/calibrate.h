@@ -14,8 +14,11 @@
 ///   all-to-all over every rank, and ring send/receives) at each message size, the slowest rank's
 ///   median; for each, latency and bandwidth fitted to time = latency x messages + wire bytes /
 ///   bandwidth (ring messages and wire bytes as the planner counts them), its own line in the
-///   cluster file, and one line fitted to them all for anything else. At the job's rank count
-///   only; one host: inside a node and between nodes alike.
+///   cluster file, and one line fitted to them all for anything else. On one host the link over
+///   every rank is both the node's and the nodes'; across hosts (the same number of ranks on
+///   each), the node's link is timed over the ranks that share a host (shared memory) and the
+///   nodes' over one rank of each host (TCP), every group at once, and devices per node is the
+///   ranks a host.
 /// - Memory: the machine's MemAvailable over the ranks.
 
 #include <cstdint>
