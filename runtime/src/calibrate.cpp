@@ -46,47 +46,56 @@ class StepClock : public RunObserver {
   std::chrono::steady_clock::time_point start_;
 };
 
-// Each collective the chapters run, over `group`'s ranks, at each size (`bytes` the whole
+// Each collective the chapters run, over `whole`'s ranks, at each size (`bytes` the whole
 // tensor: an all-gather's result, a reduce-scatter's or an all-to-all's input; a send/receive is
 // each rank sending to the next while receiving from the previous, the ring's step, as cp's ring
 // and pp's sends run), the slowest rank's median over `world` (every group times at once, as a
 // job's groups share the links); a line fitted to each collective and one to them all.
-ch15::Link measure_link(dist::Communicator& group, dist::Communicator& world,
+ch15::Link measure_link(dist::Communicator& whole, dist::Communicator& world,
                         const CalibrationOptions& options, nlohmann::json& measured) {
-  const int n = group.size();
   using Samples = std::vector<std::array<double, 3>>;  // messages, wire bytes, seconds
   std::map<dist::Op, Samples> samples;
-  for (int64_t bytes : options.sizes) {
-    const int64_t elements = bytes / 4 / n * n;  // a multiple of the ranks
-    auto buffer = torch::ones({elements}, torch::kFloat);
-    auto part = torch::ones({elements / n}, torch::kFloat);
-    auto received = torch::empty_like(buffer);
-    const std::vector<int64_t> even(static_cast<size_t>(n), elements / n);
-    auto time = [&](const std::function<void()>& op) {
-      op();  // warm-up
-      std::vector<double> each;
-      for (int64_t i = 0; i < options.iterations; ++i) {
-        world.barrier();
-        Timer timer;
-        op();
-        each.push_back(timer.seconds());
-      }
-      return slowest(median(each), world);
-    };
-    const double whole = 4.0 * static_cast<double>(elements), share = (n - 1.0) / n * whole;
-    nlohmann::json row = {{"bytes", whole}, {"ranks", n}};
-    auto add = [&](dist::Op op, double messages, double wire, double seconds) {
-      samples[op].push_back({messages, wire, seconds});
-      row[std::string(dist::op_name(op)) + "_s"] = seconds;
-    };
-    add(dist::Op::AllReduce, 2.0 * (n - 1), 2 * share, time([&] { group.all_reduce(buffer); }));
-    add(dist::Op::AllGather, n - 1.0, share, time([&] { group.all_gather(part); }));
-    add(dist::Op::ReduceScatter, n - 1.0, share, time([&] { group.reduce_scatter(buffer); }));
-    add(dist::Op::AllToAll, n - 1.0, share, time([&] { group.all_to_all(buffer, even, even); }));
-    add(dist::Op::SendRecv, 1.0, whole, time([&] {
-          group.send_recv(buffer, (group.rank() + 1) % n, received, (group.rank() + n - 1) % n);
-        }));
-    measured["messages"].push_back(row);
+  // At each rank count k that divides the group's (groups of k consecutive ranks, all at once):
+  // one line a collective fits every count, the ring's messages and wire bytes growing with k.
+  for (int k = 2; k <= whole.size(); ++k) {
+    if (whole.size() % k != 0) continue;
+    auto split = k == whole.size() ? nullptr
+                                   : whole.split(whole.rank() / k, whole.rank(),
+                                                 "calibrate." + std::to_string(k));
+    dist::Communicator& group = split ? *split : whole;
+    const int n = group.size();
+    for (int64_t bytes : options.sizes) {
+      const int64_t elements = bytes / 4 / n * n;  // a multiple of the ranks
+      auto buffer = torch::ones({elements}, torch::kFloat);
+      auto part = torch::ones({elements / n}, torch::kFloat);
+      auto received = torch::empty_like(buffer);
+      const std::vector<int64_t> even(static_cast<size_t>(n), elements / n);
+      auto time = [&](const std::function<void()>& op) {
+        op();  // warm-up
+        std::vector<double> each;
+        for (int64_t i = 0; i < options.iterations; ++i) {
+          world.barrier();
+          Timer timer;
+          op();
+          each.push_back(timer.seconds());
+        }
+        return slowest(median(each), world);
+      };
+      const double whole = 4.0 * static_cast<double>(elements), share = (n - 1.0) / n * whole;
+      nlohmann::json row = {{"bytes", whole}, {"ranks", n}};
+      auto add = [&](dist::Op op, double messages, double wire, double seconds) {
+        samples[op].push_back({messages, wire, seconds});
+        row[std::string(dist::op_name(op)) + "_s"] = seconds;
+      };
+      add(dist::Op::AllReduce, 2.0 * (n - 1), 2 * share, time([&] { group.all_reduce(buffer); }));
+      add(dist::Op::AllGather, n - 1.0, share, time([&] { group.all_gather(part); }));
+      add(dist::Op::ReduceScatter, n - 1.0, share, time([&] { group.reduce_scatter(buffer); }));
+      add(dist::Op::AllToAll, n - 1.0, share, time([&] { group.all_to_all(buffer, even, even); }));
+      add(dist::Op::SendRecv, 1.0, whole, time([&] {
+            group.send_recv(buffer, (group.rank() + 1) % n, received, (group.rank() + n - 1) % n);
+          }));
+      measured["messages"].push_back(row);
+    }
   }
   // Least squares for seconds = latency·messages + wire / bandwidth.
   auto fit = [](const Samples& points, const std::string& what) {

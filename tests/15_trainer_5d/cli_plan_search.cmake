@@ -5,7 +5,7 @@
 # its table; its JSON's best 3 layouts each train 2 steps under mpirun -np 4 with the flags the
 # planner chose; so do the best 2 with experts split of DeepSeek-V3 in miniature. The refusals: no
 # --cluster, a cluster file with an unknown key, a GPT-2 shape, MLA and experts under tp (not
-# derived), --ep for a model without experts. `fivefold calibrate` on 2 ranks writes a cluster
+# derived), --ep for a model without experts. `fivefold calibrate` on 4 ranks writes a cluster
 # file the search reads back; on one process it is refused.
 
 file(REMOVE_RECURSE ${WORK})
@@ -91,8 +91,9 @@ if(NOT rc EQUAL 0 OR NOT json MATCHES "\"ep\": 2" OR NOT json MATCHES "\"ep\": [
 endif()
 train_best("${json}" "--model-config;${moe_config}")
 
-# `fivefold calibrate` on 2 ranks writes a cluster file that the search reads back.
-execute_process(COMMAND ${MPIRUN} -np 2 ${FIVEFOLD} calibrate --cluster-out ${WORK}/here.toml
+# `fivefold calibrate` on 4 ranks writes a cluster file that the search reads back, its links
+# timed at 2 and 4 ranks.
+execute_process(COMMAND ${MPIRUN} -np 4 ${FIVEFOLD} calibrate --cluster-out ${WORK}/here.toml
                         --d-model 64 --n-layers 2 --n-heads 4 --seq 16 --batch 4 --timed-steps 2
                         --sizes 4096,65536
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -101,8 +102,11 @@ if(NOT rc EQUAL 0 OR NOT EXISTS ${WORK}/here.toml)
 endif()
 file(READ ${WORK}/here.toml here)
 message("${here}")
-if(NOT here MATCHES "devices = 2\n" OR NOT here MATCHES "matmul-tflops-bf16 = [0-9]")
+if(NOT here MATCHES "devices = 4\n" OR NOT here MATCHES "matmul-tflops-bf16 = [0-9]")
   message(FATAL_ERROR "the calibrated cluster file lacks its devices or rates")
+endif()
+if(NOT here MATCHES "\"ranks\":2" OR NOT here MATCHES "\"ranks\":4")
+  message(FATAL_ERROR "calibrate did not time its collectives at 2 and at 4 ranks")
 endif()
 foreach(op all-reduce all-gather reduce-scatter all-to-all send-recv)
   if(NOT here MATCHES "intra-node-${op}-gbps = [0-9]")
@@ -111,7 +115,7 @@ foreach(op all-reduce all-gather reduce-scatter all-to-all send-recv)
 endforeach()
 execute_process(COMMAND ${FIVEFOLD} plan --search --cluster ${WORK}/here.toml ${model} --top 1
                 RESULT_VARIABLE rc OUTPUT_VARIABLE table ERROR_VARIABLE err)
-if(NOT rc EQUAL 0 OR NOT table MATCHES "this machine, 2 ranks")
+if(NOT rc EQUAL 0 OR NOT table MATCHES "this machine, 4 ranks")
   message(FATAL_ERROR "plan --search did not read the calibrated file (exit ${rc}):\n${table}${err}")
 endif()
 execute_process(COMMAND ${FIVEFOLD} calibrate --cluster-out ${WORK}/alone.toml --d-model 64

@@ -11,7 +11,8 @@
 ///   besides its products, norms and softmax, in proportion to them) and the time a step costs
 ///   whatever its tokens (the intercept: the optimizer's update, per parameter).
 /// - The link: each collective the chapters run (all-reduce, all-gather, reduce-scatter,
-///   all-to-all over every rank, and ring send/receives) at each message size, the slowest rank's
+///   all-to-all, and ring send/receives) at each message size and at each rank count that
+///   divides the link's ranks (groups of consecutive ranks, all at once), the slowest rank's
 ///   median; for each, latency and bandwidth fitted to time = latency x messages + wire bytes /
 ///   bandwidth (ring messages and wire bytes as the planner counts them), its own line in the
 ///   cluster file, and one line fitted to them all for anything else. On one host the link over
