@@ -57,6 +57,10 @@ struct Cluster {
   double peak_flops_bf16 = 0;    ///< the datasheet's dense bf16 FLOP/s (for MFU)
   double matmul_flops_fp32 = 0;  ///< fp32 FLOP/s the step's products sustain (for time)
   double matmul_flops_bf16 = 0;  ///< bf16 FLOP/s the step's products sustain (for time)
+  /// fp32 FLOP/s the causal attention kernel sustains, counted as the planner counts its FLOPs
+  /// (half the square of scores); 0: the products' rate.
+  double attention_flops_fp32 = 0;
+  double attention_flops_bf16 = 0;  ///< the same in bf16; 0: the products' rate
   /// Seconds a step's optimizer takes per parameter it updates, and whatever else a step costs
   /// once whatever its tokens (AdamW streams each parameter's value, gradient and two moments:
   /// memory-bound).

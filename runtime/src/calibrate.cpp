@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <tuple>
 
 #include "02_flops_6np/flops.h"
 #include "07_moe/moe.h"
@@ -14,6 +15,7 @@
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 #include "fivefold/timer.h"
+#include "runtime/fast.h"
 #include "runtime/layout.h"
 
 namespace fivefold::runtime {
@@ -148,6 +150,42 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
   // update (and the loop's own work): two batches, the run's and half of it, give both.
   FIVEFOLD_CHECK(options.run.batch >= 2 && options.run.batch % 2 == 0,
                  "fivefold calibrate: --batch must be even (the step is timed at it and at half)");
+  // The causal attention kernel the run uses (the fast paths' tiled one, or chapter 03's), one
+  // block's forward and backward at the run's shape, every rank at once; its rate as the planner
+  // counts attention FLOPs (half the square of scores: the tiles' extra work is in the rate).
+  auto time_attention = [&](const char* precision) {
+    const ch03::ModelConfig& m = options.run.model;
+    const int64_t rows = options.run.batch, seq = options.run.seq_len, hd = m.resolved_head_dim();
+    torch::NoGradGuard outside;
+    auto q = torch::randn({rows, m.n_heads, seq, hd});
+    auto k = torch::randn({rows, m.n_kv_heads, seq, hd}), v = torch::randn_like(k);
+    const auto positions = torch::arange(seq, torch::kLong);
+    std::shared_ptr<const ch03::AttentionKernel> kernel;
+    if (options.run.fast)
+      kernel = std::make_shared<const TiledCausalAttentionKernel>();
+    else
+      kernel = std::make_shared<const ch03::CausalAttentionKernel>();
+    const auto previous = ch03::set_matmul_kernel(nullptr);
+    ch14::use_precision(ch14::parse_precision(precision), previous);
+    std::vector<double> each;
+    for (int64_t i = 0; i <= options.steps; ++i) {
+      torch::AutoGradMode grad(true);
+      auto qi = q.clone().requires_grad_(), ki = k.clone().requires_grad_(),
+           vi = v.clone().requires_grad_();
+      world->barrier();
+      Timer timer;
+      kernel->attend(qi, ki, vi, positions, positions, 1.0 / std::sqrt(hd)).output.sum().backward();
+      if (i > 0) each.push_back(timer.seconds());  // the first: warm-up
+    }
+    ch03::set_matmul_kernel(previous);
+    ch15::Workload w = work;
+    const double flops =
+        static_cast<double>(ch15::estimate_step(w, ch15::resolve_layout({}, 1, w), unit,
+                                                ch14::parse_precision(precision))
+                                .flops.attention) /
+        static_cast<double>(m.n_layers);  // one block's
+    return flops / slowest(median(each), *world);
+  };
   auto timed_step = [&](const char* precision, int64_t batch) {
     RunConfig run = options.run;
     run.precision = precision;
@@ -167,29 +205,42 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
     clock.seconds.erase(clock.seconds.begin());  // warm-up
     ch15::Workload w = work;
     w.batch = batch;
-    const double flops =
-        static_cast<double>(ch15::estimate_step(w, ch15::resolve_layout({}, 1, w), unit,
-                                                ch14::parse_precision(precision))
-                                .flops.total());
-    return std::make_pair(slowest(median(clock.seconds), *world), flops);
+    const ch15::StepFlops flops = ch15::estimate_step(w, ch15::resolve_layout({}, 1, w), unit,
+                                                      ch14::parse_precision(precision))
+                                      .flops;
+    return std::make_tuple(slowest(median(clock.seconds), *world),
+                           static_cast<double>(flops.matrices + flops.head),
+                           static_cast<double>(flops.attention));
   };
   double fixed = 0;
   for (const char* precision : {"fp32", "bf16"}) {
-    const auto [full, full_flops] = timed_step(precision, options.run.batch);
-    const auto [half, half_flops] = timed_step(precision, options.run.batch / 2);
-    double rate = (full_flops - half_flops) / (full - half);
-    double once = full - full_flops / rate;
-    if (!(full > half) || once < 0) rate = full_flops / full, once = 0;  // noise: no fixed part
+    // The attention kernel alone first: its seconds leave the step's products to the fit.
+    const double attention_rate = time_attention(precision);
+    const auto [full, full_flops, full_attention] = timed_step(precision, options.run.batch);
+    const auto [half, half_flops, half_attention] = timed_step(precision, options.run.batch / 2);
+    const double full_products = full - full_attention / attention_rate;
+    const double half_products = half - half_attention / attention_rate;
+    double rate = (full_flops - half_flops) / (full_products - half_products);
+    double once = full_products - full_flops / rate;
+    if (!(full_products > half_products) || once < 0) {  // noise: no fixed part
+      rate = full_flops / full_products, once = 0;
+    }
+    FIVEFOLD_CHECK(rate > 0, "fivefold calibrate: the attention kernel alone took longer than ",
+                   "the whole step; run it again on a quieter machine");
     if (std::string(precision) == "fp32") {
       c.matmul_flops_fp32 = c.peak_flops_fp32 = rate;
+      c.attention_flops_fp32 = attention_rate;
       fixed = once;
     } else {
       c.matmul_flops_bf16 = c.peak_flops_bf16 = rate;
+      c.attention_flops_bf16 = attention_rate;
     }
     out.measured["step"][precision] = {{"seconds", full},
-                                       {"flops", full_flops},
+                                       {"product_flops", full_flops},
+                                       {"attention_flops", full_attention},
                                        {"half_batch_seconds", half},
-                                       {"half_batch_flops", half_flops},
+                                       {"half_batch_product_flops", half_flops},
+                                       {"attention_rate", attention_rate},
                                        {"rate", rate},
                                        {"once_a_step_s", once}};
   }

@@ -18,6 +18,7 @@ struct Key {
   double ch15::Cluster::*real = nullptr;
   double ch15::Link::*link = nullptr;
   ch15::Link ch15::Cluster::*which = nullptr;
+  bool optional = false;  // absent: 0
 };
 
 const std::vector<Key>& keys() {
@@ -31,6 +32,12 @@ const std::vector<Key>& keys() {
        &C::matmul_flops_bf16},
       {"matmul-tflops-fp32", "fp32 TFLOP/s the step's products sustain", 1e12,
        &C::matmul_flops_fp32},
+      {"attention-tflops-fp32",
+       "fp32 TFLOP/s the causal attention kernel sustains (optional: the products' rate)", 1e12,
+       &C::attention_flops_fp32, nullptr, nullptr, true},
+      {"attention-tflops-bf16",
+       "bf16 TFLOP/s the causal attention kernel sustains (optional: the products' rate)", 1e12,
+       &C::attention_flops_bf16, nullptr, nullptr, true},
       {"adamw-ns-per-parameter", "nanoseconds the optimizer's update takes per parameter", 1e-9,
        &C::optimizer_seconds_per_parameter},
       {"intra-node-gbps", "GB/s a device sends inside its node", 1e9, nullptr, &L::bandwidth,
@@ -89,6 +96,7 @@ ch15::Cluster read_cluster(const std::string& path) {
   cluster.devices = file.integer("devices");
   cluster.devices_per_node = file.integer("devices-per-node");
   for (const Key& key : keys()) {
+    if (key.optional && !file.given(key.name)) continue;
     FIVEFOLD_CHECK(file.given(key.name), "cluster file '", path, "': no '", key.name, "' key (",
                    key.help, ")");
     const double value = file.real(key.name) * key.scale;
@@ -122,6 +130,7 @@ std::string cluster_toml(const ch15::Cluster& cluster) {
   out << "devices-per-node = " << cluster.devices_per_node << "\n";
   for (const Key& key : keys()) {
     const double value = key.real ? cluster.*key.real : (cluster.*key.which).*key.link;
+    if (key.optional && value == 0) continue;
     out << key.name << " = " << value / key.scale << "\n";
   }
   for (const LinkClass& link : kLinks)

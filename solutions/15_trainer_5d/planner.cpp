@@ -27,6 +27,8 @@ void Cluster::validate() const {
   FIVEFOLD_CHECK(
       matmul_flops_fp32 > 0 && matmul_flops_bf16 > 0 && peak_flops_fp32 > 0 && peak_flops_bf16 > 0,
       "cluster '", name, "': give the peak and sustained matmul FLOP/s in fp32 and bf16");
+  FIVEFOLD_CHECK(attention_flops_fp32 >= 0 && attention_flops_bf16 >= 0, "cluster '", name,
+                 "': the attention kernel's FLOP/s cannot be negative (0: the products' rate)");
   FIVEFOLD_CHECK(optimizer_seconds_per_parameter >= 0, "cluster '", name,
                  "': the optimizer's seconds per parameter cannot be negative");
   FIVEFOLD_CHECK(intra_node.bandwidth > 0 && inter_node.bandwidth > 0 && intra_node.latency >= 0 &&
@@ -99,6 +101,8 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
         (2.0 * (block[i].query_key + block[i].value));
   }
   const double seconds = tokens / t / flops_per_s;  // per FLOP of one token, for this rank
+  const double attention_rate = bf16 ? cluster.attention_flops_bf16 : cluster.attention_flops_fp32;
+  const double attention_seconds = attention_rate > 0 ? tokens / t / attention_rate : seconds;
   // Chapter 11 splits the blocks over the p·v virtual stages; the last also runs the head. The
   // costs below are those of the stage with the most work in its blocks (and the head without a
   // pipeline); costs.scale weighs each stage against it.
@@ -124,8 +128,9 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   }
   const double head = p == 1 ? f.lm_head * seconds : 0;
   const double products = stage_products * seconds + head;
-  const double attention = stage_attention * seconds;
-  const double attention_backward = (stage_attention_training - stage_attention) * seconds;
+  const double attention = stage_attention * attention_seconds;
+  const double attention_backward =
+      (stage_attention_training - stage_attention) * attention_seconds;
   if (p > 1) {
     costs.scale.clear();
     for (size_t s = 0; s < stages.size(); ++s)

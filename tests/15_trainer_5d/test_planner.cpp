@@ -113,6 +113,25 @@ TEST(Planner, ComputesWhatTheChaptersCount) {
   }
 }
 
+// The attention kernel's own rate, where the cluster gives one, prices attention's FLOPs (forward,
+// backward and what selective recomputation runs again) and nothing else.
+TEST(Planner, PricesAttentionAtItsKernelsRate) {
+  for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective}) {
+    Workload w = small(8, 2);
+    w.recompute = {mode, 1, 0};
+    Cluster slow_attention = cluster(1);
+    slow_attention.attention_flops_fp32 = slow_attention.matmul_flops_fp32 / 4;
+    const StepEstimate same = estimate(w, sizes(1, 1, 1, 1), cluster(1));
+    const StepEstimate slow = estimate(w, sizes(1, 1, 1, 1), slow_attention);
+    const double products = static_cast<double>(same.flops.matrices + same.flops.head) / 1e12;
+    const double attention = static_cast<double>(same.flops.attention) / 1e12;
+    EXPECT_NEAR(same.compute, products + attention, 1e-3 * same.compute);
+    EXPECT_NEAR(slow.compute, products + 4 * attention, 1e-3 * slow.compute)
+        << ch14::to_string(mode);
+    EXPECT_EQ(slow.flops.total(), same.flops.total());
+  }
+}
+
 // The state is chapter 09's ZeRO formula over the rank that holds the most, as chapter 15's
 // predict counts the real model's parts (predicted_state_bytes, equal to what the trainer's ranks
 // measure): dp 2 x pp 2, each ZeRO stage; bf16 keeps 2 + 2 + 12 bytes a parameter.
@@ -344,6 +363,11 @@ TEST(Planner, ReadsClusterFiles) {
   EXPECT_EQ(back.devices, h100.devices);
   EXPECT_DOUBLE_EQ(back.matmul_flops_bf16, h100.matmul_flops_bf16);
   EXPECT_DOUBLE_EQ(back.intra_node.latency, h100.intra_node.latency);
+  EXPECT_EQ(back.attention_flops_bf16, 0) << "absent: the products' rate";
+  Cluster timed = h100;
+  timed.attention_flops_bf16 = 312e12;
+  std::ofstream(again) << runtime::cluster_toml(timed);
+  EXPECT_DOUBLE_EQ(runtime::read_cluster(again).attention_flops_bf16, 312e12);
 
   const std::string typo = (dir / "typo.toml").string();
   std::ofstream(typo) << runtime::cluster_toml(h100) << "inter-node-gbs = 3\n";

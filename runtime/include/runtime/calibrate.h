@@ -4,11 +4,15 @@
 /// measured on the ranks of a job (one rank a device: under mpirun, each rank gets its share of
 /// the cores).
 ///
+/// - The attention kernel's rate, by precision: the kernel the run uses (the fast paths' tiled
+///   kernel, or chapter 03's), one block's forward and backward at the run's shape, every rank
+///   at once, counted as the planner counts attention FLOPs.
 /// - The product rate, by precision, and what a step costs once: every rank trains the given
 ///   model alone, at once (so that they share the machine as a job's ranks do), at the batch and
 ///   at half of it; the median step times against the step's FLOPs as the planner counts them
-///   (estimate_step on one device) give the rate (the slope: it folds in what a step does
-///   besides its products, norms and softmax, in proportion to them) and the time a step costs
+///   (estimate_step on one device), less the attention kernel's time, give the rate (the slope:
+///   it folds in what a step does besides its products, norms and the loss, in proportion to
+///   them) and the time a step costs
 ///   whatever its tokens (the intercept: the optimizer's update, per parameter).
 /// - The link: each collective the chapters run (all-reduce, all-gather, reduce-scatter,
 ///   all-to-all, and ring send/receives) at each message size and at each rank count that

@@ -14,6 +14,8 @@
 ///     matmul-tflops-bf16 = 750        # what the step's products sustain: for time
 ///     matmul-tflops-fp32 = 50
 ///     adamw-ns-per-parameter = 0.0084 # the update streams 28 bytes a parameter at 3.35 TB/s
+///     attention-tflops-bf16 = 500     # optional: the causal attention kernel's own rate
+///     attention-tflops-fp32 = 40      # (absent: the products')
 ///     intra-node-gbps = 450           # GB/s one device sends inside its node
 ///     intra-node-latency-us = 3
 ///     inter-node-gbps = 50            # GB/s one device sends to other nodes
