@@ -5,6 +5,7 @@
 #include <fstream>
 #include <set>
 
+#include "../10_tensor_parallel/fixtures.h"
 #include "09_data_parallel/zero.h"
 #include "15_trainer_5d/planner.h"
 #include "15_trainer_5d/predict.h"
@@ -164,19 +165,8 @@ TEST(Planner, KeepsChapter09sState) {
 TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
   Workload w = small(8, 2);
   w.attention_tile = 1;
-  w.model.n_heads = w.model.n_kv_heads = 4;
-  w.model.extensions = {{"q_lora_rank", 16},
-                        {"kv_lora_rank", 16},
-                        {"qk_nope_head_dim", 8},
-                        {"qk_rope_head_dim", 4},
-                        {"v_head_dim", 6},
-                        {"n_routed_experts", 8},
-                        {"num_experts_per_tok", 2},
-                        {"n_shared_experts", 1},
-                        {"moe_intermediate_size", 24},
-                        {"n_group", 1},
-                        {"topk_group", 1},
-                        {"first_k_dense_replace", 1}};
+  w.model = ch10::testing::deepseek_config();  // a dense block, then MoE blocks
+  w.model.n_layers = 4;
   for (auto mode : {ch14::Recompute::None, ch14::Recompute::Full})
     for (const auto& [pp, ep] : {std::pair<int64_t, int64_t>{1, 1}, {1, 2}, {1, 4}, {2, 2}}) {
       w.recompute = {mode, 1, 0};
