@@ -68,6 +68,9 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
                                       int64_t in_flight, ch11::UnitCosts& costs) {
   const ch03::ModelConfig& config = work.model;
   const bool deepseek = !config.extensions.is_null();  // chapter 06's MLA, chapter 07's experts
+  FIVEFOLD_CHECK(!deepseek || config.extensions.contains("kv_lora_rank"),
+                 "estimate_step: experts without MLA are not priced (chapter 14's activations "
+                 "are derived for DeepSeek-V3's block, MLA and experts together)");
   FIVEFOLD_CHECK(!deepseek || (layout.tp == 1 && layout.cp == 1),
                  "estimate_step: MLA and MoE blocks are priced without tp or cp (chapter 14's "
                  "activations for them are derived on one device)");

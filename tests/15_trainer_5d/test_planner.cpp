@@ -204,6 +204,11 @@ TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
   w.recompute = {ch14::Recompute::Selective, 1, 0};
   EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(4, 1, 1, 1), cluster(4)); },
                                       "selective recomputation"));
+  Workload gqa_experts = w;  // chapter 07's experts under chapter 03's attention: not derived
+  gqa_experts.recompute = {};
+  gqa_experts.model.extensions.erase("kv_lora_rank");
+  EXPECT_TRUE(throws_error_containing(
+      [&] { estimate(gqa_experts, sizes(4, 1, 1, 1), cluster(4)); }, "experts without MLA"));
   // The search tries what can be priced: every ep, none or full, tp and cp 1.
   SearchLimits everything;
   everything.keep = 100000;
