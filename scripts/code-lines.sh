@@ -35,7 +35,7 @@ echo "|---|---:|---|"
 for dir in chapters/[0-9][0-9]_*/; do
   chapter=$(basename "$dir")
   shopt -s nullglob
-  files=(chapters/"$chapter"/*.h solutions/"$chapter"/*.cpp)
+  files=(chapters/"$chapter"/*.h solutions/"$chapter"/*.h solutions/"$chapter"/*.cpp)
   shopt -u nullglob
   row "$chapter" "${files[@]}"
 done

@@ -1,0 +1,146 @@
+// Chapter 15: the search over layouts, each priced by planner.cpp's step-time model.
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "07_moe/moe.h"
+#include "10_tensor_parallel/layers.h"
+#include "15_trainer_5d/planner.h"
+#include "fivefold/error.h"
+#include "planner_parts.h"
+
+namespace fivefold::ch15 {
+
+namespace {
+
+std::vector<int64_t> divisors(int64_t n) {
+  std::vector<int64_t> out;
+  for (int64_t k = 1; k <= n; ++k)
+    if (n % k == 0) out.push_back(k);
+  return out;
+}
+
+}  // namespace
+
+Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precision precision,
+                      const SearchLimits& limits) {
+  cluster.validate();
+  const int64_t keep = limits.keep, max_micro_batches = limits.max_micro_batches;
+  FIVEFOLD_CHECK(keep >= 1 && max_micro_batches >= 1,
+                 "search_layouts: keep and max_micro_batches must be at least 1");
+  auto allowed = [](int64_t size, int64_t fixed) { return fixed == 0 || size == fixed; };
+  const int64_t world = cluster.devices;
+  Search search;
+  // The micro-batches each rank keeps depend only on the schedule's lists, not on the costs.
+  std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, int64_t> in_flight;
+  auto consider = [&](const Layout& layout, const Workload& w) {
+    int64_t held = 1;
+    if (layout.pp > 1) {
+      const auto key =
+          std::make_tuple(layout.schedule, layout.pp, layout.virtual_stages, w.micro_batches);
+      auto found = in_flight.find(key);
+      if (found == in_flight.end())
+        found =
+            in_flight
+                .emplace(key, most_in_flight(ch11::simulate(schedule_of(layout, w.micro_batches))))
+                .first;
+      held = found->second;
+    }
+    search.valid += 1;
+    ch11::UnitCosts costs;
+    StepEstimate e = estimate_before_pipeline(w, layout, cluster, precision, held, costs);
+    if (e.memory_bytes() > cluster.memory_bytes) return;
+    search.fit += 1;
+    const bool full = static_cast<int64_t>(search.best.size()) >= keep;
+    if (full && e.step >= search.best.back().estimate.step) return;  // the bubble only adds
+    if (layout.pp > 1) {
+      add_pipeline(e, ch11::simulate(schedule_of(layout, w.micro_batches), costs));
+    }
+    if (full && e.step >= search.best.back().estimate.step) return;
+    Candidate candidate{layout, w.micro_batches, w.recompute.mode, e};
+    auto at =
+        std::upper_bound(search.best.begin(), search.best.end(), e.step,
+                         [](double step, const Candidate& c) { return step < c.estimate.step; });
+    search.best.insert(at, candidate);
+    if (static_cast<int64_t>(search.best.size()) > keep) search.best.pop_back();
+  };
+  // MLA and MoE blocks are priced without tp and cp, and without selective recomputation
+  // (estimate_step); a model with routed experts tries every ep that divides dp·cp.
+  const bool deepseek = !work.model.extensions.is_null();
+  const bool experts = ch07::has_routed_experts(work.model);
+  FIVEFOLD_CHECK(!deepseek || (limits.tp <= 1 && limits.cp <= 1),
+                 "search_layouts: MLA and MoE blocks are priced without tp or cp (chapter 14's "
+                 "activations for them are derived on one device)");
+  FIVEFOLD_CHECK(experts || limits.ep <= 1, "search_layouts: ep ", limits.ep,
+                 " needs a model with routed experts");
+  for (int64_t tp : divisors(world))
+    for (int64_t cp : divisors(world / tp))
+      for (int64_t pp : divisors(world / (tp * cp)))
+        for (int64_t ep : divisors(experts ? world / (tp * pp) : 1)) {
+          const int64_t dp = world / (tp * cp * pp);
+          if (!allowed(tp, limits.tp) || !allowed(cp, limits.cp) || !allowed(pp, limits.pp) ||
+              !allowed(dp, limits.dp) || !allowed(ep, limits.ep) || (dp * cp) % ep != 0 ||
+              (deepseek && (tp > 1 || cp > 1)))
+            continue;
+          if (work.batch % dp != 0) continue;  // resolve_layout refuses every m
+          std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
+          if (pp > 1) {
+            schedules = {{"gpipe", 1}, {"1f1b", 1}, {"zb", 1}};
+            for (int64_t v = 2; v * pp <= work.model.n_layers; ++v)  // more: fewer than a layer
+              schedules.emplace_back("interleaved", v);
+          }
+          // Sequence parallelism asks one more thing of tp (check_tensor_parallel); the ZeRO
+          // stage and cp's kernel ask nothing of the model, the batch or the schedule.
+          bool sp_allowed = tp > 1;
+          try {
+            if (tp > 1) ch10::check_tensor_parallel(work.model, static_cast<int>(tp), true);
+          } catch (const Error&) {
+            sp_allowed = false;
+          }
+          for (int64_t m : divisors(work.batch / dp)) {
+            if (m > max_micro_batches) break;
+            if (!allowed(m, limits.micro_batches)) continue;
+            for (const auto& [schedule, v] : schedules) {
+              if ((!limits.schedule.empty() && pp > 1 && schedule != limits.schedule) ||
+                  (pp > 1 && !allowed(v, limits.virtual_stages)))
+                continue;
+              Layout base;
+              base.dp = dp;
+              base.tp = tp;
+              base.pp = pp;
+              base.cp = cp;
+              base.ep = ep;
+              base.schedule = schedule;
+              base.virtual_stages = v;
+              Workload w = work;
+              w.micro_batches = m;
+              try {
+                base = resolve_layout(base, world, w);  // the trainer's own checks
+              } catch (const Error&) {
+                continue;
+              }
+              for (int zero = 0; zero <= (dp * cp > 1 ? 3 : 0); ++zero)
+                for (bool sp : {false, true})
+                  if (limits.zero < 0 || zero == limits.zero || dp * cp == 1)
+                    for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+                      if ((sp && !sp_allowed) || (cp == 1 && attention != ch12::CpAttention::Ring))
+                        continue;
+                      Layout layout = base;
+                      layout.zero = zero;
+                      layout.sequence_parallel = sp;
+                      layout.cp_attention = attention;
+                      for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective,
+                                        ch14::Recompute::Full}) {
+                        if (deepseek && mode == ch14::Recompute::Selective) continue;
+                        w.recompute = {mode, 1, 0};
+                        consider(layout, w);
+                      }
+                    }
+            }
+          }
+        }
+  search.dropped = search.valid - search.fit;
+  return search;
+}
+
+}  // namespace fivefold::ch15
