@@ -61,6 +61,92 @@ const Link& group_link(const Cluster& cluster, int64_t stride, int64_t size) {
 double all_reduce_wire(double bytes, int64_t n) { return 2.0 * (n - 1) / n * bytes; }
 double gather_wire(double bytes, int64_t n) { return static_cast<double>(n - 1) / n * bytes; }
 
+// What the rank that holds the most keeps of the model, in numbers: `held` trained and every
+// rank's of dp·cp alike, `experts` trained and its 1/ep of the routed experts (chapter 13),
+// `frozen` stored with no gradient or moments (the router's bias). Its blocks, the embedding on
+// the first stage, the final norm and the head on the last (a tied embedding's copy there, as
+// chapter 11 keeps it); tp's share as chapter 10 splits the whole model.
+struct Holding {
+  int64_t held = 0, experts = 0, frozen = 0;
+};
+Holding busiest_holding(const Workload& work, const Layout& layout,
+                        const std::vector<std::pair<int64_t, int64_t>>& stages) {
+  const ch02::TransformerShape shape = work.model.shape();
+  const int64_t p = layout.pp;
+  const ch02::ParameterCount count = ch02::count_parameters(shape);
+  std::vector<int64_t> replicated(static_cast<size_t>(p), 0), experts(replicated),
+      frozen(replicated);
+  for (size_t s = 0; s < stages.size(); ++s)
+    for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
+      const ch07::BlockParameters block = ch07::block_parameters(work.model, i);
+      const int64_t routed = block.experts * block.expert;
+      replicated[s % static_cast<size_t>(p)] += block.total() - routed - block.frozen;
+      experts[s % static_cast<size_t>(p)] += routed / layout.ep;
+      frozen[s % static_cast<size_t>(p)] += block.frozen;
+    }
+  replicated.front() += count.embedding;
+  replicated.back() +=
+      shape.d_model + (p > 1 && shape.tied_embeddings ? count.embedding : count.lm_head);
+  const double tp_share =
+      static_cast<double>(ch10::parameters_per_rank(shape, static_cast<int>(layout.tp))) /
+      count.total;
+  Holding most;
+  for (int64_t r = 0; r < p; ++r) {
+    const int64_t all =
+        static_cast<int64_t>(std::ceil(tp_share * static_cast<double>(replicated[r] + experts[r])));
+    if (all > most.held + most.experts) most = {all - experts[r], experts[r], frozen[r]};
+  }
+  return most;
+}
+
+// Activations (chapter 14's block term, this rank's share under tp or cp) for the micro-batches
+// the schedule keeps in flight (`in_flight`), each through one virtual stage, on the stage that
+// keeps the most; plus the stage's input, and the logits on the last. MLA and MoE blocks:
+// chapter 14's fp32 count on one device, in bf16 too (an upper bound: not derived in bf16).
+int64_t kept_activations(const Workload& work, const Layout& layout,
+                         const std::vector<std::pair<int64_t, int64_t>>& stages,
+                         ch14::Precision precision, int64_t in_flight) {
+  const ch03::ModelConfig& config = work.model;
+  const ch02::TransformerShape shape = config.shape();
+  const bool deepseek = !config.extensions.is_null();
+  const int64_t t = layout.tp, c = layout.cp, p = layout.pp;
+  const int64_t rows = work.batch / (layout.dp * work.micro_batches), seq = work.seq_len;
+  const double tokens = static_cast<double>(rows * seq) / c;  // a micro-batch's, on this rank
+  const ch14::Recompute mode = work.recompute.mode;
+  ch14::TensorParallelShare tp_share_of{t, 0, layout.sequence_parallel};
+  ch14::ContextParallelShare cp_share{c, 0, layout.cp_layout, layout.cp_attention};
+  int64_t stage_kept = 0;  // the stage that keeps the most
+  for (const auto& [first, last] : stages) {
+    int64_t kept = 0;
+    for (int64_t i = first; i < last; ++i) {
+      if (deepseek) {
+        kept += ch14::deepseek_block_activation_bytes(config, i, rows, seq, mode);
+      } else if (c > 1) {
+        // tp with cp is not derived in chapter 14: this rank's heads and features under cp, and
+        // with sequence parallelism the residual stream's part (6d + 2 numbers a token, or full
+        // recomputation's kept input, d) for its 1/t of the tokens, as chapter 14 counts it
+        // under tp.
+        kept += ch14::block_activation_bytes(ch10::rank_shape(shape, static_cast<int>(t)), rows,
+                                             seq, mode, {}, precision, cp_share);
+        if (layout.sequence_parallel) {
+          const int64_t per_token =
+              mode == ch14::Recompute::Full ? shape.d_model : 6 * shape.d_model + 2;
+          kept -= static_cast<int64_t>(4 * tokens * (t - 1) / t) * per_token;
+        }
+      } else {
+        kept += ch14::block_activation_bytes(shape, rows, seq, mode, tp_share_of, precision);
+      }
+    }
+    stage_kept = std::max(stage_kept, kept);
+  }
+  const int64_t stage_input =
+      static_cast<int64_t>(tokens) * shape.d_model * 4 / (layout.sequence_parallel ? t : 1);
+  const int64_t logits = 2 * static_cast<int64_t>(tokens) * (shape.vocab_size / t) * 4;
+  const int64_t per_micro_batch_kept = stage_kept + stage_input;  // the last stage: + logits
+  return p == 1 ? per_micro_batch_kept + logits
+                : std::max(in_flight * per_micro_batch_kept, per_micro_batch_kept + logits);
+}
+
 }  // namespace
 
 // The estimate with the pipeline's timeline left out: a step of m·v micro-batches back to back
@@ -276,78 +362,16 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
     e.exposed["ep"] = m * busiest * (ep_forward + ep_backward + stage.ep_recomputed);
   e.exposed["pp"] = m * busiest * 2 * pp_send;
 
-  // State (chapter 09's ZeRO formulas) for the rank that holds the most: its blocks, the
-  // embedding on the first stage, the final norm and the head on the last (a tied embedding's
-  // copy there, as chapter 11 keeps it); tp's share as chapter 10 splits the whole model; 1/ep of
-  // the routed experts (chapter 13). ZeRO runs over the dp·cp/ep ranks that hold the same
-  // experts (chapter 15's compose_step), for every parameter.
-  const ch02::ParameterCount count = ch02::count_parameters(shape);
-  std::vector<int64_t> rank_replicated(static_cast<size_t>(p), 0), rank_experts(rank_replicated),
-      rank_frozen(rank_replicated);
-  for (size_t s = 0; s < stages.size(); ++s)
-    for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
-      const int64_t experts = block[i].experts * block[i].expert;
-      rank_replicated[s % static_cast<size_t>(p)] += block[i].total() - experts - block[i].frozen;
-      rank_experts[s % static_cast<size_t>(p)] += experts / layout.ep;
-      rank_frozen[s % static_cast<size_t>(p)] += block[i].frozen;
-    }
-  rank_replicated.front() += count.embedding;
-  rank_replicated.back() +=
-      shape.d_model + (p > 1 && shape.tied_embeddings ? count.embedding : count.lm_head);
-  const double tp_share =
-      static_cast<double>(ch10::parameters_per_rank(shape, static_cast<int>(t))) / count.total;
+  // State (chapter 09's ZeRO formulas) for the rank that holds the most; ZeRO runs over the
+  // dp·cp/ep ranks that hold the same experts (chapter 15's compose_step), for every parameter.
   const int64_t replicas = d * c / layout.ep;
-  int64_t held = 0, held_experts = 0, frozen = 0;  // trained: held + held_experts
-  for (int64_t r = 0; r < p; ++r) {
-    const int64_t all = static_cast<int64_t>(
-        std::ceil(tp_share * static_cast<double>(rank_replicated[r] + rank_experts[r])));
-    if (all > held + held_experts) {
-      held = all - rank_experts[r];
-      held_experts = rank_experts[r];
-      frozen = rank_frozen[r];
-    }
-  }
+  const auto [held, held_experts, frozen] = busiest_holding(work, layout, stages);
   ch03::StateBytes state = ch09::zero_memory_formula(held + held_experts, replicas, layout.zero);
   if (bf16) state = {state.parameters / 2, state.gradients / 2, state.optimizer * 3 / 2};
   state.parameters += 4 * frozen;  // kept whole, with no gradient or moments
   e.state_bytes = state.total();
 
-  // Activations (chapter 14's block term, this rank's share under tp or cp) for the micro-batches
-  // the schedule keeps in flight, each through one virtual stage. MLA and MoE blocks: chapter
-  // 14's fp32 count on one device, in bf16 too (an upper bound: not derived in bf16).
-  ch14::TensorParallelShare tp_share_of{t, 0, layout.sequence_parallel};
-  ch14::ContextParallelShare cp_share{c, 0, layout.cp_layout, layout.cp_attention};
-  int64_t stage_kept = 0;  // the stage that keeps the most
-  for (const auto& [first, last] : stages) {
-    int64_t kept = 0;
-    for (int64_t i = first; i < last; ++i) {
-      if (deepseek) {
-        kept += ch14::deepseek_block_activation_bytes(config, i, rows, seq, mode);
-      } else if (c > 1) {
-        // tp with cp is not derived in chapter 14: this rank's heads and features under cp, and
-        // with sequence parallelism the residual stream's part (6d + 2 numbers a token, or full
-        // recomputation's kept input, d) for its 1/t of the tokens, as chapter 14 counts it
-        // under tp.
-        kept += ch14::block_activation_bytes(ch10::rank_shape(shape, static_cast<int>(t)), rows,
-                                             seq, mode, {}, precision, cp_share);
-        if (layout.sequence_parallel) {
-          const int64_t per_token =
-              mode == ch14::Recompute::Full ? shape.d_model : 6 * shape.d_model + 2;
-          kept -= static_cast<int64_t>(4 * tokens * (t - 1) / t) * per_token;
-        }
-      } else {
-        kept += ch14::block_activation_bytes(shape, rows, seq, mode, tp_share_of, precision);
-      }
-    }
-    stage_kept = std::max(stage_kept, kept);
-  }
-  const int64_t stage_input =
-      static_cast<int64_t>(tokens) * shape.d_model * 4 / (layout.sequence_parallel ? t : 1);
-  const int64_t logits = 2 * static_cast<int64_t>(tokens) * (shape.vocab_size / t) * 4;
-  const int64_t per_micro_batch_kept = stage_kept + stage_input;  // the last stage: + logits
-  e.activation_bytes =
-      p == 1 ? per_micro_batch_kept + logits
-             : std::max(in_flight * per_micro_batch_kept, per_micro_batch_kept + logits);
+  e.activation_bytes = kept_activations(work, layout, stages, precision, in_flight);
 
   // The data-parallel reduction of the step's gradients (fp32) runs beside the last micro-batch's
   // backward (chapter 09's buckets); ZeRO-1 and 2 also gather the updated parameters; ZeRO-3
