@@ -115,6 +115,9 @@ void print_deepseek_activations(const nlohmann::json& a) {
 void add_activation_choices(nlohmann::json& activations, const ch02::TransformerShape& shape,
                             int64_t rows, int64_t seq, ch14::Precision precision, int64_t budget) {
   activations["fast_paths"] = runtime::block_activation_bytes(shape, rows, seq, precision);
+  for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective, ch14::Recompute::Full})
+    activations["fast_paths_by_mode"][to_string(mode)] =
+        runtime::block_activation_bytes(shape, rows, seq, precision, mode);
   if (budget <= 0) return;
   try {
     const auto c = ch14::recompute_under_budget(shape, rows, seq, budget, precision);
@@ -141,8 +144,8 @@ void print_activations(const nlohmann::json& a) {
       a["precision"].get<std::string>().c_str(), modes(a["bytes_per_block"]).c_str());
   std::printf(
       "  with the training run's fast kernels (tiled attention, fused RMSNorm; the "
-      "default), no recomputation: %s\n",
-      si(a["fast_paths"].get<double>(), "B").c_str());
+      "default): %s\n",
+      modes(a["fast_paths_by_mode"]).c_str());
   if (a.contains("tensor_parallel")) {
     const auto& t = a["tensor_parallel"];
     std::printf("  tp %lld rank 0: %s; with sequence parallelism: %s\n",

@@ -302,12 +302,19 @@ std::shared_ptr<const MatmulKernel> fast_matmul_kernel() {
 }
 
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
-                               ch14::Precision precision) {
+                               ch14::Precision precision, ch14::Recompute mode) {
   const int64_t d = shape.d_model, f = shape.d_ff, h = shape.n_heads, hd = shape.head_dim;
   const int64_t rounded = precision == ch14::Precision::Bf16 ? 2 : 4;  // bytes a kept operand
   const int64_t fp32 = 2 * d + 2 + 3 * f + h * hd + h;  // norms, SwiGLU, attention's output, lse
   const int64_t operands = 2 * d + h * hd + f + 3 * h * hd;  // linear maps' inputs, q, k, v
-  return batch * seq * (4 * fp32 + rounded * operands) + 4 * seq * hd;
+  const int64_t none = batch * seq * (4 * fp32 + rounded * operands) + 4 * seq * hd;
+  if (mode == ch14::Recompute::Full) return 4 * batch * seq * d;  // the block's input
+  if (mode == ch14::Recompute::None) return none;
+  // Selective: the checkpointed core keeps its inputs, q and k, v at their own heads, in fp32,
+  // instead of what the tiled kernel kept: its output, its log-sum-exp and q, k, v rounded and
+  // at every query head.
+  const int64_t kv = shape.n_kv_heads;
+  return none - batch * seq * (4 * (h * hd + h) + rounded * 3 * h * hd - 4 * (h + 2 * kv) * hd);
 }
 
 FastPaths install_fast_paths(Transformer& model) {

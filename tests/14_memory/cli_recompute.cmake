@@ -50,10 +50,13 @@ string(JSON none GET "${plan}" activations bytes_per_block none)
 string(JSON selective GET "${plan}" activations bytes_per_block selective)
 string(JSON sp_full GET "${plan}" activations tensor_parallel sequence_parallel full)
 string(JSON fast GET "${plan}" activations fast_paths)  # runtime::block_activation_bytes
+string(JSON fast_selective GET "${plan}" activations fast_paths_by_mode selective)
+string(JSON fast_full GET "${plan}" activations fast_paths_by_mode full)
 message("plan: a Llama-2-7B block keeps ${none} bytes, ${selective} with selective recomputation; "
         "tp 8 with SP and full recomputation ${sp_full} on rank 0; ${fast} with the fast kernels")
 if(NOT none EQUAL 3693117440 OR NOT selective EQUAL 1528856576 OR NOT sp_full EQUAL 8388608
-   OR NOT fast EQUAL 1328054272)
+   OR NOT fast EQUAL 1328054272 OR NOT fast_full EQUAL 67108864
+   OR NOT fast_selective EQUAL 1260421120)
   message(FATAL_ERROR "fivefold plan's activation figures are not chapter 14's formulas")
 endif()
 # On a rank of cp 4 (zigzag, ring): chapter 12's block term, and selective's at 1024 tokens.

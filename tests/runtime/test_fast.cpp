@@ -354,7 +354,8 @@ TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
 
 // What a block keeps with the fast paths: the growth of the storage alive after the loss as a
 // block is added, against runtime::block_activation_bytes, in fp32 and bf16, with and without
-// grouped-query attention, at two sequence lengths.
+// grouped-query attention, at two sequence lengths, without recomputation, with the attention
+// core recomputed (selective) and with whole blocks recomputed (full).
 TEST(FastPaths, KeepWhatTheirFormulaSays) {
   struct Fp32Afterwards {
     ~Fp32Afterwards() { set_matmul_kernel(nullptr); }
@@ -373,19 +374,25 @@ TEST(FastPaths, KeepWhatTheirFormulaSays) {
         c.d_ff = 48;
         const int64_t batch = 3;
         auto tokens = torch::randint(c.vocab_size, {batch, seq}, fivefold::generator_for(5, "t"));
-        std::vector<int64_t> kept;
-        for (int64_t layers : {1, 2}) {
-          c.n_layers = layers;
-          Transformer model = fivefold::ch07::make_model(c);  // with RoPE
-          set_matmul_kernel(nullptr);
-          install_fast_paths(model);
-          if (precision == fivefold::ch14::Precision::Bf16)
-            fivefold::ch14::use_precision(precision, nullptr);
-          fivefold::MemoryTracker memory;
-          auto loss = loss_of(model, {tokens, tokens});
-          kept.push_back(memory.current_bytes());
+        using fivefold::ch14::Recompute;
+        for (auto mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+          std::vector<int64_t> kept;
+          for (int64_t layers : {1, 2}) {
+            c.n_layers = layers;
+            Transformer model = fivefold::ch07::make_model(c);  // with RoPE
+            set_matmul_kernel(nullptr);
+            install_fast_paths(model);
+            fivefold::ch14::apply_recompute(model, {mode, 1, 0});
+            if (precision == fivefold::ch14::Precision::Bf16)
+              fivefold::ch14::use_precision(precision, nullptr);
+            fivefold::MemoryTracker memory;
+            auto loss = loss_of(model, {tokens, tokens});
+            kept.push_back(memory.current_bytes());
+          }
+          EXPECT_EQ(kept[1] - kept[0],
+                    block_activation_bytes(c.shape(), batch, seq, precision, mode))
+              << to_string(mode);
         }
-        EXPECT_EQ(kept[1] - kept[0], block_activation_bytes(c.shape(), batch, seq, precision));
       }
     }
   }

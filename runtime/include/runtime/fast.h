@@ -18,6 +18,7 @@
 #include "02_flops_6np/flops.h"
 #include "03_transformer/model.h"
 #include "14_memory/precision.h"
+#include "14_memory/recompute.h"
 
 namespace fivefold::runtime {
 
@@ -74,15 +75,20 @@ class FusedAdamW : public torch::optim::AdamW {
 
 /// Bytes of tensor storage one block of chapter 03's Llama keeps from forward to backward with the
 /// fast paths installed (the tiled attention and the fused RMSNorm), for `batch` rows of `seq`
-/// tokens without recomputation, in fp32 or bf16 (chapter 14's Bf16MatmulKernel). Chapter 14's
+/// tokens, in fp32 or bf16 (chapter 14's Bf16MatmulKernel). Chapter 14's
 /// ch14::block_activation_bytes counts the lesson's kernels; here, per token: each norm keeps its
 /// input and 1/rms (the residual after attention, the block's output: 2d + 2), the four linear
 /// maps' inputs (2d + h·hd + f), SwiGLU's gate, silu(gate) and up (3f), and the tiled attention q
 /// scaled, k and v at h heads, its output and its log-sum-exp (4·h·hd + h); no score, no
 /// probability, no mask. In bf16 the linear maps' inputs and the attention's q, k and v are
-/// kept at 2 bytes. Plus RoPE's cos and sin, 4s·hd. Measured by the runtime's tests.
+/// kept at 2 bytes. Plus RoPE's cos and sin, 4s·hd. With chapter 14's recomputation (`mode`):
+/// Full keeps the block's input alone, 4bsd; Selective checkpoints the attention core, which
+/// keeps its inputs (q and k, v at their own h_kv heads, in fp32) instead of what the tiled
+/// kernel kept (its output, its log-sum-exp, q, k and v rounded and at every query head).
+/// Measured by the runtime's tests.
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
-                               ch14::Precision precision = ch14::Precision::Fp32);
+                               ch14::Precision precision = ch14::Precision::Fp32,
+                               ch14::Recompute mode = ch14::Recompute::None);
 
 /// The products of `linear` on oneDNN's sgemm (libdnnl, which Debian's LibTorch links as well)
 /// instead of OpenBLAS's: on the machine this project is measured on, oneDNN's kernels run the
