@@ -18,8 +18,6 @@
 
 namespace fivefold::commands {
 
-namespace {}  // namespace
-
 ch03::ModelConfig llama_config(const ch02::TransformerShape& shape) {
   FIVEFOLD_CHECK(shape.gated_mlp && !shape.layer_norm && !shape.biases,
                  "fivefold plan --search: the planner models Llama-shaped models (RMSNorm, "

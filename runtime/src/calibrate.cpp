@@ -83,8 +83,8 @@ ch15::Link measure_link(dist::Communicator& whole, dist::Communicator& world,
         }
         return slowest(median(each), world);
       };
-      const double whole = 4.0 * static_cast<double>(elements), share = (n - 1.0) / n * whole;
-      nlohmann::json row = {{"bytes", whole}, {"ranks", n}};
+      const double total = 4.0 * static_cast<double>(elements), share = (n - 1.0) / n * total;
+      nlohmann::json row = {{"bytes", total}, {"ranks", n}};
       auto add = [&](dist::Op op, double messages, double wire, double seconds) {
         samples[op].push_back({messages, wire, seconds});
         row[std::string(dist::op_name(op)) + "_s"] = seconds;
@@ -93,7 +93,7 @@ ch15::Link measure_link(dist::Communicator& whole, dist::Communicator& world,
       add(dist::Op::AllGather, n - 1.0, share, time([&] { group.all_gather(part); }));
       add(dist::Op::ReduceScatter, n - 1.0, share, time([&] { group.reduce_scatter(buffer); }));
       add(dist::Op::AllToAll, n - 1.0, share, time([&] { group.all_to_all(buffer, even, even); }));
-      add(dist::Op::SendRecv, 1.0, whole, time([&] {
+      add(dist::Op::SendRecv, 1.0, total, time([&] {
             group.send_recv(buffer, (group.rank() + 1) % n, received, (group.rank() + n - 1) % n);
           }));
       measured["messages"].push_back(row);
@@ -150,6 +150,14 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
   // update (and the loop's own work): two batches, the run's and half of it, give both.
   FIVEFOLD_CHECK(options.run.batch >= 2 && options.run.batch % 2 == 0,
                  "fivefold calibrate: --batch must be even (the step is timed at it and at half)");
+  // What a step of `batch` rows multiplies on one device, as the planner counts it.
+  auto one_device_flops = [&](int64_t batch, const char* precision) {
+    ch15::Workload w = work;
+    w.batch = batch;
+    return ch15::estimate_step(w, ch15::resolve_layout({}, 1, w), unit,
+                               ch14::parse_precision(precision))
+        .flops;
+  };
   // The causal attention kernel the run uses (the fast paths' tiled one, or chapter 03's), one
   // block's forward and backward at the run's shape, every rank at once; its rate as the planner
   // counts attention FLOPs (half the square of scores: the tiles' extra work is in the rate).
@@ -178,12 +186,8 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
       if (i > 0) each.push_back(timer.seconds());  // the first: warm-up
     }
     ch03::set_matmul_kernel(previous);
-    ch15::Workload w = work;
-    const double flops =
-        static_cast<double>(ch15::estimate_step(w, ch15::resolve_layout({}, 1, w), unit,
-                                                ch14::parse_precision(precision))
-                                .flops.attention) /
-        static_cast<double>(m.n_layers);  // one block's
+    const double flops = static_cast<double>(one_device_flops(rows, precision).attention) /
+                         static_cast<double>(m.n_layers);  // one block's
     return flops / slowest(median(each), *world);
   };
   auto timed_step = [&](const char* precision, int64_t batch) {
@@ -203,11 +207,7 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
     world->barrier();
     run_training(run);
     clock.seconds.erase(clock.seconds.begin());  // warm-up
-    ch15::Workload w = work;
-    w.batch = batch;
-    const ch15::StepFlops flops = ch15::estimate_step(w, ch15::resolve_layout({}, 1, w), unit,
-                                                      ch14::parse_precision(precision))
-                                      .flops;
+    const ch15::StepFlops flops = one_device_flops(batch, precision);
     return std::make_tuple(slowest(median(clock.seconds), *world),
                            static_cast<double>(flops.matrices + flops.head),
                            static_cast<double>(flops.attention));

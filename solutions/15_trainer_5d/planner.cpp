@@ -70,7 +70,8 @@ struct Holding {
   int64_t held = 0, experts = 0, frozen = 0;
 };
 Holding busiest_holding(const Workload& work, const Layout& layout,
-                        const std::vector<std::pair<int64_t, int64_t>>& stages) {
+                        const std::vector<std::pair<int64_t, int64_t>>& stages,
+                        const std::vector<ch07::BlockParameters>& blocks) {
   const ch02::TransformerShape shape = work.model.shape();
   const int64_t p = layout.pp;
   const ch02::ParameterCount count = ch02::count_parameters(shape);
@@ -78,7 +79,7 @@ Holding busiest_holding(const Workload& work, const Layout& layout,
       frozen(replicated);
   for (size_t s = 0; s < stages.size(); ++s)
     for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
-      const ch07::BlockParameters block = ch07::block_parameters(work.model, i);
+      const ch07::BlockParameters& block = blocks[static_cast<size_t>(i)];
       const int64_t routed = block.experts * block.expert;
       replicated[s % static_cast<size_t>(p)] += block.total() - routed - block.frozen;
       experts[s % static_cast<size_t>(p)] += routed / layout.ep;
@@ -152,9 +153,27 @@ int64_t kept_activations(const Workload& work, const Layout& layout,
 // The estimate with the pipeline's timeline left out: a step of m·v micro-batches back to back
 // (exact without pp, a lower bound with it), for a rank that keeps `in_flight` micro-batches at
 // once. `costs` receives the pipeline simulator's costs of one micro-batch through one stage.
-StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout,
-                                      const Cluster& cluster, ch14::Precision precision,
-                                      int64_t in_flight, ch11::UnitCosts& costs) {
+ModelTerms model_terms(const Workload& work) {
+  const int64_t layers = work.model.n_layers;
+  ModelTerms terms;
+  for (int64_t i = 0; i < layers; ++i) {
+    const ch02::FlopBreakdown b = ch07::block_forward_flops(work.model, i, work.seq_len);
+    const ch07::BlockParameters block = ch07::block_parameters(work.model, i);
+    terms.block.push_back(block);
+    terms.products.push_back(b.qkv + b.output_projection + b.mlp);
+    terms.attention.push_back((b.attention_scores + b.attention_values) / 2);
+    terms.attention_training.push_back(
+        terms.attention.back() * ch12::blockwise_flops_per_score(block.query_key, block.value) /
+        (2.0 * (block.query_key + block.value)));
+    if (block.experts > 0) terms.experts = block.experts, terms.per_token = block.per_token;
+  }
+  return terms;
+}
+
+StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& terms,
+                                      const Layout& layout, const Cluster& cluster,
+                                      ch14::Precision precision, int64_t in_flight,
+                                      ch11::UnitCosts& costs) {
   const ch03::ModelConfig& config = work.model;
   const bool deepseek = !config.extensions.is_null();  // chapter 06's MLA, chapter 07's experts
   FIVEFOLD_CHECK(!deepseek || config.extensions.contains("kv_lora_rank"),
@@ -180,18 +199,10 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   // chapter 12's causal blockwise kernel: half the square of scores, 2(d_k + d_v) FLOPs a score
   // forward, 6·d_k + 4·d_v backward (which computes q·kᵀ again instead of keeping the
   // probabilities). A MoE block's products are its k experts', the router's and the shared ones'.
-  const ch02::FlopBreakdown f = ch02::forward_flops_per_token(shape, seq);
-  std::vector<double> block_products(L), block_attention(L), block_attention_training(L);
-  std::vector<ch07::BlockParameters> block(L);
-  for (int64_t i = 0; i < L; ++i) {
-    const ch02::FlopBreakdown b = ch07::block_forward_flops(config, i, seq);
-    block[i] = ch07::block_parameters(config, i);
-    block_products[i] = b.qkv + b.output_projection + b.mlp;
-    block_attention[i] = (b.attention_scores + b.attention_values) / 2;
-    block_attention_training[i] =
-        block_attention[i] * ch12::blockwise_flops_per_score(block[i].query_key, block[i].value) /
-        (2.0 * (block[i].query_key + block[i].value));
-  }
+  const ch02::FlopBreakdown f = ch02::forward_flops_per_token(shape, seq);  // the head's
+  const std::vector<double>&block_products = terms.products, &block_attention = terms.attention,
+        &block_attention_training = terms.attention_training;
+  const std::vector<ch07::BlockParameters>& block = terms.block;
   const double seconds = tokens / t / flops_per_s;  // per FLOP of one token, for this rank
   const double attention_rate = bf16 ? cluster.attention_flops_bf16 : cluster.attention_flops_fp32;
   const double attention_seconds = attention_rate > 0 ? tokens / t / attention_rate : seconds;
@@ -298,11 +309,10 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   // the ep ranks; chapter 13 waits for each, so none of it hides.
   double ep_forward = 0, ep_backward = 0;
   if (layout.ep > 1 && stage_moe_layers > 0) {
-    const auto moe = ch07::MoeConfig::from_json(config.extensions);
-    const int64_t routed = static_cast<int64_t>(tokens) * moe.num_experts_per_tok / layout.ep;
+    const int64_t routed = static_cast<int64_t>(tokens) * terms.per_token / layout.ep;
     const std::vector<int64_t> sent(static_cast<size_t>(layout.ep), routed);
     const auto traffic =
-        ch13::expert_parallel_traffic(sent, sent, 0, moe.n_routed_experts, shape.d_model, element);
+        ch13::expert_parallel_traffic(sent, sent, 0, terms.experts, shape.d_model, element);
     const double all = group_link(cluster, t, layout.ep)
                            .seconds(dist::Op::AllToAll, static_cast<double>(traffic.calls),
                                     static_cast<double>(traffic.wire_bytes)) *
@@ -365,7 +375,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const Layout& layout
   // State (chapter 09's ZeRO formulas) for the rank that holds the most; ZeRO runs over the
   // dp·cp/ep ranks that hold the same experts (chapter 15's compose_step), for every parameter.
   const int64_t replicas = d * c / layout.ep;
-  const auto [held, held_experts, frozen] = busiest_holding(work, layout, stages);
+  const auto [held, held_experts, frozen] = busiest_holding(work, layout, stages, block);
   ch03::StateBytes state = ch09::zero_memory_formula(held + held_experts, replicas, layout.zero);
   if (bf16) state = {state.parameters / 2, state.gradients / 2, state.optimizer * 3 / 2};
   state.parameters += 4 * frozen;  // kept whole, with no gradient or moments
@@ -435,10 +445,13 @@ int64_t most_in_flight(const ch11::Simulation& timeline) {
 StepEstimate estimate_step(const Workload& work, const Layout& layout, const Cluster& cluster,
                            ch14::Precision precision) {
   ch11::UnitCosts costs;
-  if (layout.pp == 1) return estimate_before_pipeline(work, layout, cluster, precision, 1, costs);
+  const ModelTerms terms = model_terms(work);
+  if (layout.pp == 1)
+    return estimate_before_pipeline(work, terms, layout, cluster, precision, 1, costs);
   const ch11::Schedule schedule = schedule_of(layout, work.micro_batches);
   const int64_t in_flight = most_in_flight(ch11::simulate(schedule));
-  StepEstimate e = estimate_before_pipeline(work, layout, cluster, precision, in_flight, costs);
+  StepEstimate e =
+      estimate_before_pipeline(work, terms, layout, cluster, precision, in_flight, costs);
   add_pipeline(e, ch11::simulate(schedule, costs));
   return e;
 }

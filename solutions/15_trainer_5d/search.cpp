@@ -31,6 +31,7 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
   auto allowed = [](int64_t size, int64_t fixed) { return fixed == 0 || size == fixed; };
   const int64_t world = cluster.devices;
   Search search;
+  const ModelTerms terms = model_terms(work);  // the same for every layout
   // The micro-batches each rank keeps depend only on the schedule's lists, not on the costs.
   std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, int64_t> in_flight;
   auto consider = [&](const Layout& layout, const Workload& w) {
@@ -48,7 +49,7 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
     }
     search.valid += 1;
     ch11::UnitCosts costs;
-    StepEstimate e = estimate_before_pipeline(w, layout, cluster, precision, held, costs);
+    StepEstimate e = estimate_before_pipeline(w, terms, layout, cluster, precision, held, costs);
     if (e.memory_bytes() > cluster.memory_bytes) return;
     search.fit += 1;
     const bool full = static_cast<int64_t>(search.best.size()) >= keep;
