@@ -16,7 +16,7 @@
 
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
-#include "11_pipeline_parallel/trace.h"
+#include "runtime/pipeline_trace.h"
 #include "bench_model.h"
 #include "fivefold/cli.h"
 #include "fivefold/error.h"
@@ -97,10 +97,10 @@ int run(int argc, char** argv) {
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2];
     const auto& executor = dynamic_cast<ch11::PipelineParallelStep&>(*step).executor();
-    const auto timelines = ch11::gather_timelines(executor, *world);
+    const auto timelines = runtime::gather_timelines(executor, *world);
     const auto simulation = ch11::simulate(ch11::make_schedule(name, p, v, m));
     if (world->rank() == 0) {
-      const auto idle = ch11::idle_shares(timelines);
+      const auto idle = runtime::idle_shares(timelines);
       double mean = 0;
       for (double x : idle) mean += x / static_cast<double>(idle.size());
       std::printf("%-12s %3lld %10.1f %11.0f %13.1f%% %13.1f%% %9.1f%%\n", name.c_str(),
@@ -108,12 +108,12 @@ int run(int argc, char** argv) {
                   static_cast<double>(batch * seq) / median, 100 * mean,
                   100 * *std::max_element(idle.begin(), idle.end()), 100 * simulation.bubble());
       const std::string stem = out + "/pp" + std::to_string(p) + "-" + name;
-      write(stem + ".trace.json", ch11::chrome_trace(timelines).dump());
+      write(stem + ".trace.json", runtime::chrome_trace(timelines).dump());
       write(stem + ".svg",
-            ch11::timeline_svg(timelines, name + ", pp " + std::to_string(p) + ", m " +
+            runtime::timeline_svg(timelines, name + ", pp " + std::to_string(p) + ", m " +
                                               std::to_string(m) + ": executed (seconds)"));
       write(stem + "-simulated.svg",
-            ch11::timeline_svg(ch11::simulated_timelines(simulation),
+            runtime::timeline_svg(runtime::simulated_timelines(simulation),
                                name + ", pp " + std::to_string(p) + ", m " + std::to_string(m) +
                                    ": simulated, F = B = W = 1"));
     }

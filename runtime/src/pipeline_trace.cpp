@@ -1,6 +1,6 @@
-// Chapter 11: the timelines of a schedule as Chrome trace JSON and as an SVG picture.
+// The timelines of a pipeline schedule (chapter 11) of a schedule as Chrome trace JSON and as an SVG picture.
 
-#include "11_pipeline_parallel/trace.h"
+#include "runtime/pipeline_trace.h"
 
 #include <algorithm>
 #include <limits>
@@ -9,7 +9,9 @@
 #include "fivefold/svg.h"
 #include "fivefold/trace.h"
 
-namespace fivefold::ch11 {
+namespace fivefold::runtime {
+
+using namespace ch11;
 
 namespace {
 
@@ -130,4 +132,4 @@ std::string timeline_svg(const Timelines& timelines, const std::string& title) {
   return picture.str();
 }
 
-}  // namespace fivefold::ch11
+}  // namespace fivefold::runtime
