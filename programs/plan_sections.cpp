@@ -156,6 +156,12 @@ void print_activations(const nlohmann::json& a) {
     const auto& c = a["context_parallel"];
     std::printf("  cp %lld, each rank: %s\n", c["ranks"].get<long long>(),
                 modes(c["bytes"]).c_str());
+    if (c.contains("with_tensor_parallel")) {
+      const auto& w = c["with_tensor_parallel"];
+      std::printf("  cp %lld x tp %lld rank 0: %s; with sequence parallelism: %s\n",
+                  c["ranks"].get<long long>(), a["tensor_parallel"]["ranks"].get<long long>(),
+                  modes(w["plain"]).c_str(), modes(w["sequence_parallel"]).c_str());
+    }
   }
   if (a.contains("under_budget")) {
     const auto& u = a["under_budget"];

@@ -64,7 +64,9 @@ struct ContextParallelShare {
 /// tokens): None is chapter 12's ch12::cp_block_activation_bytes; Full and Selective are the
 /// one-device formulas at s_r tokens (the checkpointed core keeps q, k and v, whichever kernel
 /// runs inside it, and none of what the ring or all-gather kernel keeps); bf16's saving is over
-/// the rank's s_r tokens. Not derived with tp.
+/// the rank's s_r tokens. With tp too (`tp` and `cp`), chapter 12's term is for this rank's heads
+/// and d_ff, and with sequence parallelism the residual stream's part is kept for its share of
+/// the s_r tokens only, as on one device under tp.
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
                                Recompute mode, const TensorParallelShare& tp = {},
                                Precision precision = Precision::Fp32,
@@ -108,7 +110,8 @@ RecomputeChoice recompute_under_budget(const ch02::TransformerShape& shape, int6
 /// What `fivefold plan` prints for a Llama-shaped model: block_activation_bytes in each mode for
 /// one micro-batch of `rows` sequences of `seq` tokens in `precision`, on one device and, with
 /// tp > 1, on rank 0 of tp with and without sequence parallelism, with cp > 1 on rank 0 of cp
-/// (`cp_layout`, `cp_attention`); and the training FLOPs per token in each mode. Empty for
+/// (`cp_layout`, `cp_attention`), and with both on rank 0 of each; and the training FLOPs per
+/// token in each mode. Empty for
 /// another architecture (GPT-2's LayerNorm and GELU), which the formulas do not count.
 nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows, int64_t seq,
                                int64_t tp, Precision precision = Precision::Fp32, int64_t cp = 1,

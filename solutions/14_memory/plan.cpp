@@ -48,15 +48,6 @@ int64_t linear_inputs_saving(const ch02::TransformerShape& shape, int64_t tokens
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
                                Recompute mode, const TensorParallelShare& tp, Precision precision,
                                const ContextParallelShare& cp) {
-  if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
-    FIVEFOLD_CHECK(tp.ranks == 1, "block_activation_bytes: tp with cp is not derived");
-    const int64_t own = ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0);
-    if (mode != Recompute::None)
-      return block_activation_bytes(shape, batch, own, mode, {}, precision);
-    return ch12::cp_block_activation_bytes(shape, cp.ranks, cp.rank, batch, seq, cp.layout,
-                                           cp.attention) -
-           linear_inputs_saving(shape, batch * own, precision);
-  }
   const int64_t t = tp.ranks, r = tp.rank;
   FIVEFOLD_CHECK(t >= 1 && r >= 0 && r < t && shape.n_heads % t == 0,
                  "block_activation_bytes: rank ", r, " of ", t, " tensor-parallel ranks for ",
@@ -67,13 +58,26 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
   // recomputation. With sequence parallelism, also its share of the tokens.
   const ch02::TransformerShape mine =
       ch10::rank_shape(shape, static_cast<int>(t), static_cast<int>(r));
-  const int64_t h = mine.n_heads, kv = mine.n_kv_heads;
-  const int64_t own = tp.sequence_parallel ? split_sizes(seq, t)[static_cast<size_t>(r)] : seq;
   // Under sequence parallelism the residual stream's part (each norm's x², 1/rms and x/rms, the
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
-  // only; the norms' outputs are kept all-gathered, over the whole sequence.
-  int64_t none =
-      ch11::block_activation_bytes(mine, batch, seq) - 4 * batch * (seq - own) * (6 * d + 2);
+  // only; the norms' outputs are kept all-gathered, over the whole sequence (of this cp rank).
+  auto sequence_parallel_saving = [&](int64_t tokens) {
+    const int64_t own = tp.sequence_parallel ? split_sizes(tokens, t)[static_cast<size_t>(r)]
+                                             : tokens;
+    return 4 * batch * (tokens - own) * (6 * d + 2);
+  };
+  if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
+    const int64_t own = ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0);
+    if (mode != Recompute::None)
+      return block_activation_bytes(shape, batch, own, mode, tp, precision);
+    // With tp, chapter 12's term for this rank's heads and d_ff over its cp tokens.
+    return ch12::cp_block_activation_bytes(mine, cp.ranks, cp.rank, batch, seq, cp.layout,
+                                           cp.attention) -
+           linear_inputs_saving(mine, batch * own, precision) - sequence_parallel_saving(own);
+  }
+  const int64_t h = mine.n_heads, kv = mine.n_kv_heads;
+  const int64_t own = tp.sequence_parallel ? split_sizes(seq, t)[static_cast<size_t>(r)] : seq;
+  int64_t none = ch11::block_activation_bytes(mine, batch, seq) - sequence_parallel_saving(seq);
   none -= linear_inputs_saving(mine, batch * seq, precision);
   switch (mode) {
     case Recompute::Full:  // the block's output, which the next block keeps as its input
@@ -179,9 +183,14 @@ nlohmann::json activation_plan(const ch02::TransformerShape& shape, int64_t rows
                                {"plain", per_mode({tp, 0, false}, {})},
                                {"sequence_parallel", per_mode({tp, 0, true}, {})}};
   }
-  if (cp > 1 && seq % cp == 0)
-    plan["context_parallel"] = {{"ranks", cp},
-                                {"bytes", per_mode({}, {cp, 0, cp_layout, cp_attention})}};
+  if (cp > 1 && seq % cp == 0) {
+    const ContextParallelShare cp_share{cp, 0, cp_layout, cp_attention};
+    plan["context_parallel"] = {{"ranks", cp}, {"bytes", per_mode({}, cp_share)}};
+    if (tp > 1)
+      plan["context_parallel"]["with_tensor_parallel"] = {
+          {"plain", per_mode({tp, 0, false}, cp_share)},
+          {"sequence_parallel", per_mode({tp, 0, true}, cp_share)}};
+  }
   return plan;
 }
 

@@ -122,20 +122,9 @@ int64_t kept_activations(const Workload& work, const Layout& layout,
     for (int64_t i = first; i < last; ++i) {
       if (deepseek) {
         kept += ch14::deepseek_block_activation_bytes(config, i, rows, seq, mode);
-      } else if (c > 1) {
-        // tp with cp is not derived in chapter 14: this rank's heads and features under cp, and
-        // with sequence parallelism the residual stream's part (6d + 2 numbers a token, or full
-        // recomputation's kept input, d) for its 1/t of the tokens, as chapter 14 counts it
-        // under tp.
-        kept += ch14::block_activation_bytes(ch10::rank_shape(shape, static_cast<int>(t)), rows,
-                                             seq, mode, {}, precision, cp_share);
-        if (layout.sequence_parallel) {
-          const int64_t per_token =
-              mode == ch14::Recompute::Full ? shape.d_model : 6 * shape.d_model + 2;
-          kept -= static_cast<int64_t>(4 * tokens * (t - 1) / t) * per_token;
-        }
       } else {
-        kept += ch14::block_activation_bytes(shape, rows, seq, mode, tp_share_of, precision);
+        kept += ch14::block_activation_bytes(shape, rows, seq, mode, tp_share_of, precision,
+                                             cp_share);
       }
     }
     stage_kept = std::max(stage_kept, kept);

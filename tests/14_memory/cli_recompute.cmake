@@ -68,6 +68,18 @@ message("plan --cp 4: a rank keeps ${cp_none} bytes a block, ${cp_selective} wit
 if(NOT status EQUAL 0 OR NOT cp_none EQUAL 399155200 OR NOT cp_selective EQUAL 382214144)
   message(FATAL_ERROR "fivefold plan --cp 4's activation figures are not the formulas'")
 endif()
+# tp 8 inside cp 4, rank 0 (notes §1, "Under tensor and context parallelism together"): chapter
+# 12's term for 4 heads and d_ff 1376 over 1024 tokens, 40,838 floats a token + RoPE's rows + the
+# key positions; with sequence parallelism the residual stream's 6d + 2 for 128 of the 1024.
+execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096 --cp 4 --tp 8
+                --json OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+string(JSON both_none GET "${plan}" activations context_parallel with_tensor_parallel plain none)
+string(JSON both_sp GET "${plan}" activations context_parallel with_tensor_parallel
+       sequence_parallel none)
+message("plan --cp 4 --tp 8: rank 0 keeps ${both_none} bytes a block, ${both_sp} with SP")
+if(NOT status EQUAL 0 OR NOT both_none EQUAL 167829504 OR NOT both_sp EQUAL 79741952)
+  message(FATAL_ERROR "fivefold plan --cp 4 --tp 8's activation figures are not the formulas'")
+endif()
 # DeepSeek-V3 (MLA, MoE): a dense and a MoE block at 4096 tokens (notes §1, "MLA and MoE").
 execute_process(COMMAND ${FIVEFOLD} plan --config ${CMAKE_CURRENT_LIST_DIR}/../07_moe/configs/deepseek-v3.json
                         --seq 4096 --json

@@ -5,6 +5,7 @@
 #include "../10_tensor_parallel/fixtures.h"
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
+#include "10_tensor_parallel/layers.h"
 #include "12_context_parallel/context_parallel.h"
 #include "14_memory/plan.h"
 #include "fixtures.h"
@@ -49,6 +50,55 @@ TEST(ContextParallelMemory, EachRankKeepsWhatTheFormulaSays) {
           EXPECT_EQ(kept[1] - kept[0],
                     block_activation_bytes(config.shape(), batch, seq, mode, {}, precision,
                                            {n, world()->rank(), layout, attention}));
+        }
+      }
+    }
+  }
+}
+
+// Tensor and context parallelism together (4 ranks: tp 2 inside cp 2), with and without sequence
+// parallelism: each rank keeps chapter 12's block term for its heads, d_ff and tokens, with
+// sequence parallelism the residual stream's part only for its 1/tp of them.
+TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheFormulaSays) {
+  if (world()->size() != 4) GTEST_SKIP() << "tp 2 x cp 2 needs 4 ranks";
+  ch14::testing::Fp32Afterwards restore;
+  const int64_t batch = 2, t = 2, c = 2, rank = world()->rank();
+  const auto tp = world()->split(static_cast<int>(rank / t), static_cast<int>(rank % t), "tp");
+  const auto cp = world()->split(static_cast<int>(rank % t), static_cast<int>(rank / t), "cp");
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    use_precision(precision, nullptr);
+    for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+      for (bool sp : {false, true}) {
+        // Zigzag's 4 tokens a cp rank split evenly over tp; contiguous 5 (of 10) do not.
+        for (const auto& [layout, seq] : {std::pair{ch12::CpLayout::Zigzag, int64_t{8}},
+                                          std::pair{ch12::CpLayout::Contiguous, int64_t{10}}}) {
+          for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+            SCOPED_TRACE(to_string(precision) + ", " +
+                         std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                         (sp ? ", SP" : "") + ", seq " + std::to_string(seq) + ", " +
+                         to_string(mode));
+            std::vector<int64_t> kept;
+            auto config = ch10::testing::tp_config(false);  // 8 heads, 4 kv heads, d_ff 70
+            auto tokens =
+                torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+            const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
+            for (int64_t layers : {1, 2}) {
+              config.n_layers = layers;
+              auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
+              auto model = ch10::make_model(config, group);
+              model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                  ch12::ContextParallel{cp, layout, attention}));
+              apply_recompute(model, {mode, 1});
+              MemoryTracker memory;
+              auto loss = ch03::loss_of(model, mine);
+              kept.push_back(memory.current_bytes());
+              loss.backward();  // every rank runs the same collectives
+            }
+            EXPECT_EQ(kept[1] - kept[0],
+                      block_activation_bytes(config.shape(), batch, seq, mode,
+                                             {t, tp->rank(), sp}, precision,
+                                             {c, cp->rank(), layout, attention}));
+          }
         }
       }
     }
