@@ -23,6 +23,7 @@
 #include "03_transformer/generate.h"
 #include "07_moe/moe.h"
 #include "11_pipeline_parallel/pipeline.h"
+#include "14_memory/precision.h"
 #include "15_trainer_5d/predict.h"
 #include "15_trainer_5d/trainer_5d.h"
 #include "commands.h"
@@ -55,18 +56,39 @@ std::vector<int64_t> token_ids(const ArgParser& args, const std::string& flag, i
   return ids;
 }
 
+// The activations cell of rank `r`'s row: "micro-batch x in flight = peak", with recomputation
+// the peak without it beside; "-" where chapter 14 derives no formula.
+std::string activation_cell(const ch15::Layout& layout, const ch15::Workload& c,
+                            ch14::Precision precision, int64_t r) {
+  try {
+    const auto kept = ch15::predicted_activations(layout, c, r, precision);
+    std::string cell = std::to_string(kept.per_micro_batch) + " x " +
+                       std::to_string(kept.in_flight) + " = " + std::to_string(kept.peak()) + " B";
+    if (c.recompute.mode != ch14::Recompute::None) {
+      ch15::Workload plain = c;
+      plain.recompute = {};
+      cell += " (" + std::to_string(ch15::predicted_activations(layout, plain, r, precision).peak()) +
+              " B)";
+    }
+    return cell;
+  } catch (const Error&) {
+    return "-";  // not derived (chapter 14)
+  }
+}
+
 // `fivefold train --plan N`: what the formulas say each of N ranks of `layout` holds and carries
 // in one training step of `c`, printed as a table; nothing is trained and no process is started.
 // Parameters and memory are counted from the rank's part of the model, built here on one
 // process over offline communicators (ch15::rank_parameters).
-int print_plan(const ch15::Layout& layout, const ch15::Workload& c, int64_t world_size) {
+int print_plan(const ch15::Layout& layout, const ch15::Workload& c, ch14::Precision precision,
+               int64_t world_size) {
   std::printf("plan: %s on %lld processes; %lld rows of %lld tokens a step, %lld micro-batch(es)\n\n",
               layout.describe().c_str(), static_cast<long long>(world_size),
               static_cast<long long>(c.batch), static_cast<long long>(c.seq_len),
               static_cast<long long>(c.micro_batches));
   std::printf("| rank | pp, dp, cp, tp | layers | parameters | parameters + gradients + AdamW "
-              "(chapter 09) | matmul FLOPs per step | bytes per step, by group (predicted) "
-              "|\n|---:|---|---|---:|---:|---:|---|\n");
+              "(chapter 09) | activations (chapter 14) | matmul FLOPs per step | bytes per step, "
+              "by group (predicted) |\n|---:|---|---|---:|---:|---:|---:|---|\n");
   std::string unbuilt;  // why a rank's part could not be built here, if one could not
   for (int64_t r = 0; r < world_size; ++r) {
     const ch15::Layout::Place at = layout.place(r);
@@ -93,18 +115,26 @@ int print_plan(const ch15::Layout& layout, const ch15::Workload& c, int64_t worl
         // experts with a capacity: what they compute follows the routing
       }
     }
+    const std::string activations = activation_cell(layout, c, precision, r);
     std::string bytes;
     for (const auto& [group, b] : ch15::predicted_traffic(layout, c, r, held))
       bytes += (bytes.empty() ? "" : ", ") + group + " " + std::to_string(b);
-    std::printf("| %lld | %lld, %lld, %lld, %lld | %s | %s | %s | %s | %s |\n",
+    std::printf("| %lld | %lld, %lld, %lld, %lld | %s | %s | %s | %s | %s | %s |\n",
                 static_cast<long long>(r), static_cast<long long>(at.pp),
                 static_cast<long long>(at.dp), static_cast<long long>(at.cp),
                 static_cast<long long>(at.tp), layers.c_str(), parameters.c_str(), memory.c_str(),
-                flops.c_str(), bytes.empty() ? "-" : bytes.c_str());
+                activations.c_str(), flops.c_str(), bytes.empty() ? "-" : bytes.c_str());
   }
   if (!unbuilt.empty())
     std::printf("\nParameters, memory and the groups that follow from them are not predicted "
                 "here: %s\n", unbuilt.c_str());
+  std::printf("\nActivations are what the rank's blocks keep for backward at once, in %s: "
+              "chapter 14's block formulas for its share, one micro-batch times the most the "
+              "schedule holds in flight; with recomputation, in parentheses, what they keep "
+              "without it. The formulas count the lesson's kernels (the run's fast kernels, its "
+              "default, keep less: chapter 14's notes §1), and leave out the stage's input, the "
+              "head and the loss.\n",
+              ch14::to_string(precision).c_str());
   std::printf("\nBytes are what each rank hands its communicators in one training step, FLOPs "
               "what it multiplies in its matmuls, forward and backward (the trainer prints the "
               "measured ones beside them at the end of a run); under ep both assume the router "
@@ -169,7 +199,8 @@ int train(int argc, char** argv) {
   const dist::CommunicatorPtr world = runtime ? runtime->world() : nullptr;
   const int64_t world_size = runtime ? world->size() : plan_world;
   layout = ch15::resolve_layout(layout, world_size, workload_of(c));
-  if (plan_world > 0) return print_plan(layout, workload_of(c), world_size);
+  if (plan_world > 0)
+    return print_plan(layout, workload_of(c), ch14::parse_precision(c.precision), world_size);
   check_fits_in_memory(c.model, layout, runtime->launch().local_size);
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
   use_layout(layout, world, c);

@@ -13,6 +13,7 @@
 
 #include "03_transformer/model.h"
 #include "03_transformer/train.h"
+#include "14_memory/precision.h"
 #include "15_trainer_5d/trainer_5d.h"
 
 namespace fivefold::ch15 {
@@ -175,5 +176,36 @@ struct StepFlops {
 /// (held.matmul all zero) or experts have a capacity.
 StepFlops predicted_flops(const Layout& layout, const Workload& run, int64_t world_rank,
                           const HeldParameters& held);
+
+/// What a rank's blocks keep for backward (chapter 14's formulas, the lesson's kernels).
+struct ActivationPrediction {
+  /// One micro-batch through the rank's blocks (the largest of its virtual stages): chapter 14's
+  /// block term for each block, in the mode the run recomputes it.
+  int64_t per_micro_batch = 0;
+  /// The most micro-batches (each through one virtual stage) the rank holds at once: 1 without a
+  /// pipeline, else the schedule's simulated peak on this pipeline rank (chapter 11).
+  int64_t in_flight = 1;
+  /// per_micro_batch x in_flight: the blocks' part of the rank's peak.
+  int64_t peak() const { return per_micro_batch * in_flight; }
+};
+
+/// What one micro-batch keeps through blocks [first, last) on a rank at `at` of `layout` in a run
+/// of `run` in `precision`: per block chapter 14's block_activation_bytes for the rank's tp and
+/// cp share (DeepSeek-shaped blocks deepseek_block_activation_bytes), in the mode `run.recompute`
+/// gives pipeline stage at.pp and the block. Throws as predicted_activations does.
+int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const Layout::Place& at,
+                                int64_t first, int64_t last, ch14::Precision precision);
+
+/// What the blocks of world rank `world_rank` of `layout` (resolved) keep at once in a run of
+/// `run` in `precision`: per block chapter 14's block_activation_bytes for the rank's tp and cp
+/// share (Llama-shaped blocks; DeepSeek-shaped ones deepseek_block_activation_bytes, fp32 and
+/// without tp or cp), in the mode `run.recompute` gives the rank's pipeline stage and the block
+/// (full every k: the other blocks keep everything), summed over each virtual stage's blocks,
+/// times the schedule's micro-batches in flight. The lesson's kernels: the training run's fast
+/// kernels keep less (notes/14_memory.md §1). Throws fivefold::Error where chapter 14 derives no
+/// formula (another architecture; MLA and MoE blocks under tp or cp, or selective).
+ActivationPrediction predicted_activations(const Layout& layout, const Workload& run,
+                                           int64_t world_rank,
+                                           ch14::Precision precision = ch14::Precision::Fp32);
 
 }  // namespace fivefold::ch15

@@ -100,34 +100,23 @@ Holding busiest_holding(const Workload& work, const Layout& layout,
   return most;
 }
 
-// Activations (chapter 14's block term, this rank's share under tp or cp) for the micro-batches
+// Activations (chapter 14's block term, this rank's share under tp or cp, each block in the mode
+// its stage recomputes it: blocks_activation_bytes, as `train --plan` counts) for the micro-batches
 // the schedule keeps in flight (`in_flight`), each through one virtual stage, on the stage that
 // keeps the most; plus the stage's input, and the logits on the last. MLA and MoE blocks:
 // chapter 14's fp32 count on one device, in bf16 too (an upper bound: not derived in bf16).
 int64_t kept_activations(const Workload& work, const Layout& layout,
                          const std::vector<std::pair<int64_t, int64_t>>& stages,
                          ch14::Precision precision, int64_t in_flight) {
-  const ch03::ModelConfig& config = work.model;
-  const ch02::TransformerShape shape = config.shape();
-  const bool deepseek = !config.extensions.is_null();
+  const ch02::TransformerShape shape = work.model.shape();
   const int64_t t = layout.tp, c = layout.cp, p = layout.pp;
   const int64_t rows = work.batch / (layout.dp * work.micro_batches), seq = work.seq_len;
   const double tokens = static_cast<double>(rows * seq) / c;  // a micro-batch's, on this rank
-  const ch14::Recompute mode = work.recompute.mode;
-  ch14::TensorParallelShare tp_share_of{t, 0, layout.sequence_parallel};
-  ch14::ContextParallelShare cp_share{c, 0, layout.cp_layout, layout.cp_attention};
   int64_t stage_kept = 0;  // the stage that keeps the most
-  for (const auto& [first, last] : stages) {
-    int64_t kept = 0;
-    for (int64_t i = first; i < last; ++i) {
-      if (deepseek) {
-        kept += ch14::deepseek_block_activation_bytes(config, i, rows, seq, mode);
-      } else {
-        kept += ch14::block_activation_bytes(shape, rows, seq, mode, tp_share_of, precision,
-                                             cp_share);
-      }
-    }
-    stage_kept = std::max(stage_kept, kept);
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const Layout::Place at{static_cast<int64_t>(s) % p, 0, 0, 0};  // virtual stage s's rank
+    stage_kept = std::max(stage_kept, blocks_activation_bytes(layout, work, at, stages[s].first,
+                                                              stages[s].second, precision));
   }
   const int64_t stage_input =
       static_cast<int64_t>(tokens) * shape.d_model * 4 / (layout.sequence_parallel ? t : 1);

@@ -14,6 +14,7 @@
 #include "12_context_parallel/attention.h"
 #include "12_context_parallel/plan.h"
 #include "13_expert_parallel/expert_parallel.h"
+#include "14_memory/plan.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
 
@@ -416,6 +417,52 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
     bytes[data] -= after_whole_model * 4 * padded_units(held, n);  // found gathered already
   }
   return bytes;
+}
+
+int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const Layout::Place& at,
+                                int64_t first, int64_t last, ch14::Precision precision) {
+  const ch03::ModelConfig& config = run.model;
+  const bool deepseek = !config.extensions.is_null();
+  FIVEFOLD_CHECK(!deepseek || (layout.tp == 1 && layout.cp == 1),
+                 "activations of MLA and MoE blocks under tp or cp are not derived (chapter 14)");
+  const int64_t rows = run.batch / (layout.dp * run.micro_batches);
+  const ch14::RecomputeConfig recompute = run.recompute.for_stage(at.pp);
+  const ch14::TensorParallelShare tp{layout.tp, at.tp, layout.sequence_parallel};
+  const ch14::ContextParallelShare cp{layout.cp, at.cp, layout.cp_layout, layout.cp_attention};
+  int64_t bytes = 0;
+  for (int64_t layer = first; layer < last; ++layer) {
+    const ch14::Recompute mode =
+        recompute.mode == ch14::Recompute::Full && !ch14::recomputes_block(recompute, layer)
+            ? ch14::Recompute::None
+            : recompute.mode;
+    bytes += deepseek ? ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len,
+                                                              mode)
+                      : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
+                                                     precision, cp);
+  }
+  return bytes;
+}
+
+ActivationPrediction predicted_activations(const Layout& layout, const Workload& run,
+                                           int64_t world_rank, ch14::Precision precision) {
+  const ch03::ModelConfig& config = run.model;
+  const Layout::Place at = layout.place(world_rank);
+  ActivationPrediction out;
+  const ch03::ModelPart part =
+      layout.pp > 1 ? ch11::stage_part(config.n_layers, layout.pp, layout.virtual_stages, at.pp)
+                    : ch03::ModelPart{};
+  std::vector<std::pair<int64_t, int64_t>> chunks = {
+      {part.first_layer, part.end(config.n_layers)}};
+  chunks.insert(chunks.end(), part.more_layers.begin(), part.more_layers.end());
+  for (const auto& [first, last] : chunks)
+    out.per_micro_batch = std::max(
+        out.per_micro_batch, blocks_activation_bytes(layout, run, at, first, last, precision));
+  if (layout.pp > 1) {
+    const auto schedule = ch11::make_schedule(layout.schedule, layout.pp, layout.virtual_stages,
+                                              run.micro_batches);
+    out.in_flight = ch11::simulate(schedule).peak_in_flight[static_cast<size_t>(at.pp)];
+  }
+  return out;
 }
 
 }  // namespace fivefold::ch15

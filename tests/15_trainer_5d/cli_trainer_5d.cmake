@@ -34,7 +34,7 @@ set(one_process --tp 1 --pp 1 --cp 1 --ep 1 --zero 0 --sequence-parallel=false)
 # balanced-routing expectation, which the run's sum over the ranks equals); a layout the world
 # cannot hold is refused as the run would be.
 include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
-run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\| 85504 \\| 1026112 B \\| ~9523200 \\| cp 82496, edp 684256, ep 211216, pp 8, pp\\+tp 8, pp-activations 4096, pp-gradients 4096, tp 387200 \\|"
+run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\| 85504 \\| 1026112 B \\| - \\| ~9523200 \\| cp 82496, edp 684256, ep 211216, pp 8, pp\\+tp 8, pp-activations 4096, pp-gradients 4096, tp 387200 \\|"
     train --config ${preset} ${short} --plan 16)
 # Without tp the plan counts the parameters and predicts edp and ep too: each rank of the second
 # stage holds 111,232 of them (its 4 of each layer's 8 experts); a run of this layout measured
