@@ -87,9 +87,17 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// Full) the block keeps its input, 4bsd, as a Llama block does, and a MoE layer its last routing
 /// (k int64 indices and k gates a token, kept outside the graph); selective recomputation is not
 /// derived for MLA and is refused.
+///
+/// On a rank of chapter 10's tensor parallelism (`tp`): its h/t heads, its part of d_ff and of the
+/// shared experts (split_sizes); the latents, their norms, the router and the routed experts stay
+/// whole. With sequence parallelism the residual stream's part (6d + 2 floats) and the routing
+/// (the router, the assignments, the indices) are kept for the rank's own tokens only, and a MoE
+/// layer keeps those tokens' rows once more (d floats a token); full recomputation keeps the
+/// rank's own tokens' input and routing.
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq,
-                                        Recompute mode = Recompute::None);
+                                        Recompute mode = Recompute::None,
+                                        const TensorParallelShare& tp = {});
 
 /// A recomputation choice and what it costs: the blocks' activations for one micro-batch and the
 /// training FLOPs per token.

@@ -95,7 +95,8 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 }
 
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
-                                        int64_t batch, int64_t seq, Recompute mode) {
+                                        int64_t batch, int64_t seq, Recompute mode,
+                                        const TensorParallelShare& tp) {
   FIVEFOLD_CHECK(mode != Recompute::Selective,
                  "deepseek_block_activation_bytes: selective recomputation is not derived for MLA");
   const auto mla = ch06::MlaConfig::from_json(config.extensions);
@@ -105,27 +106,38 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
       !routed || (moe.capacity_factor == 0 && moe.aux_loss_alpha == 0 && moe.norm_topk_prob),
       "deepseek_block_activation_bytes: derived for dropless routing with normalised "
       "gates and no auxiliary loss");
-  const int64_t d = config.d_model, h = config.n_heads, n = mla.qk_nope_head_dim;
+  const int64_t t = tp.ranks, rank = tp.rank;
+  FIVEFOLD_CHECK(t >= 1 && rank >= 0 && rank < t && config.n_heads % t == 0,
+                 "deepseek_block_activation_bytes: rank ", rank, " of ", t,
+                 " tensor-parallel ranks for ", config.n_heads, " heads");
+  // On a rank of tp (chapter 10): its heads, its part of d_ff and of the shared experts; the
+  // latents, their norms, the router and the routed experts stay whole. With sequence
+  // parallelism its own tokens for the residual stream and the routing.
+  auto share = [&](int64_t n) { return split_sizes(n, t)[static_cast<size_t>(rank)]; };
+  const int64_t d = config.d_model, h = config.n_heads / t, n = mla.qk_nope_head_dim;
   const int64_t r = mla.qk_rope_head_dim, dv = mla.v_head_dim, d_c = mla.kv_lora_rank;
-  int64_t floats = 8 * d + 2;                                       // norms, residual stream
-  if (mla.q_lora_rank > 0) floats += 4 * mla.q_lora_rank + 1;       // query latent, its norm
-  floats += 4 * d_c + r + 1;                                        // key/value latent, norm
-  floats += h * (2 * (n + r) + 2 * dv) + (batch == 1 ? h * n : 0);  // q, k, v, heads' output
-  int64_t int64s = 0;
-  if (!routed) {
-    floats += 4 * config.d_ff;
-  } else {
-    const int64_t k = moe.num_experts_per_tok, f_e = moe.moe_intermediate_size;
-    floats += 4 * f_e * moe.n_shared_experts + moe.n_routed_experts + 1;  // shared, router
-    floats += k * (3 * d + 4 * f_e + 3);                                  // each assignment
-    int64s += 4 * k;
-  }
-  const int64_t tokens = batch * seq;
+  const int64_t tokens = batch * seq, own = tp.sequence_parallel ? batch * share(seq) : tokens;
   // Full: the block's input, and a MoE layer's last routing (k expert indices and gates a token),
   // which the layer keeps outside the graph (ch07::MoeImpl::last_routing).
   if (mode == Recompute::Full)
-    return 4 * tokens * d + (routed ? tokens * moe.num_experts_per_tok * (8 + 4) : 0);
-  int64_t bytes = tokens * (4 * floats + 8 * int64s) + 4 * batch * h * seq * seq + seq * seq;
+    return 4 * own * d + (routed ? own * moe.num_experts_per_tok * (8 + 4) : 0);
+  int64_t floats = 2 * d;                                           // the norms' outputs
+  if (mla.q_lora_rank > 0) floats += 4 * mla.q_lora_rank + 1;       // query latent, its norm
+  floats += 4 * d_c + r + 1;                                        // key/value latent, norm
+  floats += h * (2 * (n + r) + 2 * dv) + (batch == 1 ? h * n : 0);  // q, k, v, heads' output
+  int64_t own_floats = 6 * d + 2, own_int64s = 0;  // the norms' other terms, residual stream
+  if (!routed) {
+    floats += 4 * share(config.d_ff);
+  } else {
+    const int64_t k = moe.num_experts_per_tok, f_e = moe.moe_intermediate_size;
+    floats += 4 * share(f_e * moe.n_shared_experts);                   // shared experts
+    own_floats += moe.n_routed_experts + 1 + k * (3 * d + 4 * f_e + 3);  // router, assignments
+    own_int64s += 4 * k;
+    // Sequence parallelism routes the rank's own tokens: their rows are kept once more.
+    if (tp.sequence_parallel) own_floats += d;
+  }
+  int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s) +
+                  4 * batch * h * seq * seq + seq * seq;
   if (config.rope_theta > 0) bytes += 4 * seq * r;  // cos and sin, [s, r/2] each
   return bytes;
 }

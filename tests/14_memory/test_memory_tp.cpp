@@ -51,3 +51,38 @@ TEST(TensorParallelMemory, EachRankKeepsWhatTheFormulaSays) {
     }
   }
 }
+
+// DeepSeek-V3 in miniature (MLA, a dense block then a MoE block) on each rank of tensor
+// parallelism, with and without sequence parallelism, 1 and 2 rows, without recomputation and with
+// full: what each block keeps against deepseek_block_activation_bytes for the rank's share.
+TEST(TensorParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
+  const int64_t t = world()->size();
+  for (bool sp : {false, true}) {
+    for (int64_t batch : {1, 2}) {
+      for (Recompute mode : {Recompute::None, Recompute::Full}) {
+        const int64_t seq = 6;  // 3 a rank at tp 2; 2 and 1 at tp 4
+        SCOPED_TRACE("tp " + std::to_string(t) + (sp ? " SP" : "") + ", batch " +
+                     std::to_string(batch) + ", " + to_string(mode));
+        auto config = ch10::testing::deepseek_config();
+        config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+        auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+        std::vector<int64_t> kept;
+        for (int64_t layers : {1, 2, 3}) {
+          config.n_layers = layers;
+          auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
+          auto model = ch10::make_model(config, tp);
+          apply_recompute(model, {mode, 1});
+          MemoryTracker memory;
+          auto loss = ch03::loss_of(model, {tokens, tokens});
+          kept.push_back(memory.current_bytes());
+          loss.backward();  // every rank runs the same collectives
+        }
+        const TensorParallelShare share{t, world()->rank(), sp};
+        for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
+          EXPECT_EQ(kept[layer] - kept[layer - 1],
+                    deepseek_block_activation_bytes(config, layer, batch, seq, mode, share))
+              << "block " << layer;
+      }
+    }
+  }
+}
