@@ -62,7 +62,9 @@ std::string activation_cell(const ch15::Layout& layout, const ch15::Workload& c,
                             ch14::Precision precision, int64_t r) {
   try {
     const auto kept = ch15::predicted_activations(layout, c, r, precision);
-    std::string cell = std::to_string(kept.per_micro_batch) + " x " +
+    // Under ep what a rank's experts keep follows the routing: '~', the balanced expectation.
+    std::string cell = std::string(layout.ep > 1 ? "~" : "") +
+                       std::to_string(kept.per_micro_batch) + " x " +
                        std::to_string(kept.in_flight) + " = " + std::to_string(kept.peak()) + " B";
     if (c.recompute.mode != ch14::Recompute::None) {
       ch15::Workload plain = c;
@@ -133,7 +135,7 @@ int print_plan(const ch15::Layout& layout, const ch15::Workload& c, ch14::Precis
               "schedule holds in flight; with recomputation, in parentheses, what they keep "
               "without it. The formulas count the lesson's kernels (the run's fast kernels, its "
               "default, keep less: chapter 14's notes §1), and leave out the stage's input, the "
-              "head and the loss.\n",
+              "head and the loss; '~': under ep, the routing's balanced expectation.\n",
               ch14::to_string(precision).c_str());
   std::printf("\nBytes are what each rank hands its communicators in one training step, FLOPs "
               "what it multiplies in its matmuls, forward and backward (the trainer prints the "
