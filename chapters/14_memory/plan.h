@@ -94,10 +94,18 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// (the router, the assignments, the indices) are kept for the rank's own tokens only, and a MoE
 /// layer keeps those tokens' rows once more (d floats a token); full recomputation keeps the
 /// rank's own tokens' input and routing.
+///
+/// On a rank of chapter 12's context parallelism (`cp`, s_r of every row's tokens; with tp too,
+/// tp's share of them): everything per token over its s_r tokens, no probabilities or mask; per
+/// head chapter 12's kernel keeps q (n + r), its output and o_proj's input (dv each) and the
+/// log-sum-exp, the ring also the rank's own keys (n + r) and values, a view of kv_b_proj's
+/// whole output (n + dv); all-gather instead every rank's keys and values, 4b·s·h(n + r + dv);
+/// plus every rank's key positions (8s) and RoPE's rows at s_r.
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq,
                                         Recompute mode = Recompute::None,
-                                        const TensorParallelShare& tp = {});
+                                        const TensorParallelShare& tp = {},
+                                        const ContextParallelShare& cp = {});
 
 /// A recomputation choice and what it costs: the blocks' activations for one micro-batch and the
 /// training FLOPs per token.

@@ -198,12 +198,12 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
 
 /// What the blocks of world rank `world_rank` of `layout` (resolved) keep at once in a run of
 /// `run` in `precision`: per block chapter 14's block_activation_bytes for the rank's tp and cp
-/// share (Llama-shaped blocks; DeepSeek-shaped ones deepseek_block_activation_bytes, fp32 and
-/// without cp), in the mode `run.recompute` gives the rank's pipeline stage and the block
+/// share (Llama-shaped blocks; DeepSeek-shaped ones deepseek_block_activation_bytes, in fp32),
+/// in the mode `run.recompute` gives the rank's pipeline stage and the block
 /// (full every k: the other blocks keep everything), summed over each virtual stage's blocks,
 /// times the schedule's micro-batches in flight. The lesson's kernels: the training run's fast
 /// kernels keep less (notes/14_memory.md §1). Throws fivefold::Error where chapter 14 derives no
-/// formula (another architecture; MLA and MoE blocks under cp, or selective). Under ep a rank's
+/// formula (another architecture; MLA and MoE blocks with selective recomputation). Under ep a rank's
 /// experts compute what the router sends them: the count is the balanced expectation, k rows a
 /// token as on one device (the all-to-alls' buffers not measured).
 ActivationPrediction predicted_activations(const Layout& layout, const Workload& run,

@@ -62,8 +62,8 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
   // only; the norms' outputs are kept all-gathered, over the whole sequence (of this cp rank).
   auto sequence_parallel_saving = [&](int64_t tokens) {
-    const int64_t own = tp.sequence_parallel ? split_sizes(tokens, t)[static_cast<size_t>(r)]
-                                             : tokens;
+    const int64_t own =
+        tp.sequence_parallel ? split_sizes(tokens, t)[static_cast<size_t>(r)] : tokens;
     return 4 * batch * (tokens - own) * (6 * d + 2);
   };
   if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
@@ -96,7 +96,8 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq, Recompute mode,
-                                        const TensorParallelShare& tp) {
+                                        const TensorParallelShare& tp,
+                                        const ContextParallelShare& cp) {
   FIVEFOLD_CHECK(mode != Recompute::Selective,
                  "deepseek_block_activation_bytes: selective recomputation is not derived for MLA");
   const auto mla = ch06::MlaConfig::from_json(config.extensions);
@@ -116,29 +117,42 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   auto share = [&](int64_t n) { return split_sizes(n, t)[static_cast<size_t>(rank)]; };
   const int64_t d = config.d_model, h = config.n_heads / t, n = mla.qk_nope_head_dim;
   const int64_t r = mla.qk_rope_head_dim, dv = mla.v_head_dim, d_c = mla.kv_lora_rank;
-  const int64_t tokens = batch * seq, own = tp.sequence_parallel ? batch * share(seq) : tokens;
+  // Under cp (chapter 12) the rank's s_r tokens of every row.
+  const int64_t s_r =
+      cp.ranks > 1 ? ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0) : seq;
+  const int64_t tokens = batch * s_r, own = tp.sequence_parallel ? batch * share(s_r) : tokens;
   // Full: the block's input, and a MoE layer's last routing (k expert indices and gates a token),
   // which the layer keeps outside the graph (ch07::MoeImpl::last_routing).
   if (mode == Recompute::Full)
     return 4 * own * d + (routed ? own * moe.num_experts_per_tok * (8 + 4) : 0);
-  int64_t floats = 2 * d;                                           // the norms' outputs
-  if (mla.q_lora_rank > 0) floats += 4 * mla.q_lora_rank + 1;       // query latent, its norm
-  floats += 4 * d_c + r + 1;                                        // key/value latent, norm
-  floats += h * (2 * (n + r) + 2 * dv) + (batch == 1 ? h * n : 0);  // q, k, v, heads' output
+  int64_t floats = 2 * d;                                      // the norms' outputs
+  if (mla.q_lora_rank > 0) floats += 4 * mla.q_lora_rank + 1;  // query latent, its norm
+  floats += 4 * d_c + r + 1;                                   // key/value latent, norm
+  if (cp.ranks == 1) {
+    floats += h * (2 * (n + r) + 2 * dv) + (batch == 1 ? h * n : 0);  // q, k, v, heads' output
+  } else {
+    // Chapter 12's kernel keeps q, its output, the log-sum-exp and o_proj's input; the ring also
+    // the rank's own keys and values, which are a view of kv_b_proj's whole output (n + dv a
+    // head); all-gather instead every rank's keys and values.
+    floats += h * ((n + r) + 2 * dv + 1);
+    if (cp.attention == ch12::CpAttention::Ring) floats += h * ((n + r) + (n + dv));
+  }
   int64_t own_floats = 6 * d + 2, own_int64s = 0;  // the norms' other terms, residual stream
   if (!routed) {
     floats += 4 * share(config.d_ff);
   } else {
     const int64_t k = moe.num_experts_per_tok, f_e = moe.moe_intermediate_size;
-    floats += 4 * share(f_e * moe.n_shared_experts);                   // shared experts
+    floats += 4 * share(f_e * moe.n_shared_experts);                     // shared experts
     own_floats += moe.n_routed_experts + 1 + k * (3 * d + 4 * f_e + 3);  // router, assignments
     own_int64s += 4 * k;
     // Sequence parallelism routes the rank's own tokens: their rows are kept once more.
     if (tp.sequence_parallel) own_floats += d;
   }
-  int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s) +
-                  4 * batch * h * seq * seq + seq * seq;
-  if (config.rope_theta > 0) bytes += 4 * seq * r;  // cos and sin, [s, r/2] each
+  int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s);
+  if (config.rope_theta > 0) bytes += 4 * s_r * r;  // cos and sin, [s, r/2] each
+  if (cp.ranks == 1) return bytes + 4 * batch * h * seq * seq + seq * seq;  // probabilities, mask
+  bytes += 8 * seq;  // every rank's key positions
+  if (cp.attention == ch12::CpAttention::AllGather) bytes += 4 * batch * seq * h * (n + r + dv);
   return bytes;
 }
 

@@ -423,8 +423,6 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
                                 int64_t first, int64_t last, ch14::Precision precision) {
   const ch03::ModelConfig& config = run.model;
   const bool deepseek = !config.extensions.is_null();
-  FIVEFOLD_CHECK(!deepseek || layout.cp == 1,
-                 "activations of MLA and MoE blocks under cp are not derived (chapter 14)");
   const int64_t rows = run.batch / (layout.dp * run.micro_batches);
   const ch14::RecomputeConfig recompute = run.recompute.for_stage(at.pp);
   const ch14::TensorParallelShare tp{layout.tp, at.tp, layout.sequence_parallel};
@@ -436,7 +434,7 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
             ? ch14::Recompute::None
             : recompute.mode;
     bytes += deepseek ? ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len,
-                                                              mode, tp)
+                                                              mode, tp, cp)
                       : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
                                                      precision, cp);
   }

@@ -8,11 +8,11 @@
 #include "10_tensor_parallel/layers.h"
 #include "12_context_parallel/context_parallel.h"
 #include "14_memory/plan.h"
-#include "fixtures.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
+#include "fixtures.h"
 #include "testing.h"
 
 using namespace fivefold;
@@ -79,8 +79,7 @@ TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheFormulaSays
                          to_string(mode));
             std::vector<int64_t> kept;
             auto config = ch10::testing::tp_config(false);  // 8 heads, 4 kv heads, d_ff 70
-            auto tokens =
-                torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+            auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
             const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
             for (int64_t layers : {1, 2}) {
               config.n_layers = layers;
@@ -95,10 +94,93 @@ TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheFormulaSays
               loss.backward();  // every rank runs the same collectives
             }
             EXPECT_EQ(kept[1] - kept[0],
-                      block_activation_bytes(config.shape(), batch, seq, mode,
-                                             {t, tp->rank(), sp}, precision,
-                                             {c, cp->rank(), layout, attention}));
+                      block_activation_bytes(config.shape(), batch, seq, mode, {t, tp->rank(), sp},
+                                             precision, {c, cp->rank(), layout, attention}));
           }
+        }
+      }
+    }
+  }
+}
+
+// DeepSeek-V3 in miniature (MLA, a dense block then a MoE block) on each rank of context
+// parallelism, ring and all-gather, both layouts, without recomputation and with full: what each
+// block keeps against deepseek_block_activation_bytes for the rank's share of the sequence.
+TEST(ContextParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
+  const int64_t n = world()->size(), seq = 8 * n;
+  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+    for (auto layout : {ch12::CpLayout::Contiguous, ch12::CpLayout::Zigzag}) {
+      for (int64_t batch : {1, 2}) {
+        for (Recompute mode : {Recompute::None, Recompute::Full}) {
+          SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                       (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") + ", cp " +
+                       std::to_string(n) + ", " + std::to_string(batch) + " rows, " +
+                       to_string(mode));
+          auto config = ch10::testing::deepseek_config();
+          config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+          const auto mine = ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout);
+          std::vector<int64_t> kept;
+          for (int64_t layers : {1, 2, 3}) {
+            config.n_layers = layers;
+            ch03::Transformer model = ch07::make_model(config);
+            model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                ch12::ContextParallel{world(), layout, attention}));
+            apply_recompute(model, {mode, 1});
+            MemoryTracker memory;
+            auto loss = ch03::loss_of(model, mine);
+            kept.push_back(memory.current_bytes());
+            loss.backward();  // every rank runs the same collectives
+          }
+          const ContextParallelShare share{n, world()->rank(), layout, attention};
+          for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
+            EXPECT_EQ(kept[layer] - kept[layer - 1],
+                      deepseek_block_activation_bytes(config, layer, batch, seq, mode, {}, share))
+                << "block " << layer;
+        }
+      }
+    }
+  }
+}
+
+// MLA and experts under tp 2 inside cp 2 (4 ranks), with and without sequence parallelism: the
+// DeepSeek formula with both shares.
+TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheDeepSeekFormulaSays) {
+  if (world()->size() != 4) GTEST_SKIP() << "tp 2 x cp 2 needs 4 ranks";
+  const int64_t batch = 2, t = 2, c = 2, rank = world()->rank();
+  const auto tp = world()->split(static_cast<int>(rank / t), static_cast<int>(rank % t), "tp");
+  const auto cp = world()->split(static_cast<int>(rank % t), static_cast<int>(rank / t), "cp");
+  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+    for (bool sp : {false, true}) {
+      for (const auto& [layout, seq] : {std::pair{ch12::CpLayout::Zigzag, int64_t{8}},
+                                        std::pair{ch12::CpLayout::Contiguous, int64_t{10}}}) {
+        for (Recompute mode : {Recompute::None, Recompute::Full}) {
+          SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                       (sp ? ", SP" : "") + ", seq " + std::to_string(seq) + ", " +
+                       to_string(mode));
+          auto config = ch10::testing::deepseek_config();
+          config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+          const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
+          std::vector<int64_t> kept;
+          for (int64_t layers : {1, 2, 3}) {
+            config.n_layers = layers;
+            auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
+            auto model = ch10::make_model(config, group);
+            model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                ch12::ContextParallel{cp, layout, attention}));
+            apply_recompute(model, {mode, 1});
+            MemoryTracker memory;
+            auto loss = ch03::loss_of(model, mine);
+            kept.push_back(memory.current_bytes());
+            loss.backward();  // every rank runs the same collectives
+          }
+          for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
+            EXPECT_EQ(kept[layer] - kept[layer - 1],
+                      deepseek_block_activation_bytes(config, layer, batch, seq, mode,
+                                                      {t, tp->rank(), sp},
+                                                      {c, cp->rank(), layout, attention}))
+                << "block " << layer;
         }
       }
     }

@@ -7,11 +7,11 @@
 #include "03_transformer/train.h"
 #include "10_tensor_parallel/layers.h"
 #include "14_memory/plan.h"
-#include "fixtures.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
+#include "fixtures.h"
 #include "testing.h"
 
 using namespace fivefold;
@@ -36,8 +36,7 @@ TEST(TensorParallelMemory, EachRankKeepsWhatTheFormulaSays) {
             auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
             auto model = ch10::make_model(config, tp);
             apply_recompute(model, {mode, 1});
-            auto tokens =
-                torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+            auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
             MemoryTracker memory;
             auto loss = ch03::loss_of(model, {tokens, tokens});
             kept.push_back(memory.current_bytes());
