@@ -85,8 +85,10 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// probabilities 4b·h·s², the mask s², RoPE's cos and sin 4s·r. Dropless routing without the
 /// auxiliary loss only (refused otherwise, as not derived). With full recomputation (`mode`
 /// Full) the block keeps its input, 4bsd, as a Llama block does, and a MoE layer its last routing
-/// (k int64 indices and k gates a token, kept outside the graph); selective recomputation is not
-/// derived for MLA and is refused.
+/// (k int64 indices and k gates a token, kept outside the graph). With selective recomputation
+/// (`mode` Selective) the checkpointed core keeps its inputs instead of the kernel's: per head q
+/// and k (n + r each) and v, a view of kv_b_proj's whole output (n + dv), with o_proj's input
+/// (dv): h(2(n + r) + n + 2dv) a token at any batch, and no s² terms.
 ///
 /// On a rank of chapter 10's tensor parallelism (`tp`): its h/t heads, its part of d_ff and of the
 /// shared experts (split_sizes); the latents, their norms, the router and the routed experts stay

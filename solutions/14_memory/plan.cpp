@@ -98,8 +98,6 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
                                         int64_t batch, int64_t seq, Recompute mode,
                                         const TensorParallelShare& tp,
                                         const ContextParallelShare& cp) {
-  FIVEFOLD_CHECK(mode != Recompute::Selective,
-                 "deepseek_block_activation_bytes: selective recomputation is not derived for MLA");
   const auto mla = ch06::MlaConfig::from_json(config.extensions);
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   const bool routed = ch07::has_routed_experts(config) && moe.is_moe_layer(layer);
@@ -128,7 +126,11 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   int64_t floats = 2 * d;                                      // the norms' outputs
   if (mla.q_lora_rank > 0) floats += 4 * mla.q_lora_rank + 1;  // query latent, its norm
   floats += 4 * d_c + r + 1;                                   // key/value latent, norm
-  if (cp.ranks == 1) {
+  if (mode == Recompute::Selective) {
+    // The checkpointed core keeps its inputs, q and k (n + r a head each) and v, a view of
+    // kv_b_proj's whole output (n + dv), whichever kernel runs inside; o_proj its input (dv).
+    floats += h * (2 * (n + r) + n + 2 * dv);
+  } else if (cp.ranks == 1) {
     floats += h * (2 * (n + r) + 2 * dv) + (batch == 1 ? h * n : 0);  // q, k, v, heads' output
   } else {
     // Chapter 12's kernel keeps q, its output, the log-sum-exp and o_proj's input; the ring also
@@ -150,6 +152,7 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   }
   int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s);
   if (config.rope_theta > 0) bytes += 4 * s_r * r;  // cos and sin, [s, r/2] each
+  if (mode == Recompute::Selective) return bytes;
   if (cp.ranks == 1) return bytes + 4 * batch * h * seq * seq + seq * seq;  // probabilities, mask
   bytes += 8 * seq;  // every rank's key positions
   if (cp.attention == ch12::CpAttention::AllGather) bytes += 4 * batch * seq * h * (n + r + dv);

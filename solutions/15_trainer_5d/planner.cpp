@@ -158,10 +158,8 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
                  "estimate_step: experts without MLA are not priced (chapter 14's activations "
                  "are derived for DeepSeek-V3's block, MLA and experts together)");
   FIVEFOLD_CHECK(!deepseek || (layout.tp == 1 && layout.cp == 1),
-                 "estimate_step: MLA and MoE blocks are priced without tp or cp (chapter 14's "
-                 "activations for them are derived on one device)");
-  FIVEFOLD_CHECK(!deepseek || work.recompute.mode != ch14::Recompute::Selective,
-                 "estimate_step: selective recomputation is not derived for MLA");
+                 "estimate_step: MLA and MoE blocks are priced without tp or cp (their products "
+                 "and traffic are not split here: MLA's latents stay whole on every tp rank)");
   const ch02::TransformerShape shape = config.shape();
   const int64_t t = layout.tp, c = layout.cp, p = layout.pp, v = layout.virtual_stages;
   const int64_t d = layout.dp, m = work.micro_batches, L = shape.n_layers;

@@ -65,13 +65,14 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
     search.best.insert(at, candidate);
     if (static_cast<int64_t>(search.best.size()) > keep) search.best.pop_back();
   };
-  // MLA and MoE blocks are priced without tp and cp, and without selective recomputation
-  // (estimate_step); a model with routed experts tries every ep that divides dp·cp.
+  // MLA and MoE blocks are priced without tp and cp (estimate_step); a model with routed experts
+  // tries every ep that divides dp·cp.
   const bool deepseek = !work.model.extensions.is_null();
   const bool experts = ch07::has_routed_experts(work.model);
   FIVEFOLD_CHECK(!deepseek || (limits.tp <= 1 && limits.cp <= 1),
-                 "search_layouts: MLA and MoE blocks are priced without tp or cp (chapter 14's "
-                 "activations for them are derived on one device)");
+                 "search_layouts: MLA and MoE blocks are priced without tp or cp (their "
+                 "products and traffic are not split here: MLA's latents stay whole on every tp "
+                 "rank)");
   FIVEFOLD_CHECK(experts || limits.ep <= 1, "search_layouts: ep ", limits.ep,
                  " needs a model with routed experts");
   for (int64_t tp : divisors(world))
@@ -132,7 +133,6 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
                       layout.cp_attention = attention;
                       for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective,
                                         ch14::Recompute::Full}) {
-                        if (deepseek && mode == ch14::Recompute::Selective) continue;
                         w.recompute = {mode, 1, 0};
                         consider(layout, w);
                       }

@@ -111,7 +111,7 @@ TEST(ContextParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
   for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
     for (auto layout : {ch12::CpLayout::Contiguous, ch12::CpLayout::Zigzag}) {
       for (int64_t batch : {1, 2}) {
-        for (Recompute mode : {Recompute::None, Recompute::Full}) {
+        for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
           SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
                        (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") + ", cp " +
                        std::to_string(n) + ", " + std::to_string(batch) + " rows, " +
@@ -154,7 +154,7 @@ TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheDeepSeekFor
     for (bool sp : {false, true}) {
       for (const auto& [layout, seq] : {std::pair{ch12::CpLayout::Zigzag, int64_t{8}},
                                         std::pair{ch12::CpLayout::Contiguous, int64_t{10}}}) {
-        for (Recompute mode : {Recompute::None, Recompute::Full}) {
+        for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
           SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
                        (sp ? ", SP" : "") + ", seq " + std::to_string(seq) + ", " +
                        to_string(mode));

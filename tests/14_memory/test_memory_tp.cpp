@@ -58,7 +58,7 @@ TEST(TensorParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
   const int64_t t = world()->size();
   for (bool sp : {false, true}) {
     for (int64_t batch : {1, 2}) {
-      for (Recompute mode : {Recompute::None, Recompute::Full}) {
+      for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
         const int64_t seq = 6;  // 3 a rank at tp 2; 2 and 1 at tp 4
         SCOPED_TRACE("tp " + std::to_string(t) + (sp ? " SP" : "") + ", batch " +
                      std::to_string(batch) + ", " + to_string(mode));

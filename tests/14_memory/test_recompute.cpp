@@ -325,10 +325,12 @@ TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
 // A DeepSeek-V3-shaped block (chapter 06's MLA, chapter 07's MoE) keeps what
 // deepseek_block_activation_bytes says: its dense first layer and a MoE layer, with 1, 2 and 3 rows
 // (one row keeps kv_b_proj's whole output), with k 2 and 3, without the query latent, without the
-// shared expert; with full recomputation of every block, its input (and a MoE layer its routing).
+// shared expert; with full recomputation of every block, its input (and a MoE layer its routing);
+// with selective, the attention core's inputs.
 TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
-  for (int variant = 0; variant < 5; ++variant) {
-    const Recompute mode = variant == 4 ? Recompute::Full : Recompute::None;
+  for (int variant = 0; variant < 6; ++variant) {
+    const Recompute mode =
+        variant == 4 ? Recompute::Full : variant == 5 ? Recompute::Selective : Recompute::None;
     for (int64_t seq : {4, 8}) {
       for (int64_t batch : {1, 2, 3}) {
         auto config = ch10::testing::deepseek_config();
@@ -370,7 +372,4 @@ TEST(Recompute, ADeepSeekBlockFormulaRefusesWhatItDoesNotCount) {
       EXPECT_NE(std::string(e.what()).find("dropless"), std::string::npos) << e.what();
     }
   }
-  EXPECT_THROW(deepseek_block_activation_bytes(ch10::testing::deepseek_config(), 1, 2, 8,
-                                               Recompute::Selective),
-               Error);
 }

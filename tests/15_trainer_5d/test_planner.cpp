@@ -160,14 +160,14 @@ TEST(Planner, KeepsChapter09sState) {
 // DeepSeek-V3 in miniature (chapter 06's MLA, chapter 07's experts after a dense first block):
 // products, head and state are the trainer's exact counts of the ranks' real model parts
 // (predicted_flops, predicted_state_bytes) with experts over ep, with and without a pipeline;
-// ep's all-to-alls are exposed on a link that costs, and tp, cp and selective recomputation,
-// which chapter 14 does not derive for these blocks, are refused.
+// none, selective and full recomputation; ep's all-to-alls are exposed on a link that costs, and
+// tp and cp, whose products and traffic the planner does not split for these blocks, are refused.
 TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
   Workload w = small(8, 2);
   w.attention_tile = 1;
   w.model = ch10::testing::deepseek_config();  // a dense block, then MoE blocks
   w.model.n_layers = 4;
-  for (auto mode : {ch14::Recompute::None, ch14::Recompute::Full})
+  for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective, ch14::Recompute::Full})
     for (const auto& [pp, ep] : {std::pair<int64_t, int64_t>{1, 1}, {1, 2}, {1, 4}, {2, 2}}) {
       w.recompute = {mode, 1, 0};
       SCOPED_TRACE("pp " + std::to_string(pp) + ", ep " + std::to_string(ep) + ", " +
@@ -201,25 +201,24 @@ TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
                                       "without tp or cp"));
   EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(2, 1, 1, 2), cluster(4)); },
                                       "without tp or cp"));
-  w.recompute = {ch14::Recompute::Selective, 1, 0};
-  EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(4, 1, 1, 1), cluster(4)); },
-                                      "selective recomputation"));
   Workload gqa_experts = w;  // chapter 07's experts under chapter 03's attention: not derived
   gqa_experts.recompute = {};
   gqa_experts.model.extensions.erase("kv_lora_rank");
   EXPECT_TRUE(throws_error_containing(
       [&] { estimate(gqa_experts, sizes(4, 1, 1, 1), cluster(4)); }, "experts without MLA"));
-  // The search tries what can be priced: every ep, none or full, tp and cp 1.
+  // The search tries what can be priced: every ep, every recomputation, tp and cp 1.
   SearchLimits everything;
   everything.keep = 100000;
   const Search found = search_layouts(w, cluster(4), ch14::Precision::Fp32, everything);
   std::set<int64_t> eps;
+  std::set<ch14::Recompute> modes;
   for (const Candidate& k : found.best) {
     EXPECT_EQ(k.layout.tp * k.layout.cp, 1) << k.layout.describe();
-    EXPECT_NE(k.recompute, ch14::Recompute::Selective) << k.layout.describe();
+    modes.insert(k.recompute);
     eps.insert(k.layout.ep);
   }
   EXPECT_EQ(eps, (std::set<int64_t>{1, 2, 4}));
+  EXPECT_EQ(modes.size(), 3u);
 }
 
 // A group inside a node crosses the node's link, one that spans nodes the slower link: with 2
