@@ -12,7 +12,10 @@
 #include <vector>
 
 #include "03_transformer/heads.h"
+#include "10_tensor_parallel/plan.h"
+#include "12_context_parallel/context_parallel.h"
 #include "fivefold/error.h"
+#include "fivefold/seed.h"
 
 namespace fivefold::runtime {
 
@@ -301,20 +304,49 @@ std::shared_ptr<const MatmulKernel> fast_matmul_kernel() {
   return onednn;
 }
 
-int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
-                               ch14::Precision precision, ch14::Recompute mode) {
+int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batch, int64_t seq,
+                               ch14::Precision precision, ch14::Recompute mode,
+                               const ch14::TensorParallelShare& tp,
+                               const ch14::ContextParallelShare& cp) {
+  // On a rank of cp, its s_r tokens of every row; under recomputation the kernel is checkpointed,
+  // and what the block keeps is the one-device count at s_r tokens.
+  const int64_t s_r =
+      cp.ranks > 1 ? ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0) : seq;
+  if (cp.ranks > 1 && mode != ch14::Recompute::None)
+    return block_activation_bytes(whole, batch, s_r, precision, mode, tp);
+  // On a rank of tp, its heads (key/value heads: one, shared, when there are fewer than ranks)
+  // and its part of d_ff; with sequence parallelism its own tokens of the residual stream.
+  const ch02::TransformerShape shape =
+      ch10::rank_shape(whole, static_cast<int>(tp.ranks), static_cast<int>(tp.rank));
+  const int64_t own =
+      tp.sequence_parallel ? split_sizes(s_r, tp.ranks)[static_cast<size_t>(tp.rank)] : s_r;
   const int64_t d = shape.d_model, f = shape.d_ff, h = shape.n_heads, hd = shape.head_dim;
+  const int64_t kv = shape.n_kv_heads;
   const int64_t rounded = precision == ch14::Precision::Bf16 ? 2 : 4;  // bytes a kept operand
-  const int64_t fp32 = 2 * d + 2 + 3 * f + h * hd + h;  // norms, SwiGLU, attention's output, lse
-  const int64_t operands = 2 * d + h * hd + f + 3 * h * hd;  // linear maps' inputs, q, k, v
-  const int64_t none = batch * seq * (4 * fp32 + rounded * operands) + 4 * seq * hd;
-  if (mode == ch14::Recompute::Full) return 4 * batch * seq * d;  // the block's input
+  const int64_t tokens = batch * s_r;
+  // Per token: the norms' inputs and 1/rms, for the rank's own tokens (2d + 2); SwiGLU, the
+  // attention's output and log-sum-exp over all its tokens; the linear maps' inputs rounded.
+  const int64_t residual = 2 * d + 2;
+  int64_t fp32 = 3 * f + h * hd + h, operands = 2 * d + h * hd + f;
+  int64_t bytes = 4 * s_r * hd;  // RoPE's cos and sin rows for its positions
+  if (cp.ranks == 1) {
+    operands += 3 * h * hd;  // the tiled kernel's q, k and v, rounded, at every query head
+  } else {
+    // Chapter 12's kernel keeps q in fp32, the ring its own keys and values, all-gather every
+    // rank's (at their own heads, fp32), and every rank's key positions.
+    fp32 += h * hd;
+    if (cp.attention == ch12::CpAttention::Ring) fp32 += 2 * kv * hd;
+    else bytes += 4 * batch * seq * kv * 2 * hd;
+    bytes += 8 * seq;  // every rank's key positions
+  }
+  const int64_t none =
+      bytes + tokens * (4 * fp32 + rounded * operands) + 4 * batch * own * residual;
+  if (mode == ch14::Recompute::Full) return 4 * batch * own * d;  // the block's input
   if (mode == ch14::Recompute::None) return none;
   // Selective: the checkpointed core keeps its inputs, q and k, v at their own heads, in fp32,
   // instead of what the tiled kernel kept: its output, its log-sum-exp and q, k, v rounded and
   // at every query head.
-  const int64_t kv = shape.n_kv_heads;
-  return none - batch * seq * (4 * (h * hd + h) + rounded * 3 * h * hd - 4 * (h + 2 * kv) * hd);
+  return none - tokens * (4 * (h * hd + h) + rounded * 3 * h * hd - 4 * (h + 2 * kv) * hd);
 }
 
 FastPaths install_fast_paths(Transformer& model) {

@@ -17,6 +17,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/model.h"
+#include "14_memory/plan.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 
@@ -85,10 +86,18 @@ class FusedAdamW : public torch::optim::AdamW {
 /// Full keeps the block's input alone, 4bsd; Selective checkpoints the attention core, which
 /// keeps its inputs (q and k, v at their own h_kv heads, in fp32) instead of what the tiled
 /// kernel kept (its output, its log-sum-exp, q, k and v rounded and at every query head).
-/// Measured by the runtime's tests.
+/// On a rank of tp (`tp`): its heads and part of d_ff (chapter 10's rank_shape), and with sequence
+/// parallelism the norms' inputs and 1/rms for its own tokens only. On a rank of cp (`cp`, alone
+/// or with tp): its s_r tokens, chapter 12's kernel in the tiled one's place, which keeps q in
+/// fp32 (not rounded), the ring its own keys and values at their h_kv heads in fp32, all-gather
+/// every rank's (4b·s·h_kv·2hd), and every rank's key positions (8s); under recomputation the
+/// one-device count at s_r tokens. Measured by the runtime's tests, on every rank of tp 1, 2
+/// and 4, cp 2 and 4 and tp 2 x cp 2.
 int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batch, int64_t seq,
                                ch14::Precision precision = ch14::Precision::Fp32,
-                               ch14::Recompute mode = ch14::Recompute::None);
+                               ch14::Recompute mode = ch14::Recompute::None,
+                               const ch14::TensorParallelShare& tp = {},
+                               const ch14::ContextParallelShare& cp = {});
 
 /// The products of `linear` on oneDNN's sgemm (libdnnl, which Debian's LibTorch links as well)
 /// instead of OpenBLAS's: on the machine this project is measured on, oneDNN's kernels run the
