@@ -232,7 +232,7 @@ nlohmann::json context_parallel_section(const ch02::TransformerShape& shape, int
       bytes += k.payload_bytes;
     }
     ranks.push_back(
-        {{"tokens", shard_positions(context, cp, r, layout).size(0)},
+        {{"tokens", shard_size(context, cp, r, layout)},
          {"activation_bytes", cp_activation_bytes(shape, cp, r, b, context, layout, attention)},
          {"per_layer", ops},
          {"bytes_per_layer", bytes},

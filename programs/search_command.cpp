@@ -14,6 +14,7 @@
 #include "plan_sections.h"
 #include "runtime/calibrate.h"
 #include "runtime/cluster.h"
+#include "runtime/fast.h"
 #include "runtime/settings.h"
 
 namespace fivefold::commands {
@@ -76,6 +77,7 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
   work.model = model;
   work.seq_len = context;
   work.batch = args.integer("batch");
+  work.block_activations = runtime::block_activation_bytes;  // the training run's fast kernels
   const auto precision = ch14::parse_precision(args.str("precision"));
   const int64_t top = args.integer("top");
   FIVEFOLD_CHECK(top >= 1, "--top must be >= 1");

@@ -57,6 +57,10 @@ void check_context_parallel(const ch03::ModelConfig& config, int64_t seq, int64_
 /// `seq` tokens.
 torch::Tensor shard_positions(int64_t seq, int64_t cp, int64_t rank, CpLayout layout);
 
+/// How many tokens rank `rank` of `cp` holds: shard_positions(...).size(0), without building the
+/// positions (the plan formulas ask it for every layout a search tries).
+int64_t shard_size(int64_t seq, int64_t cp, int64_t rank, CpLayout layout);
+
 /// Rank `rank`'s part of `batch`: its tokens' inputs and targets, their positions, and the loss
 /// weight cp·n_r/seq that makes the ranks' mean losses average to the batch's (ch03::Batch).
 ch03::Batch shard_batch(const ch03::Batch& batch, int64_t cp, int64_t rank, CpLayout layout);

@@ -311,7 +311,7 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
   // On a rank of cp, its s_r tokens of every row; under recomputation the kernel is checkpointed,
   // and what the block keeps is the one-device count at s_r tokens.
   const int64_t s_r =
-      cp.ranks > 1 ? ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0) : seq;
+      cp.ranks > 1 ? ch12::shard_size(seq, cp.ranks, cp.rank, cp.layout) : seq;
   if (cp.ranks > 1 && mode != ch14::Recompute::None)
     return block_activation_bytes(whole, batch, s_r, precision, mode, tp);
   // On a rank of tp, its heads (key/value heads: one, shared, when there are fewer than ranks)

@@ -77,9 +77,11 @@ ch15::Layout layout_from_flags(const ArgParser& args) {
 }
 
 ch15::Workload workload_of(const RunConfig& run) {
-  return {run.model, run.seq_len, run.batch, run.micro_batches,
-          run.fast ? TiledCausalAttentionKernel::kDefaultTile : 0,
-          recompute_config(run)};
+  ch15::Workload work{run.model, run.seq_len, run.batch, run.micro_batches,
+                      run.fast ? TiledCausalAttentionKernel::kDefaultTile : 0,
+                      recompute_config(run), nullptr};
+  if (run.fast) work.block_activations = block_activation_bytes;  // fast.h: the fast kernels'
+  return work;
 }
 
 int64_t available_memory() {

@@ -24,7 +24,7 @@ CpTraffic context_parallel_traffic(int64_t cp, int64_t rank, int64_t rows, int64
   }
   t.forward_payload_bytes = t.all_gather.payload_bytes;
   if (cp == 1) return t;  // the ring of one rank sends nothing
-  const int64_t next = shard_positions(seq, cp, (rank + 1) % cp, layout).size(0);
+  const int64_t next = shard_size(seq, cp, (rank + 1) % cp, layout);
   // Forward and backward each pass on every block but the one of rank r + 1 (the last held);
   // backward passes every block's gradient, one hop each, cp hops in all.
   t.send_recv = {2 * (cp - 1) + cp, per_token * (2 * (seq - next) + seq)};
@@ -58,7 +58,7 @@ int64_t cp_block_activation_bytes(const ch02::TransformerShape& shape, int64_t c
       shape.gated_mlp && !shape.layer_norm && !shape.biases && shape.learned_positions == 0,
       "activation memory: the formula is for Llama-shaped models (RMSNorm, SwiGLU, "
       "RoPE, no biases), the model this course trains");
-  const int64_t mine = shard_positions(seq, cp, rank, layout).size(0), n = rows * mine;
+  const int64_t mine = shard_size(seq, cp, rank, layout), n = rows * mine;
   const int64_t h = shape.d_model, heads = shape.n_heads, kv = shape.n_kv_heads, d = shape.head_dim,
                 f = shape.d_ff;
   // Per token, in floats: the norms, the residual sum and the block's output, SwiGLU (chapter
@@ -75,7 +75,7 @@ int64_t cp_block_activation_bytes(const ch02::TransformerShape& shape, int64_t c
 int64_t cp_activation_bytes(const ch02::TransformerShape& shape, int64_t cp, int64_t rank,
                             int64_t rows, int64_t seq, CpLayout layout, CpAttention attention) {
   const int64_t block = cp_block_activation_bytes(shape, cp, rank, rows, seq, layout, attention);
-  const int64_t n = rows * shard_positions(seq, cp, rank, layout).size(0), h = shape.d_model;
+  const int64_t n = rows * shard_size(seq, cp, rank, layout), h = shape.d_model;
   // The embedding's output; the final norm and log-softmax of the logits; the loss and nll's
   // total weight.
   return 4 * n * h + shape.n_layers * block + 4 * n * (3 * h + 1 + shape.vocab_size) + 8;

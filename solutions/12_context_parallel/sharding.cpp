@@ -63,6 +63,13 @@ torch::Tensor shard_positions(int64_t seq, int64_t cp, int64_t rank, CpLayout la
                      torch::arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, kLong)});
 }
 
+int64_t shard_size(int64_t seq, int64_t cp, int64_t rank, CpLayout layout) {
+  check_context_parallel(seq, cp, layout);
+  FIVEFOLD_CHECK(0 <= rank && rank < cp, "shard_size: rank ", rank, " of ", cp);
+  if (layout == CpLayout::Contiguous || cp == 1) return split_sizes(seq, cp)[static_cast<size_t>(rank)];
+  return 2 * (seq / (2 * cp));  // two chunks (zig-zag)
+}
+
 ch03::Batch shard_batch(const ch03::Batch& batch, int64_t cp, int64_t rank, CpLayout layout) {
   const int64_t seq = batch.inputs.size(1);
   auto mine = shard_positions(seq, cp, rank, layout);

@@ -67,7 +67,7 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
     return 4 * batch * (tokens - own) * (6 * d + 2);
   };
   if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
-    const int64_t own = ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0);
+    const int64_t own = ch12::shard_size(seq, cp.ranks, cp.rank, cp.layout);
     if (mode != Recompute::None)
       return block_activation_bytes(shape, batch, own, mode, tp, precision);
     // With tp, chapter 12's term for this rank's heads and d_ff over its cp tokens.
@@ -117,7 +117,7 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   const int64_t r = mla.qk_rope_head_dim, dv = mla.v_head_dim, d_c = mla.kv_lora_rank;
   // Under cp (chapter 12) the rank's s_r tokens of every row.
   const int64_t s_r =
-      cp.ranks > 1 ? ch12::shard_positions(seq, cp.ranks, cp.rank, cp.layout).size(0) : seq;
+      cp.ranks > 1 ? ch12::shard_size(seq, cp.ranks, cp.rank, cp.layout) : seq;
   const int64_t tokens = batch * s_r, own = tp.sequence_parallel ? batch * share(s_r) : tokens;
   // Full: the block's input, and a MoE layer's last routing (k expert indices and gates a token),
   // which the layer keeps outside the graph (ch07::MoeImpl::last_routing).

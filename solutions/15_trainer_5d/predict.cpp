@@ -2,6 +2,7 @@
 #include "15_trainer_5d/predict.h"
 
 #include <functional>
+#include <map>
 #include <set>
 
 #include "06_mla/mla.h"
@@ -427,6 +428,18 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
   const ch14::RecomputeConfig recompute = run.recompute.for_stage(at.pp);
   const ch14::TensorParallelShare tp{layout.tp, at.tp, layout.sequence_parallel};
   const ch14::ContextParallelShare cp{layout.cp, at.cp, layout.cp_layout, layout.cp_attention};
+  std::map<ch14::Recompute, int64_t> llama;  // every Llama block keeps the same: counted once
+  auto llama_block = [&](ch14::Recompute mode) {
+    auto [it, fresh] = llama.try_emplace(mode, 0);
+    if (fresh) {
+      it->second =
+          run.block_activations
+              ? run.block_activations(config.shape(), rows, run.seq_len, precision, mode, tp, cp)
+              : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
+                                             precision, cp);
+    }
+    return it->second;
+  };
   int64_t bytes = 0;
   for (int64_t layer = first; layer < last; ++layer) {
     const ch14::Recompute mode =
@@ -435,8 +448,7 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
             : recompute.mode;
     bytes += deepseek ? ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len,
                                                               mode, tp, cp)
-                      : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
-                                                     precision, cp);
+                      : llama_block(mode);
   }
   return bytes;
 }

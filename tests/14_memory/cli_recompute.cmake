@@ -61,10 +61,14 @@ if(NOT none EQUAL 3693117440 OR NOT selective EQUAL 1528856576 OR NOT sp_full EQ
 endif()
 # train --plan prints what each rank's blocks keep: tp 2 x pp 2 (1F1B, 4 micro-batches of 4 x 64
 # tokens), full recomputation of every 2nd block: stage 0 keeps block 0's input (131,072 B) and
-# block 1 whole (2,177,024 B: its 2 heads and 176 of d_ff), 2 micro-batches in flight; stage 1
-# one. Without recomputation, in parentheses, 2 x 2,177,024 a micro-batch.
+# block 1 whole, 2 micro-batches in flight; stage 1 one. With the lesson's kernels block 1 keeps
+# 2,177,024 B (its 2 heads and 176 of d_ff; without recomputation, in parentheses, 2 x 2,177,024 a
+# micro-batch); with the fast kernels, the default, 1,585,152 B (1,540 floats a token, no
+# probabilities).
 include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
 run("\\| 0 \\| 0, 0, 0, 0 \\| 0,1 \\|[^\n]*\\| 2308096 x 2 = 4616192 B \\(8708096 B\\) \\|[^\n]*\n[^\n]*\n\\| 2 \\| 1, 0, 0, 0 \\| 2,3 \\|[^\n]*\\| 2308096 x 1 = 2308096 B \\(4354048 B\\) \\|"
+    train --plan 4 --pp 2 --tp 2 --recompute full --recompute-every 2 --accum 4 --lesson-kernels)
+run("\\| 0 \\| 0, 0, 0, 0 \\| 0,1 \\|[^\n]*\\| 1716224 x 2 = 3432448 B \\(6340608 B\\) \\|"
     train --plan 4 --pp 2 --tp 2 --recompute full --recompute-every 2 --accum 4)
 # On a rank of cp 4 (zigzag, ring): chapter 12's block term, and selective's at 1024 tokens.
 execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096 --cp 4 --json
