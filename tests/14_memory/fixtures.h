@@ -1,7 +1,14 @@
 #pragma once
-// Chapter 14's tests: the process-wide matmul kernel put back after a test that changes it.
+// Chapter 14's tests: the process-wide matmul kernel put back after a test that changes it, and
+// what one more block keeps, measured.
 
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "03_transformer/train.h"
 #include "14_memory/precision.h"
+#include "fivefold/memory.h"
 
 namespace fivefold::ch14::testing {
 
@@ -10,5 +17,24 @@ namespace fivefold::ch14::testing {
 struct Fp32Afterwards {
   ~Fp32Afterwards() { use_precision(Precision::Fp32, nullptr); }
 };
+
+/// What each block added keeps for backward, measured: for 1 .. `most` blocks, the model
+/// `build(blocks)` gives (its kernels installed) computes the loss of `batch`, and the storage
+/// alive then (fivefold::MemoryTracker) is taken; backward runs after (on every rank the same
+/// collectives). Entry i is what block i + 1 added: the growth from i + 1 blocks to i + 2.
+inline std::vector<int64_t> kept_per_block(const std::function<ch03::Transformer(int64_t)>& build,
+                                           const ch03::Batch& batch, int64_t most = 2) {
+  std::vector<int64_t> alive;
+  for (int64_t blocks = 1; blocks <= most; ++blocks) {
+    ch03::Transformer model = build(blocks);
+    MemoryTracker memory;
+    auto loss = ch03::loss_of(model, batch);
+    alive.push_back(memory.current_bytes());
+    loss.backward();
+  }
+  std::vector<int64_t> growth;
+  for (size_t i = 1; i < alive.size(); ++i) growth.push_back(alive[i] - alive[i - 1]);
+  return growth;
+}
 
 }  // namespace fivefold::ch14::testing

@@ -17,6 +17,7 @@
 
 using namespace fivefold;
 using namespace fivefold::ch14;
+using fivefold::ch14::testing::kept_per_block;
 using fivefold::testing::world;
 
 TEST(ContextParallelMemory, EachRankKeepsWhatTheFormulaSays) {
@@ -32,24 +33,21 @@ TEST(ContextParallelMemory, EachRankKeepsWhatTheFormulaSays) {
                        std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
                        (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") + ", cp " +
                        std::to_string(n) + ", " + to_string(mode));
-          std::vector<int64_t> kept;
           auto config = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, d_ff 70
           auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
           const auto mine = ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout);
-          for (int64_t layers : {1, 2}) {
-            config.n_layers = layers;
-            ch03::Transformer model = ch07::make_model(config);
-            model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                ch12::ContextParallel{world(), layout, attention}));
-            apply_recompute(model, {mode, 1});
-            MemoryTracker memory;
-            auto loss = ch03::loss_of(model, mine);
-            kept.push_back(memory.current_bytes());
-            loss.backward();  // every rank runs the same collectives
-          }
-          EXPECT_EQ(kept[1] - kept[0],
-                    block_activation_bytes(config.shape(), batch, seq, mode, {}, precision,
-                                           {n, world()->rank(), layout, attention}));
+          const auto kept = kept_per_block(
+              [&, layout = layout](int64_t layers) {
+                config.n_layers = layers;
+                ch03::Transformer model = ch07::make_model(config);
+                model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                    ch12::ContextParallel{world(), layout, attention}));
+                apply_recompute(model, {mode, 1});
+                return model;
+              },
+              mine);
+          EXPECT_EQ(kept[0], block_activation_bytes(config.shape(), batch, seq, mode, {}, precision,
+                                                    {n, world()->rank(), layout, attention}));
         }
       }
     }
@@ -77,23 +75,21 @@ TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheFormulaSays
                          std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
                          (sp ? ", SP" : "") + ", seq " + std::to_string(seq) + ", " +
                          to_string(mode));
-            std::vector<int64_t> kept;
             auto config = ch10::testing::tp_config(false);  // 8 heads, 4 kv heads, d_ff 70
             auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
             const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
-            for (int64_t layers : {1, 2}) {
-              config.n_layers = layers;
-              auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
-              auto model = ch10::make_model(config, group);
-              model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                  ch12::ContextParallel{cp, layout, attention}));
-              apply_recompute(model, {mode, 1});
-              MemoryTracker memory;
-              auto loss = ch03::loss_of(model, mine);
-              kept.push_back(memory.current_bytes());
-              loss.backward();  // every rank runs the same collectives
-            }
-            EXPECT_EQ(kept[1] - kept[0],
+            const auto kept = kept_per_block(
+                [&, layout = layout](int64_t layers) {
+                  config.n_layers = layers;
+                  auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
+                  auto model = ch10::make_model(config, group);
+                  model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                      ch12::ContextParallel{cp, layout, attention}));
+                  apply_recompute(model, {mode, 1});
+                  return model;
+                },
+                mine);
+            EXPECT_EQ(kept[0],
                       block_activation_bytes(config.shape(), batch, seq, mode, {t, tp->rank(), sp},
                                              precision, {c, cp->rank(), layout, attention}));
           }
@@ -120,21 +116,19 @@ TEST(ContextParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
           config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
           auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
           const auto mine = ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout);
-          std::vector<int64_t> kept;
-          for (int64_t layers : {1, 2, 3}) {
-            config.n_layers = layers;
-            ch03::Transformer model = ch07::make_model(config);
-            model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                ch12::ContextParallel{world(), layout, attention}));
-            apply_recompute(model, {mode, 1});
-            MemoryTracker memory;
-            auto loss = ch03::loss_of(model, mine);
-            kept.push_back(memory.current_bytes());
-            loss.backward();  // every rank runs the same collectives
-          }
+          const auto kept = kept_per_block(
+              [&, layout = layout](int64_t layers) {
+                config.n_layers = layers;
+                ch03::Transformer model = ch07::make_model(config);
+                model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                    ch12::ContextParallel{world(), layout, attention}));
+                apply_recompute(model, {mode, 1});
+                return model;
+              },
+              mine, 3);
           const ContextParallelShare share{n, world()->rank(), layout, attention};
           for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
-            EXPECT_EQ(kept[layer] - kept[layer - 1],
+            EXPECT_EQ(kept[layer - 1],
                       deepseek_block_activation_bytes(config, layer, batch, seq, mode, {}, share))
                 << "block " << layer;
         }
@@ -162,24 +156,21 @@ TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheDeepSeekFor
           config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
           auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
           const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
-          std::vector<int64_t> kept;
-          for (int64_t layers : {1, 2, 3}) {
-            config.n_layers = layers;
-            auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
-            auto model = ch10::make_model(config, group);
-            model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                ch12::ContextParallel{cp, layout, attention}));
-            apply_recompute(model, {mode, 1});
-            MemoryTracker memory;
-            auto loss = ch03::loss_of(model, mine);
-            kept.push_back(memory.current_bytes());
-            loss.backward();  // every rank runs the same collectives
-          }
+          const auto kept = kept_per_block(
+              [&, layout = layout](int64_t layers) {
+                config.n_layers = layers;
+                auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
+                auto model = ch10::make_model(config, group);
+                model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                    ch12::ContextParallel{cp, layout, attention}));
+                apply_recompute(model, {mode, 1});
+                return model;
+              },
+              mine, 3);
           for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
-            EXPECT_EQ(kept[layer] - kept[layer - 1],
-                      deepseek_block_activation_bytes(config, layer, batch, seq, mode,
-                                                      {t, tp->rank(), sp},
-                                                      {c, cp->rank(), layout, attention}))
+            EXPECT_EQ(kept[layer - 1], deepseek_block_activation_bytes(
+                                           config, layer, batch, seq, mode, {t, tp->rank(), sp},
+                                           {c, cp->rank(), layout, attention}))
                 << "block " << layer;
         }
       }

@@ -16,6 +16,7 @@
 
 using namespace fivefold;
 using namespace fivefold::ch14;
+using fivefold::ch14::testing::kept_per_block;
 using fivefold::testing::world;
 
 // In fp32 and in bf16 (chapter 14's Bf16MatmulKernel: the linear maps keep bf16 copies).
@@ -29,21 +30,19 @@ TEST(TensorParallelMemory, EachRankKeepsWhatTheFormulaSays) {
         for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
           SCOPED_TRACE(to_string(precision) + ", tp " + std::to_string(t) + (sp ? " SP" : "") +
                        ", seq " + std::to_string(seq) + ", " + to_string(mode));
-          std::vector<int64_t> kept;
           auto config = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, d_ff 70
-          for (int64_t layers : {1, 2}) {
-            config.n_layers = layers;
-            auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
-            auto model = ch10::make_model(config, tp);
-            apply_recompute(model, {mode, 1});
-            auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-            MemoryTracker memory;
-            auto loss = ch03::loss_of(model, {tokens, tokens});
-            kept.push_back(memory.current_bytes());
-            loss.backward();  // every rank runs the same collectives
-          }
+          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+          const auto kept = kept_per_block(
+              [&](int64_t layers) {
+                config.n_layers = layers;
+                auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
+                auto model = ch10::make_model(config, tp);
+                apply_recompute(model, {mode, 1});
+                return model;
+              },
+              {tokens, tokens});
           const TensorParallelShare share{t, world()->rank(), sp};
-          EXPECT_EQ(kept[1] - kept[0],
+          EXPECT_EQ(kept[0],
                     block_activation_bytes(config.shape(), batch, seq, mode, share, precision));
         }
       }
@@ -65,20 +64,18 @@ TEST(TensorParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
         auto config = ch10::testing::deepseek_config();
         config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
         auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-        std::vector<int64_t> kept;
-        for (int64_t layers : {1, 2, 3}) {
-          config.n_layers = layers;
-          auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
-          auto model = ch10::make_model(config, tp);
-          apply_recompute(model, {mode, 1});
-          MemoryTracker memory;
-          auto loss = ch03::loss_of(model, {tokens, tokens});
-          kept.push_back(memory.current_bytes());
-          loss.backward();  // every rank runs the same collectives
-        }
+        const auto kept = kept_per_block(
+            [&](int64_t layers) {
+              config.n_layers = layers;
+              auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
+              auto model = ch10::make_model(config, tp);
+              apply_recompute(model, {mode, 1});
+              return model;
+            },
+            {tokens, tokens}, 3);
         const TensorParallelShare share{t, world()->rank(), sp};
         for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
-          EXPECT_EQ(kept[layer] - kept[layer - 1],
+          EXPECT_EQ(kept[layer - 1],
                     deepseek_block_activation_bytes(config, layer, batch, seq, mode, share))
               << "block " << layer;
       }

@@ -18,6 +18,7 @@
 
 using namespace fivefold;
 using namespace fivefold::ch14;
+using fivefold::ch14::testing::kept_per_block;
 using torch::Tensor;
 
 namespace {
@@ -232,21 +233,20 @@ TEST(Recompute, KeptActivationsEqualTheFormula) {
           config.n_kv_heads = kv_heads;
           const int64_t batch = 2;
           auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-          std::vector<int64_t> kept;
-          for (int64_t layers : {1, 2, 3}) {
-            config.n_layers = layers;
-            ch03::Transformer model = ch07::make_model(config);
-            apply_recompute(model, recompute);
-            MemoryTracker memory;
-            auto loss = ch03::loss_of(model, {tokens, tokens});
-            kept.push_back(memory.current_bytes());
-          }
+          const auto kept = kept_per_block(
+              [&, recompute = recompute](int64_t layers) {
+                config.n_layers = layers;
+                ch03::Transformer model = ch07::make_model(config);
+                apply_recompute(model, recompute);
+                return model;
+              },
+              {tokens, tokens}, 3);
           for (int64_t layer : {1, 2}) {  // the block added
             const bool again = recompute.mode == Recompute::Full && layer % recompute.every == 0;
             const Recompute as = again                               ? Recompute::Full
                                  : recompute.mode == Recompute::Full ? Recompute::None
                                                                      : recompute.mode;
-            EXPECT_EQ(kept[layer] - kept[layer - 1],
+            EXPECT_EQ(kept[layer - 1],
                       block_activation_bytes(config.shape(), batch, seq, as, {}, precision))
                 << "block " << layer;
           }
@@ -329,8 +329,9 @@ TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
 // with selective, the attention core's inputs.
 TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
   for (int variant = 0; variant < 6; ++variant) {
-    const Recompute mode =
-        variant == 4 ? Recompute::Full : variant == 5 ? Recompute::Selective : Recompute::None;
+    const Recompute mode = variant == 4   ? Recompute::Full
+                           : variant == 5 ? Recompute::Selective
+                                          : Recompute::None;
     for (int64_t seq : {4, 8}) {
       for (int64_t batch : {1, 2, 3}) {
         auto config = ch10::testing::deepseek_config();
@@ -341,17 +342,16 @@ TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
         SCOPED_TRACE("variant " + std::to_string(variant) + ", seq " + std::to_string(seq) +
                      ", batch " + std::to_string(batch));
         auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-        std::vector<int64_t> kept;
-        for (int64_t layers : {1, 2, 3}) {
-          config.n_layers = layers;
-          ch03::Transformer model = ch07::make_model(config);
-          apply_recompute(model, {mode, 1, 0});
-          MemoryTracker memory;
-          auto loss = ch03::loss_of(model, {tokens, tokens});
-          kept.push_back(memory.current_bytes());
-        }
+        const auto kept = kept_per_block(
+            [&](int64_t layers) {
+              config.n_layers = layers;
+              ch03::Transformer model = ch07::make_model(config);
+              apply_recompute(model, {mode, 1, 0});
+              return model;
+            },
+            {tokens, tokens}, 3);
         for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
-          EXPECT_EQ(kept[layer] - kept[layer - 1],
+          EXPECT_EQ(kept[layer - 1],
                     deepseek_block_activation_bytes(config, layer, batch, seq, mode))
               << "block " << layer;
       }

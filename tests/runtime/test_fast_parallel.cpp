@@ -4,10 +4,11 @@
 // storage alive when the loss is computed as a block is added, against block_activation_bytes for
 // the rank's share, in every recomputation mode, in fp32 and bf16.
 #include "../10_tensor_parallel/fixtures.h"
+#include "../14_memory/fixtures.h"
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
-#include "12_context_parallel/context_parallel.h"
 #include "10_tensor_parallel/layers.h"
+#include "12_context_parallel/context_parallel.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/memory.h"
@@ -18,6 +19,7 @@
 using namespace fivefold;
 using fivefold::ch14::Precision;
 using fivefold::ch14::Recompute;
+using fivefold::ch14::testing::kept_per_block;
 using fivefold::testing::world;
 
 namespace {
@@ -36,26 +38,23 @@ TEST(FastPathsParallel, EachTensorParallelRankKeepsWhatTheFormulaSays) {
           SCOPED_TRACE(ch14::to_string(precision) + ", tp " + std::to_string(t) +
                        (sp ? " SP" : "") + ", seq " + std::to_string(seq) + ", " +
                        ch14::to_string(mode));
-          std::vector<int64_t> kept;
           auto config = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, d_ff 70
-          for (int64_t layers : {1, 2}) {
-            config.n_layers = layers;
-            auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
-            auto model = ch10::make_model(config, tp);
-            ch03::set_matmul_kernel(nullptr);
-            runtime::install_fast_paths(model);
-            ch14::apply_recompute(model, {mode, 1});
-            if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
-            auto tokens =
-                torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-            MemoryTracker memory;
-            auto loss = ch03::loss_of(model, {tokens, tokens});
-            kept.push_back(memory.current_bytes());
-            loss.backward();  // every rank runs the same collectives
-          }
+          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+          const auto kept = kept_per_block(
+              [&](int64_t layers) {
+                config.n_layers = layers;
+                auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
+                auto model = ch10::make_model(config, tp);
+                ch03::set_matmul_kernel(nullptr);
+                runtime::install_fast_paths(model);
+                ch14::apply_recompute(model, {mode, 1});
+                if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
+                return model;
+              },
+              {tokens, tokens});
           const ch14::TensorParallelShare share{t, world()->rank(), sp};
-          EXPECT_EQ(kept[1] - kept[0], runtime::block_activation_bytes(config.shape(), batch, seq,
-                                                                       precision, mode, share));
+          EXPECT_EQ(kept[0], runtime::block_activation_bytes(config.shape(), batch, seq, precision,
+                                                             mode, share));
         }
       }
     }
@@ -74,27 +73,25 @@ TEST(FastPathsParallel, EachContextParallelRankKeepsWhatTheFormulaSays) {
                        std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
                        (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") + ", cp " +
                        std::to_string(n) + ", " + ch14::to_string(mode));
-          std::vector<int64_t> kept;
           auto config = ch10::testing::tp_config(false);  // 8 heads, 4 key/value heads, d_ff 70
           auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
           const auto mine = ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout);
-          for (int64_t layers : {1, 2}) {
-            config.n_layers = layers;
-            ch03::Transformer model = ch07::make_model(config);
-            ch03::set_matmul_kernel(nullptr);
-            runtime::install_fast_paths(model);
-            model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                ch12::ContextParallel{world(), layout, attention}));
-            ch14::apply_recompute(model, {mode, 1});
-            if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
-            MemoryTracker memory;
-            auto loss = ch03::loss_of(model, mine);
-            kept.push_back(memory.current_bytes());
-            loss.backward();  // every rank runs the same collectives
-          }
+          const auto kept = kept_per_block(
+              [&, layout = layout](int64_t layers) {
+                config.n_layers = layers;
+                ch03::Transformer model = ch07::make_model(config);
+                ch03::set_matmul_kernel(nullptr);
+                runtime::install_fast_paths(model);
+                model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                    ch12::ContextParallel{world(), layout, attention}));
+                ch14::apply_recompute(model, {mode, 1});
+                if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
+                return model;
+              },
+              mine);
           const ch14::ContextParallelShare share{n, world()->rank(), layout, attention};
-          EXPECT_EQ(kept[1] - kept[0], runtime::block_activation_bytes(config.shape(), batch, seq,
-                                                                       precision, mode, {}, share));
+          EXPECT_EQ(kept[0], runtime::block_activation_bytes(config.shape(), batch, seq, precision,
+                                                             mode, {}, share));
         }
       }
     }
@@ -118,29 +115,26 @@ TEST(FastPathsParallel, EachRankOfTensorAndContextParallelismKeepsWhatTheFormula
                          std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
                          (sp ? ", SP" : "") + ", seq " + std::to_string(seq) + ", " +
                          ch14::to_string(mode));
-            std::vector<int64_t> kept;
             auto config = ch10::testing::tp_config(false);
-            auto tokens =
-                torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+            auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
             const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
-            for (int64_t layers : {1, 2}) {
-              config.n_layers = layers;
-              auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
-              auto model = ch10::make_model(config, group);
-              ch03::set_matmul_kernel(nullptr);
-              runtime::install_fast_paths(model);
-              model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                  ch12::ContextParallel{cp, layout, attention}));
-              ch14::apply_recompute(model, {mode, 1});
-              if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
-              MemoryTracker memory;
-              auto loss = ch03::loss_of(model, mine);
-              kept.push_back(memory.current_bytes());
-              loss.backward();  // every rank runs the same collectives
-            }
+            const auto kept = kept_per_block(
+                [&, layout = layout](int64_t layers) {
+                  config.n_layers = layers;
+                  auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
+                  auto model = ch10::make_model(config, group);
+                  ch03::set_matmul_kernel(nullptr);
+                  runtime::install_fast_paths(model);
+                  model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                      ch12::ContextParallel{cp, layout, attention}));
+                  ch14::apply_recompute(model, {mode, 1});
+                  if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
+                  return model;
+                },
+                mine);
             const ch14::TensorParallelShare tp_share{t, tp->rank(), sp};
             const ch14::ContextParallelShare cp_share{c, cp->rank(), layout, attention};
-            EXPECT_EQ(kept[1] - kept[0],
+            EXPECT_EQ(kept[0],
                       runtime::block_activation_bytes(config.shape(), batch, seq, precision, mode,
                                                       tp_share, cp_share));
           }
