@@ -325,13 +325,15 @@ int plan(int argc, char** argv) {
     result["context_parallel"] = context_parallel_section(shape, cp, args.str("cp-layout"),
                                                           args.str("cp-attention"), b, context);
   const auto precision = ch14::parse_precision(args.str("precision"));
+  const ch14::ContextParallelShare cp_share{std::max<int64_t>(cp, 1), 0,
+                                            ch12::parse_cp_layout(args.str("cp-layout")),
+                                            ch12::parse_cp_attention(args.str("cp-attention"))};
   auto activations =
       ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision,
-                            std::max<int64_t>(cp, 1), ch12::parse_cp_layout(args.str("cp-layout")),
-                            ch12::parse_cp_attention(args.str("cp-attention")));
+                            cp_share.ranks, cp_share.layout, cp_share.attention);
   if (!activations.empty()) {
     add_activation_choices(activations, shape, b, context, precision,
-                           static_cast<int64_t>(args.real("activation-budget")));
+                           static_cast<int64_t>(args.real("activation-budget")), cp_share);
     result["activations"] = activations;
   }
   if (args.on("json")) {

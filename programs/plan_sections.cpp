@@ -113,11 +113,31 @@ void print_deepseek_activations(const nlohmann::json& a) {
 }
 
 void add_activation_choices(nlohmann::json& activations, const ch02::TransformerShape& shape,
-                            int64_t rows, int64_t seq, ch14::Precision precision, int64_t budget) {
+                            int64_t rows, int64_t seq, ch14::Precision precision, int64_t budget,
+                            const ch14::ContextParallelShare& cp_share) {
+  auto fast = [&](const ch14::TensorParallelShare& tp, const ch14::ContextParallelShare& cp) {
+    nlohmann::json bytes;
+    for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective, ch14::Recompute::Full})
+      bytes[to_string(mode)] =
+          runtime::block_activation_bytes(shape, rows, seq, precision, mode, tp, cp);
+    return bytes;
+  };
   activations["fast_paths"] = runtime::block_activation_bytes(shape, rows, seq, precision);
-  for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective, ch14::Recompute::Full})
-    activations["fast_paths_by_mode"][to_string(mode)] =
-        runtime::block_activation_bytes(shape, rows, seq, precision, mode);
+  activations["fast_paths_by_mode"] = fast({}, {});
+  int64_t t = 1;
+  if (activations.contains("tensor_parallel")) {
+    t = activations["tensor_parallel"]["ranks"].get<int64_t>();
+    activations["tensor_parallel"]["fast_paths"] = {{"plain", fast({t, 0, false}, {})},
+                                                    {"sequence_parallel", fast({t, 0, true}, {})}};
+  }
+  if (activations.contains("context_parallel")) {
+    auto& c = activations["context_parallel"];
+    c["fast_paths"] = fast({}, cp_share);
+    if (c.contains("with_tensor_parallel"))
+      c["with_tensor_parallel"]["fast_paths"] = {
+          {"plain", fast({t, 0, false}, cp_share)},
+          {"sequence_parallel", fast({t, 0, true}, cp_share)}};
+  }
   if (budget <= 0) return;
   try {
     const auto c = ch14::recompute_under_budget(shape, rows, seq, budget, precision);
@@ -151,16 +171,23 @@ void print_activations(const nlohmann::json& a) {
     std::printf("  tp %lld rank 0: %s; with sequence parallelism: %s\n",
                 t["ranks"].get<long long>(), modes(t["plain"]).c_str(),
                 modes(t["sequence_parallel"]).c_str());
+    std::printf("    with the fast kernels: %s; with sequence parallelism: %s\n",
+                modes(t["fast_paths"]["plain"]).c_str(),
+                modes(t["fast_paths"]["sequence_parallel"]).c_str());
   }
   if (a.contains("context_parallel")) {
     const auto& c = a["context_parallel"];
     std::printf("  cp %lld, each rank: %s\n", c["ranks"].get<long long>(),
                 modes(c["bytes"]).c_str());
+    std::printf("    with the fast kernels: %s\n", modes(c["fast_paths"]).c_str());
     if (c.contains("with_tensor_parallel")) {
       const auto& w = c["with_tensor_parallel"];
       std::printf("  cp %lld x tp %lld rank 0: %s; with sequence parallelism: %s\n",
                   c["ranks"].get<long long>(), a["tensor_parallel"]["ranks"].get<long long>(),
                   modes(w["plain"]).c_str(), modes(w["sequence_parallel"]).c_str());
+      std::printf("    with the fast kernels: %s; with sequence parallelism: %s\n",
+                  modes(w["fast_paths"]["plain"]).c_str(),
+                  modes(w["fast_paths"]["sequence_parallel"]).c_str());
     }
   }
   if (a.contains("under_budget")) {

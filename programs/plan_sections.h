@@ -10,6 +10,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/model.h"
+#include "14_memory/plan.h"
 #include "14_memory/precision.h"
 
 namespace fivefold {
@@ -64,10 +65,12 @@ nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t row
 void print_deepseek_activations(const nlohmann::json& a);
 
 /// Adds to `activations` (ch14::activation_plan's) what the trainer's fast kernels keep a block
-/// (runtime::block_activation_bytes) and, with `budget` > 0, the recomputation that fits it
-/// (ch14::recompute_under_budget, or why none does).
+/// (runtime::block_activation_bytes: on one device, and on rank 0 of the tp and cp groups
+/// activation_plan holds, `cp` laid out as `cp_share` says) and, with `budget` > 0, the
+/// recomputation that fits it (ch14::recompute_under_budget, or why none does).
 void add_activation_choices(nlohmann::json& activations, const ch02::TransformerShape& shape,
-                            int64_t rows, int64_t seq, ch14::Precision precision, int64_t budget);
+                            int64_t rows, int64_t seq, ch14::Precision precision, int64_t budget,
+                            const ch14::ContextParallelShare& cp_share = {});
 
 /// Chapter 14: the table's lines for ch14::activation_plan (what a block keeps, a step's FLOPs,
 /// in each recomputation mode).

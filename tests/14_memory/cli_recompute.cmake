@@ -87,8 +87,15 @@ execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --se
 string(JSON both_none GET "${plan}" activations context_parallel with_tensor_parallel plain none)
 string(JSON both_sp GET "${plan}" activations context_parallel with_tensor_parallel
        sequence_parallel none)
-message("plan --cp 4 --tp 8: rank 0 keeps ${both_none} bytes a block, ${both_sp} with SP")
-if(NOT status EQUAL 0 OR NOT both_none EQUAL 167829504 OR NOT both_sp EQUAL 79741952)
+# With the fast kernels and SP (notes §1): per token 6,180 floats in fp32 (SwiGLU, the output and
+# log-sum-exp, q, the ring's own keys and values) and 10,080 linear inputs over 1024 tokens, the
+# norms' 8,194 over 128, RoPE's rows and the key positions: 71,353,344.
+string(JSON both_fast GET "${plan}" activations context_parallel with_tensor_parallel fast_paths
+       sequence_parallel none)
+message("plan --cp 4 --tp 8: rank 0 keeps ${both_none} bytes a block, ${both_sp} with SP, "
+        "${both_fast} with SP on the fast kernels")
+if(NOT status EQUAL 0 OR NOT both_none EQUAL 167829504 OR NOT both_sp EQUAL 79741952
+   OR NOT both_fast EQUAL 71353344)
   message(FATAL_ERROR "fivefold plan --cp 4 --tp 8's activation figures are not the formulas'")
 endif()
 # DeepSeek-V3 (MLA, MoE): a dense and a MoE block at 4096 tokens (notes §1, "MLA and MoE").
