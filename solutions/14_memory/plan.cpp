@@ -97,7 +97,7 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq, Recompute mode,
                                         const TensorParallelShare& tp,
-                                        const ContextParallelShare& cp) {
+                                        const ContextParallelShare& cp, Precision precision) {
   const auto mla = ch06::MlaConfig::from_json(config.extensions);
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   const bool routed = ch07::has_routed_experts(config) && moe.is_moe_layer(layer);
@@ -151,6 +151,18 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
     if (tp.sequence_parallel) own_floats += d;
   }
   int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s);
+  if (precision == Precision::Bf16 && t == 1 && cp.ranks == 1) {
+    // The linear maps' inputs kept rounded (2 bytes fewer an element) where the fp32 one is freed.
+    int64_t rounded = (mla.q_lora_rank > 0 ? mla.q_lora_rank : d) + d_c + h * dv;
+    if (!routed) {
+      rounded += d + config.d_ff;
+    } else {
+      const int64_t f_s = moe.moe_intermediate_size * moe.n_shared_experts;
+      rounded += moe.num_experts_per_tok * (d + moe.moe_intermediate_size);
+      if (f_s > 0) rounded += f_s - d;
+    }
+    bytes -= 2 * tokens * rounded;
+  }
   if (config.rope_theta > 0) bytes += 4 * s_r * r;  // cos and sin, [s, r/2] each
   if (mode == Recompute::Selective) return bytes;
   if (cp.ranks == 1) return bytes + 4 * batch * h * seq * seq + seq * seq;  // probabilities, mask

@@ -103,8 +103,7 @@ Holding busiest_holding(const Workload& work, const Layout& layout,
 // Activations (chapter 14's block term, this rank's share under tp or cp, each block in the mode
 // its stage recomputes it: blocks_activation_bytes, as `train --plan` counts) for the micro-batches
 // the schedule keeps in flight (`in_flight`), each through one virtual stage, on the stage that
-// keeps the most; plus the stage's input, and the logits on the last. MLA and MoE blocks:
-// chapter 14's fp32 count on one device, in bf16 too (an upper bound: not derived in bf16).
+// keeps the most; plus the stage's input, and the logits on the last.
 int64_t kept_activations(const Workload& work, const Layout& layout,
                          const std::vector<std::pair<int64_t, int64_t>>& stages,
                          ch14::Precision precision, int64_t in_flight) {

@@ -447,7 +447,7 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
             ? ch14::Recompute::None
             : recompute.mode;
     bytes += deepseek ? ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len,
-                                                              mode, tp, cp)
+                                                              mode, tp, cp, precision)
                       : llama_block(mode);
   }
   return bytes;

@@ -326,34 +326,38 @@ TEST(Recompute, PerStageRecomputesTheFirstStagesOnly) {
 // deepseek_block_activation_bytes says: its dense first layer and a MoE layer, with 1, 2 and 3 rows
 // (one row keeps kv_b_proj's whole output), with k 2 and 3, without the query latent, without the
 // shared expert; with full recomputation of every block, its input (and a MoE layer its routing);
-// with selective, the attention core's inputs.
+// with selective, the attention core's inputs; in fp32 and in bf16.
 TEST(Recompute, ADeepSeekBlockKeepsWhatItsFormulaSays) {
-  for (int variant = 0; variant < 6; ++variant) {
-    const Recompute mode = variant == 4   ? Recompute::Full
-                           : variant == 5 ? Recompute::Selective
-                                          : Recompute::None;
-    for (int64_t seq : {4, 8}) {
-      for (int64_t batch : {1, 2, 3}) {
-        auto config = ch10::testing::deepseek_config();
-        config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
-        if (variant == 1) config.extensions["num_experts_per_tok"] = 3;
-        if (variant == 2) config.extensions["q_lora_rank"] = nullptr;
-        if (variant == 3) config.extensions["n_shared_experts"] = 0;
-        SCOPED_TRACE("variant " + std::to_string(variant) + ", seq " + std::to_string(seq) +
-                     ", batch " + std::to_string(batch));
-        auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-        const auto kept = kept_per_block(
-            [&](int64_t layers) {
-              config.n_layers = layers;
-              ch03::Transformer model = ch07::make_model(config);
-              apply_recompute(model, {mode, 1, 0});
-              return model;
-            },
-            {tokens, tokens}, 3);
-        for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
-          EXPECT_EQ(kept[layer - 1],
-                    deepseek_block_activation_bytes(config, layer, batch, seq, mode))
-              << "block " << layer;
+  ch14::testing::Fp32Afterwards restore;
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    use_precision(precision, nullptr);
+    for (int variant = 0; variant < 6; ++variant) {
+      const Recompute mode = variant == 4   ? Recompute::Full
+                             : variant == 5 ? Recompute::Selective
+                                            : Recompute::None;
+      for (int64_t seq : {4, 8}) {
+        for (int64_t batch : {1, 2, 3}) {
+          auto config = ch10::testing::deepseek_config();
+          config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+          if (variant == 1) config.extensions["num_experts_per_tok"] = 3;
+          if (variant == 2) config.extensions["q_lora_rank"] = nullptr;
+          if (variant == 3) config.extensions["n_shared_experts"] = 0;
+          SCOPED_TRACE(to_string(precision) + ", variant " + std::to_string(variant) + ", seq " +
+                       std::to_string(seq) + ", batch " + std::to_string(batch));
+          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+          const auto kept = kept_per_block(
+              [&](int64_t layers) {
+                config.n_layers = layers;
+                ch03::Transformer model = ch07::make_model(config);
+                apply_recompute(model, {mode, 1, 0});
+                return model;
+              },
+              {tokens, tokens}, 3);
+          for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
+            EXPECT_EQ(kept[layer - 1], deepseek_block_activation_bytes(config, layer, batch, seq,
+                                                                       mode, {}, {}, precision))
+                << "block " << layer;
+        }
       }
     }
   }
