@@ -106,12 +106,11 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 ///
 /// In bf16 (`precision`, on one device; under tp or cp the fp32 count, an upper bound) the linear
 /// maps keep their inputs rounded, 2 bytes fewer an element where the fp32 input is then freed:
-/// the query latent (or, without one, the norm's output), the key/value latent, the heads'
-/// output; a dense MLP its input and SwiGLU's product (d + f); a MoE layer per assignment the
-/// routed row and the expert's SwiGLU product (d + f_e), and with shared experts their product
-/// (f_s) less one more rounded copy of the norm's output (d). (Where two maps read one input with
-/// another rounding between them, as MLA's q_a_proj and kv_a_proj do, the input is rounded twice
-/// and nothing is saved.)
+/// the norm's output, the query latent, the key/value latent, the heads' output; a dense MLP its
+/// input and SwiGLU's product (d + f); a MoE layer per assignment the routed row and the expert's
+/// SwiGLU product (d + f_e), and with shared experts their product (f_s) less one more rounded
+/// copy of the norm's output (d: the router and the experts round other inputs in between, and
+/// Bf16MatmulKernel remembers the last two roundings only).
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq,
                                         Recompute mode = Recompute::None,

@@ -39,8 +39,9 @@ class Bf16MatmulKernel : public ch03::MatmulKernel {
   torch::Tensor bmm(const torch::Tensor& a, const torch::Tensor& b) const override;
   /// t rounded to bf16: what `linear` keeps of its input for backward (half the bytes of fp32),
   /// rounded once instead of at each product that reads it. The maps that read one input (q, k
-  /// and v; gate and up) share its rounding: the last one on this thread is reused while it is
-  /// alive and the input unchanged.
+  /// and v; gate and up; MLA's q_a_proj and kv_a_proj, with the query latent rounded between
+  /// them) share its rounding: the last two on this thread are reused while they are alive and
+  /// their inputs unchanged.
   torch::Tensor operand(const torch::Tensor& t) const override;
 };
 

@@ -153,7 +153,7 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s);
   if (precision == Precision::Bf16 && t == 1 && cp.ranks == 1) {
     // The linear maps' inputs kept rounded (2 bytes fewer an element) where the fp32 one is freed.
-    int64_t rounded = (mla.q_lora_rank > 0 ? mla.q_lora_rank : d) + d_c + h * dv;
+    int64_t rounded = d + mla.q_lora_rank + d_c + h * dv;
     if (!routed) {
       rounded += d + config.d_ff;
     } else {

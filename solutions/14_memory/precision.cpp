@@ -29,29 +29,33 @@ torch::Tensor Bf16MatmulKernel::bmm(const torch::Tensor& a, const torch::Tensor&
 
 namespace {
 
-// The activation operand() rounded last on this thread, and its rounding: q, k and v (gate and up)
-// read the same input one after another, and keep one bf16 copy of it, not three. Both are held
-// weakly: the cache keeps nothing alive (the rounding lives as long as a linear map keeps it for
-// backward), and an input freed since never matches.
+// The activations operand() rounded last on this thread, and their roundings: q, k and v (gate and
+// up) read the same input one after another, and keep one bf16 copy of it, not three; MLA reads
+// the norm's output, then its query latent, then the norm's output again, so the last two are
+// remembered. All are held weakly: the cache keeps nothing alive (a rounding lives as long as a
+// linear map keeps it for backward), and an input freed since never matches.
 using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-struct LastRounded {
+struct Rounded {
   std::optional<WeakTensor> input, rounded;
   int64_t version = -1;  // an input changed in place since is not the one rounded
 };
-thread_local LastRounded last_rounded;
+thread_local Rounded last_rounded[2];  // [0] the latest
 
 }  // namespace
 
 torch::Tensor Bf16MatmulKernel::operand(const torch::Tensor& t) const {
   if (t.scalar_type() == torch::kBFloat16) return t;
-  auto& last = last_rounded;
-  if (last.input && last.input->lock().get() == t.unsafeGetTensorImpl() &&
-      last.version == t._version()) {
-    auto rounded = last.rounded->lock();
-    if (rounded) return torch::Tensor(std::move(rounded));
+  for (auto& last : last_rounded) {
+    if (last.input && last.input->lock().get() == t.unsafeGetTensorImpl() &&
+        last.version == t._version()) {
+      auto rounded = last.rounded->lock();
+      if (rounded) return torch::Tensor(std::move(rounded));
+    }
   }
   auto rounded = t.to(torch::kBFloat16);
-  last = {WeakTensor(t.getIntrusivePtr()), WeakTensor(rounded.getIntrusivePtr()), t._version()};
+  last_rounded[1] = last_rounded[0];
+  last_rounded[0] = {WeakTensor(t.getIntrusivePtr()), WeakTensor(rounded.getIntrusivePtr()),
+                     t._version()};
   return rounded;
 }
 
