@@ -32,6 +32,9 @@ struct TensorParallelShare {
   int64_t ranks = 1;               ///< t, the ranks of the group
   int64_t rank = 0;                ///< this rank
   bool sequence_parallel = false;  ///< the residual stream and the norms split by sequence
+  /// Of `tokens` (a sequence, or a cp rank's part of one), those this rank keeps the residual
+  /// stream for: its part (split_sizes) under sequence parallelism, else all of them.
+  int64_t own(int64_t tokens) const;
 };
 
 /// One rank's share of a context-parallel group (chapter 12), for block_activation_bytes.
@@ -40,6 +43,8 @@ struct ContextParallelShare {
   int64_t rank = 0;                                       ///< this rank
   ch12::CpLayout layout = ch12::CpLayout::Zigzag;         ///< which tokens it holds
   ch12::CpAttention attention = ch12::CpAttention::Ring;  ///< how keys and values travel
+  /// Of a sequence of `seq` tokens, those this rank holds (ch12::shard_size; all without cp).
+  int64_t tokens(int64_t seq) const;
 };
 
 /// Bytes of tensor storage one block of chapter 03's Llama (RMSNorm, grouped-query attention with

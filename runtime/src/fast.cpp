@@ -13,9 +13,7 @@
 
 #include "03_transformer/heads.h"
 #include "10_tensor_parallel/plan.h"
-#include "12_context_parallel/context_parallel.h"
 #include "fivefold/error.h"
-#include "fivefold/seed.h"
 
 namespace fivefold::runtime {
 
@@ -310,16 +308,14 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
                                const ch14::ContextParallelShare& cp) {
   // On a rank of cp, its s_r tokens of every row; under recomputation the kernel is checkpointed,
   // and what the block keeps is the one-device count at s_r tokens.
-  const int64_t s_r =
-      cp.ranks > 1 ? ch12::shard_size(seq, cp.ranks, cp.rank, cp.layout) : seq;
+  const int64_t s_r = cp.tokens(seq);
   if (cp.ranks > 1 && mode != ch14::Recompute::None)
     return block_activation_bytes(whole, batch, s_r, precision, mode, tp);
   // On a rank of tp, its heads (key/value heads: one, shared, when there are fewer than ranks)
   // and its part of d_ff; with sequence parallelism its own tokens of the residual stream.
   const ch02::TransformerShape shape =
       ch10::rank_shape(whole, static_cast<int>(tp.ranks), static_cast<int>(tp.rank));
-  const int64_t own =
-      tp.sequence_parallel ? split_sizes(s_r, tp.ranks)[static_cast<size_t>(tp.rank)] : s_r;
+  const int64_t own = tp.own(s_r);
   const int64_t d = shape.d_model, f = shape.d_ff, h = shape.n_heads, hd = shape.head_dim;
   const int64_t kv = shape.n_kv_heads;
   const int64_t rounded = precision == ch14::Precision::Bf16 ? 2 : 4;  // bytes a kept operand

@@ -14,6 +14,14 @@
 
 namespace fivefold::ch14 {
 
+int64_t TensorParallelShare::own(int64_t tokens) const {
+  return sequence_parallel ? split_sizes(tokens, ranks)[static_cast<size_t>(rank)] : tokens;
+}
+
+int64_t ContextParallelShare::tokens(int64_t seq) const {
+  return ranks > 1 ? ch12::shard_size(seq, ranks, rank, layout) : seq;
+}
+
 int64_t recomputed_layers(int64_t n_layers, int64_t every) {
   return (n_layers + every - 1) / every;
 }
@@ -62,21 +70,19 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
   // only; the norms' outputs are kept all-gathered, over the whole sequence (of this cp rank).
   auto sequence_parallel_saving = [&](int64_t tokens) {
-    const int64_t own =
-        tp.sequence_parallel ? split_sizes(tokens, t)[static_cast<size_t>(r)] : tokens;
-    return 4 * batch * (tokens - own) * (6 * d + 2);
+    return 4 * batch * (tokens - tp.own(tokens)) * (6 * d + 2);
   };
   if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
-    const int64_t own = ch12::shard_size(seq, cp.ranks, cp.rank, cp.layout);
+    const int64_t s_r = cp.tokens(seq);
     if (mode != Recompute::None)
-      return block_activation_bytes(shape, batch, own, mode, tp, precision);
+      return block_activation_bytes(shape, batch, s_r, mode, tp, precision);
     // With tp, chapter 12's term for this rank's heads and d_ff over its cp tokens.
     return ch12::cp_block_activation_bytes(mine, cp.ranks, cp.rank, batch, seq, cp.layout,
                                            cp.attention) -
-           linear_inputs_saving(mine, batch * own, precision) - sequence_parallel_saving(own);
+           linear_inputs_saving(mine, batch * s_r, precision) - sequence_parallel_saving(s_r);
   }
   const int64_t h = mine.n_heads, kv = mine.n_kv_heads;
-  const int64_t own = tp.sequence_parallel ? split_sizes(seq, t)[static_cast<size_t>(r)] : seq;
+  const int64_t own = tp.own(seq);
   int64_t none = ch11::block_activation_bytes(mine, batch, seq) - sequence_parallel_saving(seq);
   none -= linear_inputs_saving(mine, batch * seq, precision);
   switch (mode) {
@@ -116,9 +122,8 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   const int64_t d = config.d_model, h = config.n_heads / t, n = mla.qk_nope_head_dim;
   const int64_t r = mla.qk_rope_head_dim, dv = mla.v_head_dim, d_c = mla.kv_lora_rank;
   // Under cp (chapter 12) the rank's s_r tokens of every row.
-  const int64_t s_r =
-      cp.ranks > 1 ? ch12::shard_size(seq, cp.ranks, cp.rank, cp.layout) : seq;
-  const int64_t tokens = batch * s_r, own = tp.sequence_parallel ? batch * share(s_r) : tokens;
+  const int64_t s_r = cp.tokens(seq);
+  const int64_t tokens = batch * s_r, own = batch * tp.own(s_r);
   // Full: the block's input, and a MoE layer's last routing (k expert indices and gates a token),
   // which the layer keeps outside the graph (ch07::MoeImpl::last_routing).
   if (mode == Recompute::Full)
