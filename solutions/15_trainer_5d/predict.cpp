@@ -104,12 +104,11 @@ RankWork work_of(const Layout& layout, const Workload& run, int64_t world_rank) 
   w.at = layout.place(world_rank);
   w.rows = run.batch / layout.dp;
   // Contiguous CP's slices, and sequence parallelism's parts of them, may differ by one.
-  w.cp_positions = layout.cp_layout == ch12::CpLayout::Contiguous
-                       ? split_sizes(run.seq_len, layout.cp)[static_cast<size_t>(w.at.cp)]
-                       : run.seq_len / layout.cp;
-  w.positions = layout.sequence_parallel
-                    ? split_sizes(w.cp_positions, layout.tp)[static_cast<size_t>(w.at.tp)]
-                    : w.cp_positions;
+  w.cp_positions =
+      ch14::ContextParallelShare{layout.cp, w.at.cp, layout.cp_layout, layout.cp_attention}.tokens(
+          run.seq_len);
+  w.positions =
+      ch14::TensorParallelShare{layout.tp, w.at.tp, layout.sequence_parallel}.own(w.cp_positions);
   // Virtual stage k·pp + r of pp·v for k < v; the first stage holds the embedding, the last the
   // head.
   const int64_t stages = layout.pp * layout.virtual_stages;
