@@ -134,9 +134,9 @@ int print_plan(const ch15::Layout& layout, const ch15::Workload& c, ch14::Precis
               "chapter 14's block formulas for its share, one micro-batch times the most the "
               "schedule holds in flight; with recomputation, in parentheses, what they keep "
               "without it. The formulas are those of the kernels the run computes with (the fast "
-              "kernels, runtime/fast.h; with --lesson-kernels chapter 14's for the lesson's; MLA "
-              "and MoE blocks the lesson's either way), and leave out the stage's input, the head "
-              "and the loss; '~': under ep, the routing's balanced expectation.\n",
+              "kernels, runtime/fast.h; with --lesson-kernels chapter 14's for the lesson's), "
+              "and leave out the stage's input, the head and the loss; '~': under ep, the "
+              "routing's balanced expectation.\n",
               ch14::to_string(precision).c_str());
   std::printf("\nBytes are what each rank hands its communicators in one training step, FLOPs "
               "what it multiplies in its matmuls, forward and backward (the trainer prints the "

@@ -77,7 +77,9 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
   work.model = model;
   work.seq_len = context;
   work.batch = args.integer("batch");
-  work.block_activations = runtime::block_activation_bytes;  // the training run's fast kernels
+  work.block_activations = [](auto&&... block) {  // the training run's fast kernels
+    return runtime::block_activation_bytes(block...);
+  };
   const auto precision = ch14::parse_precision(args.str("precision"));
   const int64_t top = args.integer("top");
   FIVEFOLD_CHECK(top >= 1, "--top must be >= 1");

@@ -29,10 +29,10 @@
 
 namespace fivefold::ch15 {
 
-/// Bytes one Llama-shaped block keeps for backward: shape, batch (rows), seq, precision, mode,
-/// the rank's tp and cp shares (the arguments of chapter 14's block_activation_bytes).
+/// Bytes one block keeps for backward on a rank: the model, the block (from 0), batch (rows), seq,
+/// precision, mode, the rank's tp and cp shares (the arguments of chapter 14's formulas).
 using BlockActivations = std::function<int64_t(
-    const ch02::TransformerShape&, int64_t, int64_t, ch14::Precision, ch14::Recompute,
+    const ch03::ModelConfig&, int64_t, int64_t, int64_t, ch14::Precision, ch14::Recompute,
     const ch14::TensorParallelShare&, const ch14::ContextParallelShare&)>;
 
 /// What a layout is checked against and predicted for: the model and each step's batch.
@@ -48,11 +48,12 @@ struct Workload {
   /// Chapter 14's recomputation: what each rank runs forward a second time in backward, with
   /// the collectives inside (predicted_flops, predicted_traffic).
   ch14::RecomputeConfig recompute;
-  /// What one Llama-shaped block keeps for backward on a rank, as the kernels the run computes
-  /// with keep it (predicted_activations and the planner read it): unset, chapter 14's formula
-  /// for the lesson's kernels (ch14::block_activation_bytes); the training run's fast kernels
-  /// give theirs (runtime::block_activation_bytes, set by runtime::workload_of and by `fivefold
-  /// plan --search`), as chapter 03's slots take a faster kernel.
+  /// What one block keeps for backward on a rank, as the kernels the run computes with keep it
+  /// (predicted_activations and the planner read it): unset, chapter 14's formulas for the
+  /// lesson's kernels (ch14::block_activation_bytes, ch14::deepseek_block_activation_bytes);
+  /// the training run's fast kernels give theirs (runtime::block_activation_bytes, set by
+  /// runtime::workload_of and by `fivefold plan --search`), as chapter 03's slots take a faster
+  /// kernel.
   BlockActivations block_activations;
 };
 

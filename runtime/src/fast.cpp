@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "03_transformer/heads.h"
+#include "06_mla/mla.h"
 #include "10_tensor_parallel/plan.h"
 #include "fivefold/error.h"
 
@@ -331,8 +332,10 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
     // Chapter 12's kernel keeps q in fp32, the ring its own keys and values, all-gather every
     // rank's (at their own heads, fp32), and every rank's key positions.
     fp32 += h * hd;
-    if (cp.attention == ch12::CpAttention::Ring) fp32 += 2 * kv * hd;
-    else bytes += 4 * batch * seq * kv * 2 * hd;
+    if (cp.attention == ch12::CpAttention::Ring)
+      fp32 += 2 * kv * hd;
+    else
+      bytes += 4 * batch * seq * kv * 2 * hd;
     bytes += 8 * seq;  // every rank's key positions
   }
   const int64_t none =
@@ -343,6 +346,34 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
   // instead of what the tiled kernel kept: its output, its log-sum-exp and q, k, v rounded and
   // at every query head.
   return none - tokens * (4 * (h * hd + h) + rounded * 3 * h * hd - 4 * (h + 2 * kv) * hd);
+}
+
+int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t batch, int64_t seq,
+                               ch14::Precision precision, ch14::Recompute mode,
+                               const ch14::TensorParallelShare& tp,
+                               const ch14::ContextParallelShare& cp) {
+  if (config.extensions.is_null())
+    return block_activation_bytes(config.shape(), batch, seq, precision, mode, tp, cp);
+  const int64_t lesson =
+      ch14::deepseek_block_activation_bytes(config, layer, batch, seq, mode, tp, cp, precision);
+  if (mode == ch14::Recompute::Full) return lesson;  // the block's input (and routing) alone
+  const auto mla = ch06::MlaConfig::from_json(config.extensions);
+  const int64_t d = config.d_model, h = config.n_heads / tp.ranks, n = mla.qk_nope_head_dim;
+  const int64_t r = mla.qk_rope_head_dim, dv = mla.v_head_dim;
+  const int64_t s_r = cp.tokens(seq), tokens = batch * s_r, own = batch * tp.own(s_r);
+  // The fused norms keep their input and 1/rms, 2 floats a number fewer than the lesson's: the
+  // two on the residual stream (the rank's own tokens), the latents' (whole on every tp rank),
+  // and kv_a_layernorm's input no longer holds kv_a_proj's rotary part (r) alive.
+  int64_t bytes =
+      lesson - 4 * own * 4 * d - 4 * tokens * (2 * (mla.q_lora_rank + mla.kv_lora_rank) + r);
+  if (mode == ch14::Recompute::Selective || cp.ranks > 1) return bytes;  // no tiled kernel
+  // The tiled kernel: no probabilities, no mask, no whole kv_b_proj output for one row; its own
+  // contiguous v and its log-sum-exp; in bf16 (one device) q, k and v rounded.
+  bytes += 4 * tokens * h * (dv + 1) - 4 * batch * h * seq * seq - seq * seq;
+  if (batch == 1) bytes -= 4 * tokens * h * n;
+  if (precision == ch14::Precision::Bf16 && tp.ranks == 1)
+    bytes -= 2 * tokens * h * (2 * (n + r) + dv);
+  return bytes;
 }
 
 FastPaths install_fast_paths(Transformer& model) {

@@ -427,27 +427,29 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
   const ch14::RecomputeConfig recompute = run.recompute.for_stage(at.pp);
   const ch14::TensorParallelShare tp{layout.tp, at.tp, layout.sequence_parallel};
   const ch14::ContextParallelShare cp{layout.cp, at.cp, layout.cp_layout, layout.cp_attention};
-  std::map<ch14::Recompute, int64_t> llama;  // every Llama block keeps the same: counted once
-  auto llama_block = [&](ch14::Recompute mode) {
-    auto [it, fresh] = llama.try_emplace(mode, 0);
-    if (fresh) {
-      it->second =
-          run.block_activations
-              ? run.block_activations(config.shape(), rows, run.seq_len, precision, mode, tp, cp)
-              : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
-                                             precision, cp);
-    }
-    return it->second;
+  auto block = [&](int64_t layer, ch14::Recompute mode) {
+    if (run.block_activations)
+      return run.block_activations(config, layer, rows, run.seq_len, precision, mode, tp, cp);
+    return deepseek ? ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len,
+                                                            mode, tp, cp, precision)
+                    : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
+                                                   precision, cp);
   };
+  // Every Llama block keeps the same, and so does every DeepSeek block of one kind (dense, MoE):
+  // each kind is counted once a mode.
+  const ch07::MoeConfig moe =
+      deepseek ? ch07::MoeConfig::from_json(config.extensions) : ch07::MoeConfig{};
+  std::map<std::pair<ch14::Recompute, bool>, int64_t> counted;
   int64_t bytes = 0;
   for (int64_t layer = first; layer < last; ++layer) {
     const ch14::Recompute mode =
         recompute.mode == ch14::Recompute::Full && !ch14::recomputes_block(recompute, layer)
             ? ch14::Recompute::None
             : recompute.mode;
-    bytes += deepseek ? ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len,
-                                                              mode, tp, cp, precision)
-                      : llama_block(mode);
+    const bool routed = deepseek && ch07::has_routed_experts(config) && moe.is_moe_layer(layer);
+    auto [it, fresh] = counted.try_emplace({mode, routed}, 0);
+    if (fresh) it->second = block(layer, mode);
+    bytes += it->second;
   }
   return bytes;
 }

@@ -8,6 +8,7 @@
 
 #include "03_transformer/train.h"
 #include "14_memory/precision.h"
+#include "fivefold/dist.h"
 #include "fivefold/memory.h"
 
 namespace fivefold::ch14::testing {
@@ -35,6 +36,16 @@ inline std::vector<int64_t> kept_per_block(const std::function<ch03::Transformer
   std::vector<int64_t> growth;
   for (size_t i = 1; i < alive.size(); ++i) growth.push_back(alive[i] - alive[i - 1]);
   return growth;
+}
+
+/// A world of 4 ranks as tp 2 inside cp 2: rank 2c + t is rank t of its tp group and rank c of its
+/// cp group.
+struct TensorInsideContext {
+  dist::CommunicatorPtr tp, cp;
+};
+inline TensorInsideContext tp2_inside_cp2(const dist::CommunicatorPtr& world) {
+  const int rank = world->rank();
+  return {world->split(rank / 2, rank % 2, "tp"), world->split(rank % 2, rank / 2, "cp")};
 }
 
 }  // namespace fivefold::ch14::testing

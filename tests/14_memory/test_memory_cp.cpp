@@ -60,9 +60,9 @@ TEST(ContextParallelMemory, EachRankKeepsWhatTheFormulaSays) {
 TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheFormulaSays) {
   if (world()->size() != 4) GTEST_SKIP() << "tp 2 x cp 2 needs 4 ranks";
   ch14::testing::Fp32Afterwards restore;
-  const int64_t batch = 2, t = 2, c = 2, rank = world()->rank();
-  const auto tp = world()->split(static_cast<int>(rank / t), static_cast<int>(rank % t), "tp");
-  const auto cp = world()->split(static_cast<int>(rank % t), static_cast<int>(rank / t), "cp");
+  const int64_t batch = 2, t = 2, c = 2;
+  const auto groups = ch14::testing::tp2_inside_cp2(world());
+  const auto &tp = groups.tp, &cp = groups.cp;
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
     use_precision(precision, nullptr);
     for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
@@ -141,9 +141,9 @@ TEST(ContextParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
 // DeepSeek formula with both shares.
 TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheDeepSeekFormulaSays) {
   if (world()->size() != 4) GTEST_SKIP() << "tp 2 x cp 2 needs 4 ranks";
-  const int64_t batch = 2, t = 2, c = 2, rank = world()->rank();
-  const auto tp = world()->split(static_cast<int>(rank / t), static_cast<int>(rank % t), "tp");
-  const auto cp = world()->split(static_cast<int>(rank % t), static_cast<int>(rank / t), "cp");
+  const int64_t batch = 2, t = 2, c = 2;
+  const auto groups = ch14::testing::tp2_inside_cp2(world());
+  const auto &tp = groups.tp, &cp = groups.cp;
   for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
     for (bool sp : {false, true}) {
       for (const auto& [layout, seq] : {std::pair{ch12::CpLayout::Zigzag, int64_t{8}},

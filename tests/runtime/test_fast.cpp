@@ -14,6 +14,9 @@
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
 #include "runtime/fast.h"
+#include "../10_tensor_parallel/fixtures.h"
+#include "../14_memory/fixtures.h"
+#include "14_memory/recompute.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
@@ -415,4 +418,63 @@ TEST(FastPaths, LeaveAnotherAttentionKernelAlone) {
   Transformer model(c);
   model->set_attention_kernel(std::make_shared<Mine>());
   EXPECT_EQ(install_fast_paths(model).attention_kernels, 0);
+}
+
+// A DeepSeek-V3-shaped block (chapter 06's MLA, chapter 07's MoE) with the fast paths keeps what
+// block_activation_bytes says: its dense first layer and a MoE layer, 1, 2 and 3 rows, at two
+// lengths, with every width the formula reads changed on its own, in every recomputation mode, in
+// fp32 and bf16.
+TEST(FastPaths, ADeepSeekBlockKeepsWhatItsFormulaSays) {
+  using fivefold::ch14::Precision;
+  using fivefold::ch14::Recompute;
+  fivefold::ch14::testing::Fp32Afterwards restore;
+  const std::pair<const char*, int64_t> widths[] = {{"", 0},
+                                                    {"qk_nope_head_dim", 12},
+                                                    {"qk_rope_head_dim", 6},
+                                                    {"v_head_dim", 10},
+                                                    {"kv_lora_rank", 24},
+                                                    {"q_lora_rank", 24},
+                                                    {"q_lora_rank", 0},
+                                                    {"d_model", 48},
+                                                    {"n_heads", 4}};
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+      for (const auto& [key, width] : widths) {
+        for (int64_t seq : {4, 8}) {
+          for (int64_t batch : {1, 2, 3}) {
+            auto config = fivefold::ch10::testing::deepseek_config();
+            config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+            if (std::string(key) == "d_model")
+              config.d_model = width;
+            else if (std::string(key) == "n_heads")
+              config.n_heads = config.n_kv_heads = width;
+            else if (width == 0 && *key != '\0')
+              config.extensions[key] = nullptr;
+            else if (*key != '\0')
+              config.extensions[key] = width;
+            SCOPED_TRACE(to_string(precision) + ", " + fivefold::ch14::to_string(mode) + ", " +
+                         key + " " + std::to_string(width) + ", seq " + std::to_string(seq) +
+                         ", batch " + std::to_string(batch));
+            auto tokens =
+                torch::randint(0, config.vocab_size, {batch, seq}, fivefold::generator_for(5, "t"));
+            const auto kept = fivefold::ch14::testing::kept_per_block(
+                [&, mode = mode](int64_t layers) {
+                  config.n_layers = layers;
+                  Transformer model = fivefold::ch07::make_model(config);
+                  set_matmul_kernel(nullptr);
+                  install_fast_paths(model);
+                  fivefold::ch14::apply_recompute(model, {mode, 1, 0});
+                  fivefold::ch14::use_precision(precision, nullptr);
+                  return model;
+                },
+                {tokens, tokens}, 3);
+            for (int64_t layer : {1, 2})
+              EXPECT_EQ(kept[layer - 1],
+                        block_activation_bytes(config, layer, batch, seq, precision, mode))
+                  << "block " << layer;
+          }
+        }
+      }
+    }
+  }
 }

@@ -3,6 +3,8 @@
 // attention's place, the fused norms kept): what a block keeps, measured as the growth of the
 // storage alive when the loss is computed as a block is added, against block_activation_bytes for
 // the rank's share, in every recomputation mode, in fp32 and bf16.
+#include <functional>
+
 #include "../10_tensor_parallel/fixtures.h"
 #include "../14_memory/fixtures.h"
 #include "03_transformer/train.h"
@@ -102,9 +104,9 @@ TEST(FastPathsParallel, EachContextParallelRankKeepsWhatTheFormulaSays) {
 TEST(FastPathsParallel, EachRankOfTensorAndContextParallelismKeepsWhatTheFormulaSays) {
   if (world()->size() != 4) GTEST_SKIP() << "tp 2 x cp 2 needs 4 ranks";
   Fp32Afterwards restore;
-  const int64_t batch = 2, t = 2, c = 2, rank = world()->rank();
-  const auto tp = world()->split(static_cast<int>(rank / t), static_cast<int>(rank % t), "tp");
-  const auto cp = world()->split(static_cast<int>(rank % t), static_cast<int>(rank / t), "cp");
+  const int64_t batch = 2, t = 2, c = 2;
+  const auto groups = ch14::testing::tp2_inside_cp2(world());
+  const auto &tp = groups.tp, &cp = groups.cp;
   for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
     for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
       for (bool sp : {false, true}) {
@@ -139,6 +141,111 @@ TEST(FastPathsParallel, EachRankOfTensorAndContextParallelismKeepsWhatTheFormula
                                                       tp_share, cp_share));
           }
         }
+      }
+    }
+  }
+}
+
+namespace {
+
+// What each block of a DeepSeek-V3-shaped model (block 1 dense, block 2 MoE) keeps on this rank
+// with the fast paths, `parallel` putting tp's layers and/or cp's kernel in, against the fast
+// kernels' formula for the rank's shares, in every mode (fp32; in bf16 under tp or cp the formula
+// gives the fp32 count, an upper bound).
+void expect_deepseek_blocks_keep_the_formula(
+    int64_t batch, int64_t seq, const ch03::Batch& mine,
+    const std::function<ch03::Transformer(const ch03::ModelConfig&)>& parallel,
+    const ch14::TensorParallelShare& tp, const ch14::ContextParallelShare& cp) {
+  for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+    SCOPED_TRACE(ch14::to_string(mode));
+    auto config = ch10::testing::deepseek_config();
+    config.extensions["first_k_dense_replace"] = 2;
+    const auto kept = kept_per_block(
+        [&](int64_t layers) {
+          config.n_layers = layers;
+          ch03::set_matmul_kernel(nullptr);
+          auto model = parallel(config);
+          ch14::apply_recompute(model, {mode, 1});
+          return model;
+        },
+        mine, 3);
+    for (int64_t layer : {1, 2})
+      EXPECT_EQ(kept[layer - 1], runtime::block_activation_bytes(config, layer, batch, seq,
+                                                                 Precision::Fp32, mode, tp, cp))
+          << "block " << layer;
+  }
+}
+
+}  // namespace
+
+TEST(FastPathsParallel, EachTensorParallelRankKeepsWhatTheDeepSeekFormulaSays) {
+  const int64_t t = world()->size(), seq = 6;  // 3 a rank at tp 2; 2 and 1 at tp 4
+  for (bool sp : {false, true}) {
+    for (int64_t batch : {1, 2}) {
+      SCOPED_TRACE("tp " + std::to_string(t) + (sp ? " SP" : "") + ", batch " +
+                   std::to_string(batch));
+      auto tokens = torch::randint(0, 259, {batch, seq}, generator_for(5, "t"));
+      expect_deepseek_blocks_keep_the_formula(
+          batch, seq, {tokens, tokens},
+          [&](const ch03::ModelConfig& config) {
+            auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
+            auto model = ch10::make_model(config, tp);
+            runtime::install_fast_paths(model);
+            return model;
+          },
+          {t, world()->rank(), sp}, {});
+    }
+  }
+}
+
+TEST(FastPathsParallel, EachContextParallelRankKeepsWhatTheDeepSeekFormulaSays) {
+  if (world()->size() == 1) GTEST_SKIP() << "context parallelism needs 2 ranks or more";
+  const int64_t n = world()->size(), seq = 8 * n;
+  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+    for (auto layout : {ch12::CpLayout::Contiguous, ch12::CpLayout::Zigzag}) {
+      for (int64_t batch : {1, 2}) {
+        SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                     (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") + ", cp " +
+                     std::to_string(n) + ", batch " + std::to_string(batch));
+        auto tokens = torch::randint(0, 259, {batch, seq}, generator_for(5, "t"));
+        expect_deepseek_blocks_keep_the_formula(
+            batch, seq, ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout),
+            [&, layout = layout, attention = attention](const ch03::ModelConfig& config) {
+              ch03::Transformer model = ch07::make_model(config);
+              runtime::install_fast_paths(model);
+              model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                  ch12::ContextParallel{world(), layout, attention}));
+              return model;
+            },
+            {}, {n, world()->rank(), layout, attention});
+      }
+    }
+  }
+}
+
+TEST(FastPathsParallel, EachRankOfTensorAndContextParallelismKeepsWhatTheDeepSeekFormulaSays) {
+  if (world()->size() != 4) GTEST_SKIP() << "tp 2 x cp 2 needs 4 ranks";
+  const int64_t batch = 2, t = 2, c = 2;
+  const auto groups = ch14::testing::tp2_inside_cp2(world());
+  const auto &tp = groups.tp, &cp = groups.cp;
+  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+    for (bool sp : {false, true}) {
+      for (const auto& [layout, seq] : {std::pair{ch12::CpLayout::Zigzag, int64_t{8}},
+                                        std::pair{ch12::CpLayout::Contiguous, int64_t{10}}}) {
+        SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                     (sp ? ", SP" : "") + ", seq " + std::to_string(seq));
+        auto tokens = torch::randint(0, 259, {batch, seq}, generator_for(5, "t"));
+        expect_deepseek_blocks_keep_the_formula(
+            batch, seq, ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout),
+            [&, layout = layout, attention = attention](const ch03::ModelConfig& config) {
+              auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
+              auto model = ch10::make_model(config, group);
+              runtime::install_fast_paths(model);
+              model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                  ch12::ContextParallel{cp, layout, attention}));
+              return model;
+            },
+            {t, tp->rank(), sp}, {c, cp->rank(), layout, attention});
       }
     }
   }

@@ -99,6 +99,23 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
                                const ch14::TensorParallelShare& tp = {},
                                const ch14::ContextParallelShare& cp = {});
 
+/// The same for block `layer` (from 0) of `config`: a Llama-shaped block as above; a
+/// DeepSeek-V3-shaped one (chapter 06's MLA, chapter 07's MoE) as chapter 14's
+/// ch14::deepseek_block_activation_bytes counts it for the lesson's kernels, less, per token,
+/// what the fused norms do not keep (2 floats a number of the two norms on the residual stream,
+/// the rank's own tokens, and of the two latents' norms, whose kv_a_layernorm input no longer
+/// holds kv_a_proj's rotary part alive: 4(4d) + 4(2(q_lora + d_c) + r)), and without
+/// recomputation or cp, the tiled kernel in the lesson's place: no probabilities 4b·h·s², no mask
+/// s², no whole kv_b_proj output for a single row (4h·n a token); its own contiguous v and its
+/// log-sum-exp, 4h(dv + 1) a token; in bf16 on one device q, k and v rounded, 2h(2(n + r) + dv)
+/// bytes fewer a token. Under tp or cp in bf16, as chapter 14's count, the fp32 figure (an upper
+/// bound). Measured by the runtime's tests on one device and on every rank of tp and cp.
+int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t layer, int64_t batch,
+                               int64_t seq, ch14::Precision precision = ch14::Precision::Fp32,
+                               ch14::Recompute mode = ch14::Recompute::None,
+                               const ch14::TensorParallelShare& tp = {},
+                               const ch14::ContextParallelShare& cp = {});
+
 /// The products of `linear` on oneDNN's sgemm (libdnnl, which Debian's LibTorch links as well)
 /// instead of OpenBLAS's: on the machine this project is measured on, oneDNN's kernels run the
 /// step's products about twice as fast (bench_gemm_backends). float32 operands whose strides are
