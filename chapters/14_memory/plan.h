@@ -99,8 +99,9 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// shared experts (split_sizes); the latents, their norms, the router and the routed experts stay
 /// whole. With sequence parallelism the residual stream's part (6d + 2 floats) and the routing
 /// (the router, the assignments, the indices) are kept for the rank's own tokens only, and a MoE
-/// layer keeps those tokens' rows once more (d floats a token); full recomputation keeps the
-/// rank's own tokens' input and routing.
+/// layer keeps those tokens' rows once more (d floats a token), and without shared experts nothing
+/// gathers its norm's output (d floats a token fewer); full recomputation keeps the rank's own
+/// tokens' input and routing.
 ///
 /// On a rank of chapter 12's context parallelism (`cp`, s_r of every row's tokens; with tp too,
 /// tp's share of them): everything per token over its s_r tokens, no probabilities or mask; per
@@ -109,13 +110,15 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// whole output (n + dv); all-gather instead every rank's keys and values, 4b·s·h(n + r + dv);
 /// plus every rank's key positions (8s) and RoPE's rows at s_r.
 ///
-/// In bf16 (`precision`, on one device; under tp or cp the fp32 count, an upper bound) the linear
-/// maps keep their inputs rounded, 2 bytes fewer an element where the fp32 input is then freed:
-/// the norm's output, the query latent, the key/value latent, the heads' output; a dense MLP its
-/// input and SwiGLU's product (d + f); a MoE layer per assignment the routed row and the expert's
-/// SwiGLU product (d + f_e), and with shared experts their product (f_s) less one more rounded
-/// copy of the norm's output (d: the router and the experts round other inputs in between, and
-/// Bf16MatmulKernel remembers the last two roundings only).
+/// In bf16 (`precision`) the linear maps keep their inputs rounded, 2 bytes fewer an element where
+/// the fp32 input is then freed: the norm's output, the query latent, the key/value latent, the
+/// heads' output; a dense MLP its input and SwiGLU's product (d + f); a MoE layer per assignment
+/// the routed row and the expert's SwiGLU product (d + f_e, for the tokens it routes), and with
+/// shared experts their product (f_s) less one more rounded copy of the norm's output (d: the
+/// router and the experts round other inputs in between, and Bf16MatmulKernel remembers the last
+/// two roundings only); under sequence parallelism the router reads the rank's own rows and the
+/// shared experts' gathered input is rounded once, d fewer instead of one more. Under tp the
+/// rank's heads and shares, under cp its s_r tokens.
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq,
                                         Recompute mode = Recompute::None,

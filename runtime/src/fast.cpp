@@ -368,11 +368,10 @@ int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t
       lesson - 4 * own * 4 * d - 4 * tokens * (2 * (mla.q_lora_rank + mla.kv_lora_rank) + r);
   if (mode == ch14::Recompute::Selective || cp.ranks > 1) return bytes;  // no tiled kernel
   // The tiled kernel: no probabilities, no mask, no whole kv_b_proj output for one row; its own
-  // contiguous v and its log-sum-exp; in bf16 (one device) q, k and v rounded.
+  // contiguous v and its log-sum-exp; in bf16 q, k and v rounded.
   bytes += 4 * tokens * h * (dv + 1) - 4 * batch * h * seq * seq - seq * seq;
   if (batch == 1) bytes -= 4 * tokens * h * n;
-  if (precision == ch14::Precision::Bf16 && tp.ranks == 1)
-    bytes -= 2 * tokens * h * (2 * (n + r) + dv);
+  if (precision == ch14::Precision::Bf16) bytes -= 2 * tokens * h * (2 * (n + r) + dv);
   return bytes;
 }
 

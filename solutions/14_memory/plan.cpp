@@ -152,21 +152,30 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
     floats += 4 * share(f_e * moe.n_shared_experts);                     // shared experts
     own_floats += moe.n_routed_experts + 1 + k * (3 * d + 4 * f_e + 3);  // router, assignments
     own_int64s += 4 * k;
-    // Sequence parallelism routes the rank's own tokens: their rows are kept once more.
-    if (tp.sequence_parallel) own_floats += d;
+    // Sequence parallelism routes the rank's own tokens: their rows are kept once more; without
+    // shared experts nothing gathers the norm's output over the sequence.
+    if (tp.sequence_parallel) {
+      own_floats += d;
+      if (moe.n_shared_experts == 0) floats -= d;
+    }
   }
   int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s);
-  if (precision == Precision::Bf16 && t == 1 && cp.ranks == 1) {
-    // The linear maps' inputs kept rounded (2 bytes fewer an element) where the fp32 one is freed.
-    int64_t rounded = d + mla.q_lora_rank + d_c + h * dv;
+  if (precision == Precision::Bf16) {
+    // The linear maps' inputs kept rounded (2 bytes fewer an element) where the fp32 one is freed:
+    // this rank's heads and shares; a MoE layer's routed rows for the tokens it routes.
+    int64_t rounded = d + mla.q_lora_rank + d_c + h * dv, routed_rounded = 0;
     if (!routed) {
-      rounded += d + config.d_ff;
+      rounded += d + share(config.d_ff);
     } else {
       const int64_t f_s = moe.moe_intermediate_size * moe.n_shared_experts;
-      rounded += moe.num_experts_per_tok * (d + moe.moe_intermediate_size);
-      if (f_s > 0) rounded += f_s - d;
+      routed_rounded = moe.num_experts_per_tok * (d + moe.moe_intermediate_size);
+      // The shared experts' product; and the norm's output: under sequence parallelism the
+      // router reads the rank's own rows and the shared experts the gathered output, rounded once
+      // (d); else the router keeps the fp32 output and the experts' roundings in between cost
+      // the shared experts a second rounded copy of it (-d).
+      if (f_s > 0) rounded += share(f_s) + (tp.sequence_parallel ? d : -d);
     }
-    bytes -= 2 * tokens * rounded;
+    bytes -= 2 * (tokens * rounded + own * routed_rounded);
   }
   if (config.rope_theta > 0) bytes += 4 * s_r * r;  // cos and sin, [s, r/2] each
   if (mode == Recompute::Selective) return bytes;

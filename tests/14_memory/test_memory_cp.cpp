@@ -104,74 +104,90 @@ TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheFormulaSays
 // block keeps against deepseek_block_activation_bytes for the rank's share of the sequence.
 TEST(ContextParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
   const int64_t n = world()->size(), seq = 8 * n;
-  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
-    for (auto layout : {ch12::CpLayout::Contiguous, ch12::CpLayout::Zigzag}) {
-      for (int64_t batch : {1, 2}) {
-        for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-          SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
-                       (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") + ", cp " +
-                       std::to_string(n) + ", " + std::to_string(batch) + " rows, " +
-                       to_string(mode));
-          auto config = ch10::testing::deepseek_config();
-          config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
-          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-          const auto mine = ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout);
-          const auto kept = kept_per_block(
-              [&, layout = layout](int64_t layers) {
-                config.n_layers = layers;
-                ch03::Transformer model = ch07::make_model(config);
-                model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                    ch12::ContextParallel{world(), layout, attention}));
-                apply_recompute(model, {mode, 1});
-                return model;
-              },
-              mine, 3);
-          const ContextParallelShare share{n, world()->rank(), layout, attention};
-          for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
-            EXPECT_EQ(kept[layer - 1],
-                      deepseek_block_activation_bytes(config, layer, batch, seq, mode, {}, share))
-                << "block " << layer;
+  ch14::testing::Fp32Afterwards restore;
+  const std::pair<const char*, nlohmann::json> variants[] = {
+      {"", nullptr}, {"n_shared_experts", 0}, {"q_lora_rank", nullptr}};
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    for (const auto& [key, value] : variants) {
+      for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+        for (auto layout : {ch12::CpLayout::Contiguous, ch12::CpLayout::Zigzag}) {
+          for (int64_t batch : {1, 2}) {
+            for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+              SCOPED_TRACE(to_string(precision) + ", " + key + " " + value.dump() + ", " +
+                           (attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                           (layout == ch12::CpLayout::Zigzag ? " zigzag" : " contiguous") +
+                           ", cp " + std::to_string(n) + ", " + std::to_string(batch) + " rows, " +
+                           to_string(mode));
+              auto config = ch10::testing::deepseek_config();
+              config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+              if (*key != '\0') config.extensions[key] = value;
+              auto tokens =
+                  torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+              const auto mine = ch12::shard_batch({tokens, tokens}, n, world()->rank(), layout);
+              const auto kept = kept_per_block(
+                  [&, layout = layout, attention = attention, mode = mode](int64_t layers) {
+                    config.n_layers = layers;
+                    ch03::Transformer model = ch07::make_model(config);
+                    model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                        ch12::ContextParallel{world(), layout, attention}));
+                    apply_recompute(model, {mode, 1});
+                    use_precision(precision, nullptr);
+                    return model;
+                  },
+                  mine, 3);
+              const ContextParallelShare share{n, world()->rank(), layout, attention};
+              for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
+                EXPECT_EQ(kept[layer - 1],
+                          deepseek_block_activation_bytes(config, layer, batch, seq, mode, {},
+                                                          share, precision))
+                    << "block " << layer;
+            }
+          }
         }
       }
     }
   }
 }
 
-// MLA and experts under tp 2 inside cp 2 (4 ranks), with and without sequence parallelism: the
-// DeepSeek formula with both shares.
+// MLA and experts under tp 2 inside cp 2 (4 ranks), with and without sequence parallelism, in fp32
+// and bf16: the DeepSeek formula with both shares.
 TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheDeepSeekFormulaSays) {
   if (world()->size() != 4) GTEST_SKIP() << "tp 2 x cp 2 needs 4 ranks";
   const int64_t batch = 2, t = 2, c = 2;
   const auto groups = ch14::testing::tp2_inside_cp2(world());
   const auto &tp = groups.tp, &cp = groups.cp;
-  for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
-    for (bool sp : {false, true}) {
-      for (const auto& [layout, seq] : {std::pair{ch12::CpLayout::Zigzag, int64_t{8}},
-                                        std::pair{ch12::CpLayout::Contiguous, int64_t{10}}}) {
-        for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-          SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
-                       (sp ? ", SP" : "") + ", seq " + std::to_string(seq) + ", " +
-                       to_string(mode));
-          auto config = ch10::testing::deepseek_config();
-          config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
-          auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
-          const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
-          const auto kept = kept_per_block(
-              [&, layout = layout](int64_t layers) {
-                config.n_layers = layers;
-                auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
-                auto model = ch10::make_model(config, group);
-                model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
-                    ch12::ContextParallel{cp, layout, attention}));
-                apply_recompute(model, {mode, 1});
-                return model;
-              },
-              mine, 3);
-          for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
-            EXPECT_EQ(kept[layer - 1], deepseek_block_activation_bytes(
-                                           config, layer, batch, seq, mode, {t, tp->rank(), sp},
-                                           {c, cp->rank(), layout, attention}))
-                << "block " << layer;
+  ch14::testing::Fp32Afterwards restore;
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    for (auto attention : {ch12::CpAttention::Ring, ch12::CpAttention::AllGather}) {
+      for (bool sp : {false, true}) {
+        for (const auto& [layout, seq] : {std::pair{ch12::CpLayout::Zigzag, int64_t{8}},
+                                          std::pair{ch12::CpLayout::Contiguous, int64_t{10}}}) {
+          for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+            SCOPED_TRACE(std::string(attention == ch12::CpAttention::Ring ? "ring" : "allgather") +
+                         (sp ? ", SP" : "") + ", seq " + std::to_string(seq) + ", " +
+                         to_string(mode));
+            auto config = ch10::testing::deepseek_config();
+            config.extensions["first_k_dense_replace"] = 2;  // block 1 dense, block 2 MoE
+            auto tokens = torch::randint(0, config.vocab_size, {batch, seq}, generator_for(5, "t"));
+            const auto mine = ch12::shard_batch({tokens, tokens}, c, cp->rank(), layout);
+            const auto kept = kept_per_block(
+                [&, layout = layout](int64_t layers) {
+                  config.n_layers = layers;
+                  auto group = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{tp, sp});
+                  auto model = ch10::make_model(config, group);
+                  model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                      ch12::ContextParallel{cp, layout, attention}));
+                  apply_recompute(model, {mode, 1});
+                  use_precision(precision, nullptr);
+                  return model;
+                },
+                mine, 3);
+            for (int64_t layer : {1, 2})  // the block added: 1 dense, 2 MoE
+              EXPECT_EQ(kept[layer - 1], deepseek_block_activation_bytes(
+                                             config, layer, batch, seq, mode, {t, tp->rank(), sp},
+                                             {c, cp->rank(), layout, attention}, precision))
+                  << "block " << layer;
+          }
         }
       }
     }

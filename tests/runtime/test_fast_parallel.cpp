@@ -150,29 +150,32 @@ namespace {
 
 // What each block of a DeepSeek-V3-shaped model (block 1 dense, block 2 MoE) keeps on this rank
 // with the fast paths, `parallel` putting tp's layers and/or cp's kernel in, against the fast
-// kernels' formula for the rank's shares, in every mode (fp32; in bf16 under tp or cp the formula
-// gives the fp32 count, an upper bound).
+// kernels' formula for the rank's shares, in every mode, in fp32 and bf16.
 void expect_deepseek_blocks_keep_the_formula(
     int64_t batch, int64_t seq, const ch03::Batch& mine,
     const std::function<ch03::Transformer(const ch03::ModelConfig&)>& parallel,
     const ch14::TensorParallelShare& tp, const ch14::ContextParallelShare& cp) {
-  for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-    SCOPED_TRACE(ch14::to_string(mode));
-    auto config = ch10::testing::deepseek_config();
-    config.extensions["first_k_dense_replace"] = 2;
-    const auto kept = kept_per_block(
-        [&](int64_t layers) {
-          config.n_layers = layers;
-          ch03::set_matmul_kernel(nullptr);
-          auto model = parallel(config);
-          ch14::apply_recompute(model, {mode, 1});
-          return model;
-        },
-        mine, 3);
-    for (int64_t layer : {1, 2})
-      EXPECT_EQ(kept[layer - 1], runtime::block_activation_bytes(config, layer, batch, seq,
-                                                                 Precision::Fp32, mode, tp, cp))
-          << "block " << layer;
+  Fp32Afterwards restore;
+  for (Precision precision : {Precision::Fp32, Precision::Bf16}) {
+    for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+      SCOPED_TRACE(ch14::to_string(precision) + ", " + ch14::to_string(mode));
+      auto config = ch10::testing::deepseek_config();
+      config.extensions["first_k_dense_replace"] = 2;
+      const auto kept = kept_per_block(
+          [&](int64_t layers) {
+            config.n_layers = layers;
+            ch03::set_matmul_kernel(nullptr);
+            auto model = parallel(config);
+            ch14::apply_recompute(model, {mode, 1});
+            if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
+            return model;
+          },
+          mine, 3);
+      for (int64_t layer : {1, 2})
+        EXPECT_EQ(kept[layer - 1], runtime::block_activation_bytes(config, layer, batch, seq,
+                                                                   precision, mode, tp, cp))
+            << "block " << layer;
+    }
   }
 }
 

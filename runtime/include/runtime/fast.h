@@ -107,9 +107,9 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// holds kv_a_proj's rotary part alive: 4(4d) + 4(2(q_lora + d_c) + r)), and without
 /// recomputation or cp, the tiled kernel in the lesson's place: no probabilities 4b·h·s², no mask
 /// s², no whole kv_b_proj output for a single row (4h·n a token); its own contiguous v and its
-/// log-sum-exp, 4h(dv + 1) a token; in bf16 on one device q, k and v rounded, 2h(2(n + r) + dv)
-/// bytes fewer a token. Under tp or cp in bf16, as chapter 14's count, the fp32 figure (an upper
-/// bound). Measured by the runtime's tests on one device and on every rank of tp and cp.
+/// log-sum-exp, 4h(dv + 1) a token; in bf16 q, k and v rounded, 2h(2(n + r) + dv) bytes fewer a
+/// token (h: the rank's heads under tp). Measured by the runtime's tests on one device and on
+/// every rank of tp, cp and tp x cp, in fp32 and bf16.
 int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t layer, int64_t batch,
                                int64_t seq, ch14::Precision precision = ch14::Precision::Fp32,
                                ch14::Recompute mode = ch14::Recompute::None,
