@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "02_flops_6np/flops.h"
+#include "03_transformer/model.h"
 
 namespace fivefold::ch10 {
 
@@ -21,6 +22,31 @@ int64_t parameters_per_rank(const ch02::TransformerShape& shape, int t, int rank
 /// heads (one, shared, when there are fewer than ranks) and its MLP features (the first d_ff mod t
 /// ranks one more). The residual width, the vocabulary and the layers stay whole.
 ch02::TransformerShape rank_shape(const ch02::TransformerShape& shape, int t, int rank = 0);
+
+/// What rank `rank` of `t` holds and multiplies of one block, in parameters.
+struct RankBlock {
+  int64_t products = 0;        ///< matrices every token of the rank multiplies (split and whole)
+  int64_t router = 0;          ///< the router's matrix: multiplies the tokens the rank routes
+  int64_t per_assignment = 0;  ///< one routed expert's matrices (k of them a routed token)
+  int64_t routed = 0;          ///< the routed experts' parameters (all E: whole on every rank)
+  int64_t vectors = 0;         ///< the norms and the router's bias
+  int64_t frozen = 0;          ///< of vectors, the router's bias (no gradient)
+  /// Parameters each rank computes only its share of the gradient of, summed over the group
+  /// every step (the layers' partial_gradients): MLA's down-projections and their norms; under
+  /// sequence parallelism every whole parameter, each rank having seen its part of the sequence.
+  int64_t partial = 0;
+  int64_t crossings = 0;  ///< f and g a micro-batch, forward and backward: 4, or 2 for experts alone
+  /// Every parameter the rank holds of the block.
+  int64_t held() const { return products + router + routed + vectors; }
+};
+
+/// Rank `rank` of `t`'s part of block `layer` (from 0) of `config` under chapter 10's layers:
+/// Llama's as rank_shape splits it; chapter 06's MLA with its heads split (q_b_proj, or q_proj,
+/// kv_b_proj, o_proj) and its down-projections (q_a_proj, kv_a_proj_with_mqa) and their norms
+/// whole; a dense MLP's and the shared experts' features split (split_sizes); the router and the
+/// routed experts whole. Checked against the parameters and FLOPs of the built layers.
+RankBlock rank_block(const ch03::ModelConfig& config, int64_t layer, int t, int rank,
+                     bool sequence_parallel);
 
 /// Operations and bytes of one kind, as the communicator counts them (comm_stats.h).
 struct Traffic {
@@ -48,6 +74,13 @@ struct TensorParallelTraffic {
 /// becomes a pair); the embedding reduce-scatters forward and all-gathers backward, the head
 /// all-gathers forward and reduce-scatters backward; the loss is unchanged.
 TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shape, int t, int64_t b,
+                                              int64_t s, bool sequence_parallel,
+                                              int64_t element_bytes = 4);
+
+/// The same for blocks that cross into and out of split layers `crossings` times in all (forward
+/// and backward; RankBlock::crossings each), the embedding's and the head's 2 included, with a
+/// residual stream of `d_model`.
+TensorParallelTraffic tensor_parallel_traffic(int64_t crossings, int64_t d_model, int t, int64_t b,
                                               int64_t s, bool sequence_parallel,
                                               int64_t element_bytes = 4);
 

@@ -78,6 +78,9 @@ struct StepEstimate {
   std::map<std::string, double> exposed;
   double bubble = 0;        ///< seconds the pipeline leaves the rank idle (chapter 11's simulator)
   double optimizer = 0;     ///< seconds of the optimizer's update of the rank's share (ZeRO: 1/N)
+  /// Seconds after the last micro-batch's backward: the gradients' reductions (dp; tp's sums of
+  /// the partial gradients of MLA's whole parameters), part of `exposed`.
+  double reductions = 0;
   double step = 0;          ///< seconds a step takes: compute + exposed + bubble + optimizer
   int64_t state_bytes = 0;  ///< parameters, gradients and AdamW state kept (chapter 09)
   int64_t activation_bytes = 0;  ///< activations kept at the peak of the schedule (chapter 14)

@@ -2,6 +2,9 @@
 
 #include "10_tensor_parallel/plan.h"
 
+#include "06_mla/mla.h"
+#include "07_moe/moe.h"
+
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
 
@@ -25,6 +28,50 @@ int64_t parameters_per_rank(const ch02::TransformerShape& s, int t, int rank) {
   return s.n_layers * layer + (2 * s.n_layers + 1) * h + rows + (s.tied_embeddings ? 0 : rows);
 }
 
+RankBlock rank_block(const ch03::ModelConfig& config, int64_t layer, int t, int rank,
+                     bool sequence_parallel) {
+  FIVEFOLD_CHECK(t >= 1 && rank >= 0 && rank < t && config.n_heads % t == 0, "rank_block: rank ",
+                 rank, " of ", t, " for ", config.n_heads, " heads");
+  const auto mine = [&](int64_t n) { return split_sizes(n, t)[static_cast<size_t>(rank)]; };
+  const int64_t d = config.d_model, h = config.n_heads / t;
+  RankBlock b;
+  b.vectors = 2 * d;  // the two norms
+  int64_t whole = 0;  // matrices kept whole that every token multiplies
+  if (config.extensions.is_null() || !config.extensions.contains("kv_lora_rank")) {
+    const ch02::TransformerShape s = rank_shape(config.shape(), t, rank);
+    const int64_t kv = config.n_kv_heads % t == 0 ? s.n_kv_heads : 1;
+    b.products = 2 * d * s.n_heads * s.head_dim + 2 * d * kv * s.head_dim;
+  } else {  // chapter 06's MLA: the heads split, the down-projections whole
+    const auto m = ch06::MlaConfig::from_json(config.extensions);
+    const int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
+    whole = d * (m.kv_lora_rank + m.qk_rope_head_dim) + d * m.q_lora_rank;
+    b.products = whole + (m.q_lora_rank > 0 ? m.q_lora_rank : d) * h * qk +
+                 m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d;
+    b.vectors += m.q_lora_rank + m.kv_lora_rank;  // the latents' norms
+    b.partial = whole + m.q_lora_rank + m.kv_lora_rank;
+  }
+  const auto moe = ch07::has_routed_experts(config) ? ch07::MoeConfig::from_json(config.extensions)
+                                                    : ch07::MoeConfig{};
+  b.crossings = 4;
+  if (ch07::has_routed_experts(config) && moe.is_moe_layer(layer)) {
+    const int64_t f = moe.moe_intermediate_size;
+    b.products += 3 * d * mine(f * moe.n_shared_experts);
+    b.router = d * moe.n_routed_experts;
+    b.per_assignment = 3 * d * f;
+    b.routed = moe.n_routed_experts * b.per_assignment;
+    b.vectors += moe.n_routed_experts;
+    b.frozen = moe.n_routed_experts;
+    if (moe.n_shared_experts == 0) b.crossings = 2;  // the experts alone are not split
+  } else {
+    b.products += 3 * d * mine(config.d_ff);
+  }
+  // Under sequence parallelism every whole parameter has seen only this rank's part of the
+  // sequence; the bias has no gradient.
+  if (sequence_parallel) b.partial = whole + b.router + b.routed + b.vectors - b.frozen;
+  if (t == 1) b.partial = 0;  // one rank's gradient is the whole
+  return b;
+}
+
 double TensorParallelTraffic::wire_bytes() const {
   return all_reduce.wire_bytes + all_gather.wire_bytes + reduce_scatter.wire_bytes;
 }
@@ -40,9 +87,15 @@ ch02::TransformerShape rank_shape(const ch02::TransformerShape& shape, int t, in
 TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shape, int t, int64_t b,
                                               int64_t s, bool sequence_parallel,
                                               int64_t element_bytes) {
+  return tensor_parallel_traffic(4 * shape.n_layers + 2, shape.d_model, t, b, s, sequence_parallel,
+                                 element_bytes);
+}
+
+TensorParallelTraffic tensor_parallel_traffic(int64_t crossings, int64_t d_model, int t, int64_t b,
+                                              int64_t s, bool sequence_parallel,
+                                              int64_t element_bytes) {
   FIVEFOLD_CHECK(t >= 1 && b >= 1 && s >= 1, "tensor_parallel_traffic: t, b and s must be >= 1");
-  const int64_t L = shape.n_layers;
-  const int64_t activation = b * s * shape.d_model * element_bytes;  // one [b, s, h] tensor
+  const int64_t activation = b * s * d_model * element_bytes;  // one [b, s, h] tensor
   const int64_t per_token = b * s * element_bytes;                   // one number per token
   const double ring = static_cast<double>(t - 1) / static_cast<double>(t);
   TensorParallelTraffic traffic;
@@ -54,14 +107,14 @@ TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shap
   add(traffic.all_reduce, 3, per_token, 2 * ring);  // the loss: max, Σ exp, target logit
   if (!sequence_parallel) {
     // g after attention and the MLP, f before them (backward); the embedding's g, the head's f.
-    add(traffic.all_reduce, 4 * L + 2, activation, 2 * ring);
+    add(traffic.all_reduce, crossings, activation, 2 * ring);
   } else {
     // Each all-reduce becomes an all-gather and a reduce-scatter: entering a split layer
     // gathers (backward: reduce-scatters), leaving it reduce-scatters (backward: gathers).
     // + the head's gather (forward) and the embedding's reduce-scatter's gather (backward).
-    add(traffic.all_gather, 4 * L + 2, activation, ring);
+    add(traffic.all_gather, crossings, activation, ring);
     // + the embedding's reduce-scatter (forward) and the head's gather's (backward).
-    add(traffic.reduce_scatter, 4 * L + 2, activation, ring);
+    add(traffic.reduce_scatter, crossings, activation, ring);
   }
   return traffic;
 }

@@ -18,6 +18,7 @@
 #include "13_expert_parallel/expert_parallel.h"
 #include "14_memory/plan.h"
 #include "fivefold/error.h"
+#include "fivefold/seed.h"
 
 namespace fivefold::ch15 {
 
@@ -71,26 +72,37 @@ struct Holding {
 };
 Holding busiest_holding(const Workload& work, const Layout& layout,
                         const std::vector<std::pair<int64_t, int64_t>>& stages,
-                        const std::vector<ch07::BlockParameters>& blocks) {
+                        const std::vector<ch07::BlockParameters>& blocks,
+                        const std::vector<ch10::RankBlock>& rank_blocks) {
   const ch02::TransformerShape shape = work.model.shape();
   const int64_t p = layout.pp;
   const ch02::ParameterCount count = ch02::count_parameters(shape);
+  const bool split = !rank_blocks.empty();  // MLA's blocks: tp rank 0's share of each (chapter 10)
   std::vector<int64_t> replicated(static_cast<size_t>(p), 0), experts(replicated),
       frozen(replicated);
   for (size_t s = 0; s < stages.size(); ++s)
     for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
       const ch07::BlockParameters& block = blocks[static_cast<size_t>(i)];
-      const int64_t routed = block.experts * block.expert;
-      replicated[s % static_cast<size_t>(p)] += block.total() - routed - block.frozen;
+      int64_t total = block.total(), routed = block.experts * block.expert;
+      if (split) {
+        const ch10::RankBlock& mine = rank_blocks[static_cast<size_t>(i)];
+        total = mine.held(), routed = mine.routed;
+      }
+      replicated[s % static_cast<size_t>(p)] += total - routed - block.frozen;
       experts[s % static_cast<size_t>(p)] += routed / layout.ep;
       frozen[s % static_cast<size_t>(p)] += block.frozen;
     }
-  replicated.front() += count.embedding;
-  replicated.back() +=
-      shape.d_model + (p > 1 && shape.tied_embeddings ? count.embedding : count.lm_head);
+  // The embedding and the head: tp rank 0's vocabulary rows under MLA's split, the whole here for
+  // Llama's (which chapter 10's parameters_per_rank shares out below).
+  const int64_t rows = split_sizes(shape.vocab_size, layout.tp)[0] * shape.d_model;
+  const int64_t embedding = split ? rows : count.embedding;
+  const int64_t head = split ? (shape.tied_embeddings && p == 1 ? 0 : rows) : count.lm_head;
+  replicated.front() += embedding;
+  replicated.back() += shape.d_model + (p > 1 && shape.tied_embeddings ? embedding : head);
   const double tp_share =
-      static_cast<double>(ch10::parameters_per_rank(shape, static_cast<int>(layout.tp))) /
-      count.total;
+      split ? 1.0
+            : static_cast<double>(ch10::parameters_per_rank(shape, static_cast<int>(layout.tp))) /
+                  count.total;
   Holding most;
   for (int64_t r = 0; r < p; ++r) {
     const int64_t all =
@@ -144,6 +156,21 @@ ModelTerms model_terms(const Workload& work) {
         (2.0 * (block.query_key + block.value)));
     if (block.experts > 0) terms.experts = block.experts, terms.per_token = block.per_token;
   }
+  const ch03::ModelConfig& config = work.model;
+  if (!config.extensions.is_null() && config.extensions.contains("kv_lora_rank")) {
+    int64_t first_moe = 0;  // the first MoE block, if any
+    while (first_moe < layers && terms.block[static_cast<size_t>(first_moe)].experts == 0)
+      ++first_moe;
+    for (int64_t t = 1; t <= config.n_heads; ++t)
+      for (bool sp : {false, true}) {
+        if (config.n_heads % t != 0) continue;
+        const auto dense = ch10::rank_block(config, 0, static_cast<int>(t), 0, sp);
+        terms.split[{t, sp}] = {dense, first_moe < layers ? ch10::rank_block(config, first_moe,
+                                                                            static_cast<int>(t),
+                                                                            0, sp)
+                                                          : dense};
+      }
+  }
   return terms;
 }
 
@@ -156,9 +183,6 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   FIVEFOLD_CHECK(!deepseek || config.extensions.contains("kv_lora_rank"),
                  "estimate_step: experts without MLA are not priced (chapter 14's activations "
                  "are derived for DeepSeek-V3's block, MLA and experts together)");
-  FIVEFOLD_CHECK(!deepseek || (layout.tp == 1 && layout.cp == 1),
-                 "estimate_step: MLA and MoE blocks are priced without tp or cp (their products "
-                 "and traffic are not split here: MLA's latents stay whole on every tp rank)");
   const ch02::TransformerShape shape = config.shape();
   const int64_t t = layout.tp, c = layout.cp, p = layout.pp, v = layout.virtual_stages;
   const int64_t d = layout.dp, m = work.micro_batches, L = shape.n_layers;
@@ -179,6 +203,28 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
         &block_attention_training = terms.attention_training;
   const std::vector<ch07::BlockParameters>& block = terms.block;
   const double seconds = tokens / t / flops_per_s;  // per FLOP of one token, for this rank
+  // MLA's blocks split as chapter 10 splits them (rank_block, for tp rank 0: the most): the heads
+  // split, the down-projections, the router and the routed experts whole, the router and the
+  // experts multiplying the tokens the rank routes (under sequence parallelism its own part);
+  // a token's products are then t times its rank's, as `seconds` counts them. Llama's split
+  // evenly.
+  const int64_t s_r = ch14::ContextParallelShare{c, 0, layout.cp_layout, layout.cp_attention}
+                          .tokens(seq);
+  const double routes =
+      static_cast<double>(ch14::TensorParallelShare{t, 0, layout.sequence_parallel}.own(s_r)) /
+      static_cast<double>(s_r);  // of the rank's tokens, those it routes
+  std::vector<ch10::RankBlock> rank_blocks;
+  std::vector<double> rank_products = block_products;
+  if (deepseek) {
+    const auto& [dense, routed] = terms.split.at({t, layout.sequence_parallel});
+    for (int64_t i = 0; i < L; ++i) {
+      const ch10::RankBlock& mine = block[static_cast<size_t>(i)].experts > 0 ? routed : dense;
+      rank_blocks.push_back(mine);
+      rank_products[static_cast<size_t>(i)] =
+          2.0 * t *
+          (mine.products + (mine.router + terms.per_token * mine.per_assignment) * routes);
+    }
+  }
   const double attention_rate = bf16 ? cluster.attention_flops_bf16 : cluster.attention_flops_fp32;
   const double attention_seconds = attention_rate > 0 ? tokens / t / attention_rate : seconds;
   // Chapter 11 splits the blocks over the p·v virtual stages; the last also runs the head. The
@@ -189,7 +235,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   for (const auto& [first, last] : stages) {
     double work_of = 0;
     for (int64_t i = first; i < last; ++i)
-      work_of += 3 * block_products[i] + block_attention_training[i];
+      work_of += 3 * rank_products[i] + block_attention_training[i];
     stage_work.push_back(work_of);
   }
   const size_t largest = static_cast<size_t>(
@@ -197,14 +243,21 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   const auto [first_layer, last_layer] = stages[largest];
   const int64_t layers = last_layer - first_layer;
   double stage_products = 0, stage_attention = 0, stage_attention_training = 0;
-  int64_t stage_moe_layers = 0;
   for (int64_t i = first_layer; i < last_layer; ++i) {
-    stage_products += block_products[i];
+    stage_products += rank_products[i];
     stage_attention += block_attention[i];
     stage_attention_training += block_attention_training[i];
-    stage_moe_layers += block[i].experts > 0 ? 1 : 0;
   }
-  const double head = p == 1 ? f.lm_head * seconds : 0;
+  // ep's all-to-alls run in every MoE block the rank holds: a stage's share is the mean over the
+  // stages of the rank that holds the largest (whose dense blocks may leave it none of its own).
+  double stage_moe_layers = 0;
+  for (size_t s = largest % static_cast<size_t>(p); s < stages.size(); s += static_cast<size_t>(p))
+    for (int64_t i = stages[s].first; i < stages[s].second; ++i)
+      stage_moe_layers += block[static_cast<size_t>(i)].experts > 0 ? 1.0 / v : 0.0;
+  // The head: tp rank 0's vocabulary rows (chapter 10 gives the first V mod t ranks one more).
+  const double head_share = static_cast<double>(split_sizes(shape.vocab_size, t)[0]) /
+                            static_cast<double>(shape.vocab_size) * t;  // of a 1/t share
+  const double head = p == 1 ? f.lm_head * head_share * seconds : 0;
   const double products = stage_products * seconds + head;
   const double attention = stage_attention * attention_seconds;
   const double attention_backward =
@@ -232,10 +285,15 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // micro-batch through a stage's blocks, half forward and half backward; none of it hidden.
   double tp_forward = 0;
   if (t > 1) {
-    ch02::TransformerShape stage = shape;
-    stage.n_layers = layers;
-    const auto traffic = ch10::tensor_parallel_traffic(stage, static_cast<int>(t), rows, seq / c,
-                                                       layout.sequence_parallel, element);
+    int64_t crossings = 4 * layers + 2;  // f and g of each split layer, the embedding's, the head's
+    if (deepseek) {
+      crossings = 2;
+      for (int64_t i = first_layer; i < last_layer; ++i)
+        crossings += rank_blocks[static_cast<size_t>(i)].crossings;
+    }
+    const auto traffic =
+        ch10::tensor_parallel_traffic(crossings, shape.d_model, static_cast<int>(t), rows, seq / c,
+                                      layout.sequence_parallel, element);
     const Link& link = group_link(cluster, 1, t);
     using dist::Op;
     tp_forward = (link.seconds(Op::AllReduce, static_cast<double>(traffic.all_reduce.calls),
@@ -253,9 +311,12 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // keys and values. Chapter 12 counts 4-byte elements.
   double cp_forward = 0, cp_backward = 0;
   if (c > 1) {
-    const auto traffic = ch12::context_parallel_traffic(
-        c, 0, rows, seq, std::max<int64_t>(1, shape.n_kv_heads / t), shape.head_dim, shape.head_dim,
-        layout.cp_layout, layout.cp_attention);
+    // Each rank's keys and values: its key/value heads (MLA: its heads, at their own widths).
+    const ch07::BlockParameters& first = block.front();
+    const int64_t heads = deepseek ? shape.n_heads / t : std::max<int64_t>(1, shape.n_kv_heads / t);
+    const auto traffic =
+        ch12::context_parallel_traffic(c, 0, rows, seq, heads, first.query_key, first.value,
+                                       layout.cp_layout, layout.cp_attention);
     const Link& link = group_link(cluster, t, c);
     const double scale = element / 4.0;
     const double payload =
@@ -284,7 +345,8 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // the ep ranks; chapter 13 waits for each, so none of it hides.
   double ep_forward = 0, ep_backward = 0;
   if (layout.ep > 1 && stage_moe_layers > 0) {
-    const int64_t routed = static_cast<int64_t>(tokens) * terms.per_token / layout.ep;
+    const int64_t routed =
+        static_cast<int64_t>(tokens * routes) * terms.per_token / layout.ep;  // its routed rows
     const std::vector<int64_t> sent(static_cast<size_t>(layout.ep), routed);
     const auto traffic =
         ch13::expert_parallel_traffic(sent, sent, 0, terms.experts, shape.d_model, element);
@@ -330,7 +392,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   double last_products = 0, last_attention = 0, last_attention_training = 0;  // the last rank's
   for (size_t s = static_cast<size_t>(p) - 1; s < stages.size(); s += static_cast<size_t>(p))
     for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
-      last_products += block_products[i];
+      last_products += rank_products[i];
       last_attention += block_attention[i];
       last_attention_training += block_attention_training[i];
     }
@@ -339,7 +401,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   e.flops.matrices = std::llround(rank_tokens * last_products * (full ? 4 : 3));
   e.flops.attention =
       std::llround(rank_tokens * (last_attention_training + (again ? last_attention : 0)));
-  e.flops.head = std::llround(rank_tokens * f.lm_head * 3);
+  e.flops.head = std::llround(rank_tokens * f.lm_head * head_share * 3);
   e.compute = m * busiest * (3 * products + attention + attention_backward + recomputed);
   e.exposed["tp"] = m * busiest * (2 * tp_forward + tp_recomputed);
   e.exposed["cp"] = m * busiest * (cp_forward + cp_backward);
@@ -350,7 +412,8 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // State (chapter 09's ZeRO formulas) for the rank that holds the most; ZeRO runs over the
   // dp·cp/ep ranks that hold the same experts (chapter 15's compose_step), for every parameter.
   const int64_t replicas = d * c / layout.ep;
-  const auto [held, held_experts, frozen] = busiest_holding(work, layout, stages, block);
+  const auto [held, held_experts, frozen] =
+      busiest_holding(work, layout, stages, block, rank_blocks);
   ch03::StateBytes state = ch09::zero_memory_formula(held + held_experts, replicas, layout.zero);
   if (bf16) state = {state.parameters / 2, state.gradients / 2, state.optimizer * 3 / 2};
   state.parameters += 4 * frozen;  // kept whole, with no gradient or moments
@@ -382,13 +445,29 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
                                    group_link(cluster, t * layout.ep, replicas), layout.zero) +
                          reduction(held, layout.ep, group_link(cluster, t, layout.ep), 0);
   e.exposed["dp"] = dp_time;
+  // Chapter 10's partial gradients (MLA's down-projections and their norms; under sequence
+  // parallelism every whole parameter, the routed experts included): summed over tp once a step,
+  // in fp32, after the last backward, waited for.
+  double tp_sums = 0;
+  if (deepseek && t > 1) {
+    int64_t partial = 0;
+    for (size_t s = largest % static_cast<size_t>(p); s < stages.size(); s += static_cast<size_t>(p))
+      for (int64_t i = stages[s].first; i < stages[s].second; ++i)
+        partial += rank_blocks[static_cast<size_t>(i)].partial;
+    const double grads = 4.0 * static_cast<double>(partial);
+    tp_sums = group_link(cluster, 1, t)
+                  .seconds(Op::AllReduce, std::ceil(grads / 25e6) * 2 * (t - 1),
+                           all_reduce_wire(grads, t));
+    e.exposed["tp"] += tp_sums;
+  }
+  e.reductions = dp_time + tp_sums;
   // The optimizer updates what the rank keeps: its parameters, or under ZeRO its 1/N shard.
   const int64_t updated = held + held_experts;
   e.optimizer =
       cluster.optimizer_seconds_per_parameter *
       static_cast<double>(layout.zero == 0 ? updated : (updated + replicas - 1) / replicas);
 
-  e.step = makespan + dp_time + e.optimizer;
+  e.step = makespan + e.reductions + e.optimizer;
   const double step_tokens = static_cast<double>(work.batch) * seq;
   double model_flops_per_token = f.lm_head;  // forward, causal attention
   for (int64_t i = 0; i < L; ++i) model_flops_per_token += block_products[i] + block_attention[i];
@@ -403,7 +482,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
 void add_pipeline(StepEstimate& e, const ch11::Simulation& timeline) {
   const double scale = e.tokens_per_second * e.step;  // tokens a step
   e.bubble = timeline.makespan -
-             (e.step - e.exposed.at("dp") - e.optimizer);  // the busiest rank's idle time
+             (e.step - e.reductions - e.optimizer);  // the busiest rank's idle time
   e.mfu *= e.step / (e.step + e.bubble);
   e.step += e.bubble;
   e.tokens_per_second = scale / e.step;

@@ -2,9 +2,12 @@
 // Chapter 15's planner, between its two files: the step-time model (planner.cpp) gives the search
 // (search.cpp) a layout's estimate before and after the pipeline's timeline.
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "07_moe/moe.h"
+#include "10_tensor_parallel/plan.h"
 
 #include "11_pipeline_parallel/schedule.h"
 #include "15_trainer_5d/planner.h"
@@ -19,6 +22,9 @@ struct ModelTerms {
   // attention's training FLOPs (chapter 12's blockwise kernel), block by block.
   std::vector<double> products, attention, attention_training;
   int64_t experts = 0, per_token = 0;  // E and k of the MoE blocks (0 without experts)
+  // MLA's blocks under tp (chapter 10's rank_block for tp rank 0): a dense block's and a MoE
+  // block's share, by t (every divisor of the heads) and sequence parallelism.
+  std::map<std::pair<int64_t, bool>, std::pair<ch10::RankBlock, ch10::RankBlock>> split;
 };
 ModelTerms model_terms(const Workload& work);
 

@@ -435,21 +435,13 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
                     : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
                                                    precision, cp);
   };
-  // Every Llama block keeps the same, and so does every DeepSeek block of one kind (dense, MoE):
-  // each kind is counted once a mode.
-  const ch07::MoeConfig moe =
-      deepseek ? ch07::MoeConfig::from_json(config.extensions) : ch07::MoeConfig{};
-  std::map<std::pair<ch14::Recompute, bool>, int64_t> counted;
   int64_t bytes = 0;
   for (int64_t layer = first; layer < last; ++layer) {
     const ch14::Recompute mode =
         recompute.mode == ch14::Recompute::Full && !ch14::recomputes_block(recompute, layer)
             ? ch14::Recompute::None
             : recompute.mode;
-    const bool routed = deepseek && ch07::has_routed_experts(config) && moe.is_moe_layer(layer);
-    auto [it, fresh] = counted.try_emplace({mode, routed}, 0);
-    if (fresh) it->second = block(layer, mode);
-    bytes += it->second;
+    bytes += block(layer, mode);
   }
   return bytes;
 }

@@ -1,5 +1,6 @@
 // Chapter 15: the search over layouts, each priced by planner.cpp's step-time model.
 #include <algorithm>
+#include <array>
 #include <map>
 #include <tuple>
 
@@ -32,6 +33,35 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
   const int64_t world = cluster.devices;
   Search search;
   const ModelTerms terms = model_terms(work);  // the same for every layout
+  // What a block keeps depends on its kind (dense or MoE), the micro-batch, the mode and the
+  // rank's tp and cp shares, not on the rest of the layout: each is counted once for the search.
+  Workload counted = work;
+  {
+    const BlockActivations formula = work.block_activations;
+    auto memo = std::make_shared<std::map<std::array<int64_t, 12>, int64_t>>();
+    counted.block_activations = [formula, memo, &terms](
+                                    const ch03::ModelConfig& model, int64_t layer, int64_t rows,
+                                    int64_t seq, ch14::Precision precision, ch14::Recompute mode,
+                                    const ch14::TensorParallelShare& tp,
+                                    const ch14::ContextParallelShare& cp) {
+      const std::array<int64_t, 12> key = {
+          terms.block[static_cast<size_t>(layer)].experts > 0, rows, seq,
+          static_cast<int64_t>(precision), static_cast<int64_t>(mode), tp.ranks, tp.rank,
+          tp.sequence_parallel, cp.ranks, cp.rank, static_cast<int64_t>(cp.layout),
+          static_cast<int64_t>(cp.attention)};
+      auto found = memo->find(key);
+      if (found != memo->end()) return found->second;
+      const int64_t bytes =
+          formula ? formula(model, layer, rows, seq, precision, mode, tp, cp)
+                  : (model.extensions.is_null()
+                         ? ch14::block_activation_bytes(model.shape(), rows, seq, mode, tp,
+                                                        precision, cp)
+                         : ch14::deepseek_block_activation_bytes(model, layer, rows, seq, mode, tp,
+                                                                 cp, precision));
+      memo->emplace(key, bytes);
+      return bytes;
+    };
+  }
   // The micro-batches each rank keeps depend only on the schedule's lists, not on the costs.
   std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, int64_t> in_flight;
   auto consider = [&](const Layout& layout, const Workload& w) {
@@ -65,14 +95,8 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
     search.best.insert(at, candidate);
     if (static_cast<int64_t>(search.best.size()) > keep) search.best.pop_back();
   };
-  // MLA and MoE blocks are priced without tp and cp (estimate_step); a model with routed experts
-  // tries every ep that divides dp·cp.
-  const bool deepseek = !work.model.extensions.is_null();
+  // A model with routed experts tries every ep that divides dp·cp.
   const bool experts = ch07::has_routed_experts(work.model);
-  FIVEFOLD_CHECK(!deepseek || (limits.tp <= 1 && limits.cp <= 1),
-                 "search_layouts: MLA and MoE blocks are priced without tp or cp (their "
-                 "products and traffic are not split here: MLA's latents stay whole on every tp "
-                 "rank)");
   FIVEFOLD_CHECK(experts || limits.ep <= 1, "search_layouts: ep ", limits.ep,
                  " needs a model with routed experts");
   for (int64_t tp : divisors(world))
@@ -81,8 +105,7 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
         for (int64_t ep : divisors(experts ? world / (tp * pp) : 1)) {
           const int64_t dp = world / (tp * cp * pp);
           if (!allowed(tp, limits.tp) || !allowed(cp, limits.cp) || !allowed(pp, limits.pp) ||
-              !allowed(dp, limits.dp) || !allowed(ep, limits.ep) || (dp * cp) % ep != 0 ||
-              (deepseek && (tp > 1 || cp > 1)))
+              !allowed(dp, limits.dp) || !allowed(ep, limits.ep) || (dp * cp) % ep != 0)
             continue;
           if (work.batch % dp != 0) continue;  // resolve_layout refuses every m
           std::vector<std::pair<std::string, int64_t>> schedules = {{"1f1b", 1}};
@@ -114,7 +137,7 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
               base.ep = ep;
               base.schedule = schedule;
               base.virtual_stages = v;
-              Workload w = work;
+              Workload w = counted;
               w.micro_batches = m;
               try {
                 base = resolve_layout(base, world, w);  // the trainer's own checks

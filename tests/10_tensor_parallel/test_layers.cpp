@@ -252,6 +252,52 @@ TEST(TensorParallelPlan, FormulasEqualWhatTheModelHoldsAndSends) {
   }
 }
 
+// Each block's share as rank_block counts it against the rank's built block, for Llama and MLA +
+// MoE (with and without the shared experts and the query latent), with and without sequence
+// parallelism: the parameters it holds, those whose gradients the group sums
+// (partial_gradient_parameters), and one micro-batch's operations on the tp communicator from
+// the blocks' crossings.
+TEST(TensorParallelPlan, RankBlockIsWhatEachRankHoldsAndSends) {
+  auto comm = world();
+  const int t = comm->size(), rank = comm->rank();
+  for (const auto& [key, value] : std::vector<std::pair<std::string, nlohmann::json>>{
+           {"llama", nullptr}, {"", nullptr}, {"n_shared_experts", 0}, {"q_lora_rank", nullptr}}) {
+    for (bool sp : {false, true}) {
+      SCOPED_TRACE(key + " " + value.dump() + (sp ? ", SP" : ""));
+      auto config = key == "llama" ? tp_config(false) : fivefold::ch10::testing::deepseek_config();
+      if (!key.empty() && key != "llama") config.extensions[key] = value;
+      auto tp = std::make_shared<TensorParallel>(TensorParallel{comm, sp});
+      auto local = make_model(config, tp);
+      std::map<const void*, int64_t> partial;  // the summed parameters, by storage
+      for (const auto& item : partial_gradient_parameters(local, *tp)) {
+        const auto& p = local->named_parameters()[item.first];
+        partial[p.data_ptr()] = p.numel();
+      }
+      int64_t crossings = 2;  // the embedding's and the head's
+      for (int64_t i = 0; i < config.n_layers; ++i) {
+        const RankBlock want = rank_block(config, i, t, rank, sp);
+        int64_t held = 0, summed = 0;
+        for (const auto& p : local->block(i).parameters()) {
+          held += p.numel();
+          if (partial.count(p.data_ptr())) summed += p.numel();
+        }
+        EXPECT_EQ(held, want.held()) << "block " << i;
+        EXPECT_EQ(summed, want.partial) << "block " << i;
+        crossings += want.crossings;
+      }
+      const auto batch = tp_batches().batch(0);
+      dist::reset_comm_stats();
+      ch03::loss_of(local, batch).backward();
+      const auto formula = tensor_parallel_traffic(crossings, config.d_model, t,
+                                                   batch.inputs.size(0), batch.inputs.size(1), sp);
+      EXPECT_EQ(dist::comm_counts(comm->name(), dist::Op::AllReduce).calls,
+                formula.all_reduce.calls);
+      EXPECT_EQ(dist::comm_counts(comm->name(), dist::Op::AllGather).payload_bytes,
+                formula.all_gather.payload_bytes);
+    }
+  }
+}
+
 // The vocabulary-parallel head never builds the full logits: through a whole training forward and
 // backward, no storage on a rank is as large as the [b, s, V] fp32 logits (measured: the largest
 // single allocation), while the single-device model allocates them. At tp 2 the largest is the

@@ -3,9 +3,10 @@
 #         -P cli_plan_search.cmake
 # A search over 4 devices for the byte-vocabulary model of 4 layers (8 rows of 16 tokens) prints
 # its table; its JSON's best 3 layouts each train 2 steps under mpirun -np 4 with the flags the
-# planner chose; so do the best 2 with experts split of DeepSeek-V3 in miniature. The refusals: no
-# --cluster, a cluster file with an unknown key, a GPT-2 shape, MLA and experts under tp (not
-# derived), --ep for a model without experts. `fivefold calibrate` on 4 ranks writes a cluster
+# planner chose; so do the best 2 with experts split of DeepSeek-V3 in miniature, and the best 2
+# with tp 2 (chapter 10's split of MLA and experts, with or without sequence parallelism). The
+# refusals: no --cluster, a cluster file with an unknown key, a GPT-2 shape, --ep for a model
+# without experts. `fivefold calibrate` on 4 ranks writes a cluster
 # file the search reads back; on one process it is refused.
 
 file(REMOVE_RECURSE ${WORK})
@@ -90,6 +91,13 @@ if(NOT rc EQUAL 0 OR NOT json MATCHES "\"ep\": 2" OR NOT json MATCHES "\"ep\": [
   message(FATAL_ERROR "plan --search on a DeepSeek config: exit ${rc}\n${json}${err}")
 endif()
 train_best("${json}" "--model-config;${moe_config}")
+execute_process(COMMAND ${FIVEFOLD} plan --search --cluster ${cluster} --config ${moe_config}
+                        --batch 8 --seq 16 --tp 2 --top 2 --json
+                RESULT_VARIABLE rc OUTPUT_VARIABLE json ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT json MATCHES "\"tp\": *2")
+  message(FATAL_ERROR "plan --search on a DeepSeek config under tp 2: exit ${rc}\n${json}${err}")
+endif()
+train_best("${json}" "--model-config;${moe_config}")
 
 # `fivefold calibrate` on 4 ranks writes a cluster file that the search reads back, its links
 # timed at 2 and 4 ranks.
@@ -138,6 +146,4 @@ file(WRITE ${WORK}/typo.toml "name = \"x\"\ndevice = 4\n")
 expect_refused("a cluster file's typo" "unknown setting 'device'" --cluster ${WORK}/typo.toml
                ${model})
 expect_refused("GPT-2" "Llama-shaped" --cluster ${cluster} ${model} --gpt2)
-expect_refused("DeepSeek-V3 under tp" "without tp or cp"
-               --cluster ${cluster} --config ${moe_config} --batch 8 --seq 16 --tp 2)
 expect_refused("ep without experts" "no routed experts" --cluster ${cluster} ${model} --ep 2)

@@ -160,29 +160,45 @@ TEST(Planner, KeepsChapter09sState) {
 // DeepSeek-V3 in miniature (chapter 06's MLA, chapter 07's experts after a dense first block):
 // products, head and state are the trainer's exact counts of the ranks' real model parts
 // (predicted_flops, predicted_state_bytes) with experts over ep, with and without a pipeline;
-// none, selective and full recomputation; ep's all-to-alls are exposed on a link that costs, and
-// tp and cp, whose products and traffic the planner does not split for these blocks, are refused.
+// none, selective and full recomputation; with tp (chapter 10's split of MLA: heads split, the
+// down-projections, router and routed experts whole; with and without sequence parallelism), cp
+// and both; each group's communication is exposed on a link that costs; the search tries them all.
 TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
   Workload w = small(8, 2);
   w.attention_tile = 1;
   w.model = ch10::testing::deepseek_config();  // a dense block, then MoE blocks
   w.model.n_layers = 4;
+  struct Case {
+    int64_t tp, pp, cp, ep;
+    bool sp;
+  };
+  const Case cases[] = {{1, 1, 1, 1, false}, {1, 1, 1, 2, false}, {1, 1, 1, 4, false},
+                        {1, 2, 1, 2, false}, {2, 1, 1, 1, false}, {2, 1, 1, 1, true},
+                        {2, 1, 1, 2, true},  {4, 1, 1, 1, true},  {2, 2, 1, 1, false},
+                        {1, 1, 2, 2, false}, {2, 1, 2, 1, true},  {1, 2, 2, 1, false}};
   for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective, ch14::Recompute::Full})
-    for (const auto& [pp, ep] : {std::pair<int64_t, int64_t>{1, 1}, {1, 2}, {1, 4}, {2, 2}}) {
+    for (const Case& k : cases) {
       w.recompute = {mode, 1, 0};
-      SCOPED_TRACE("pp " + std::to_string(pp) + ", ep " + std::to_string(ep) + ", " +
-                   ch14::to_string(mode));
-      for (int zero = 0; zero <= 2; ++zero) {
-        const Layout layout = resolve_layout(sizes(4 / pp, 1, pp, 1, ep, zero), 4, w);
+      SCOPED_TRACE("tp " + std::to_string(k.tp) + (k.sp ? " SP" : "") + ", pp " +
+                   std::to_string(k.pp) + ", cp " + std::to_string(k.cp) + ", ep " +
+                   std::to_string(k.ep) + ", " + ch14::to_string(mode));
+      const int64_t dp = 4 / (k.tp * k.pp * k.cp);
+      for (int zero = 0; zero <= (dp * k.cp > 1 ? 2 : 0); ++zero) {
+        Layout asked = sizes(dp, k.tp, k.pp, k.cp, k.ep, zero);
+        asked.sequence_parallel = k.sp;
+        const Layout layout = resolve_layout(asked, 4, w);
         const StepEstimate e = estimate_step(w, layout, cluster(4), ch14::Precision::Fp32);
         int64_t most = 0;
         for (int64_t rank = 0; rank < 4; ++rank) {
           const HeldParameters held = rank_parameters(layout, w, rank);
           most = std::max(most, predicted_state_bytes(layout, held).total());
-          if (rank != 3 || zero > 0) continue;  // rank 3: on the last stage
+          // The planner's rank: the last stage's, tp rank 0 (the largest shares), cp rank 0.
+          const Layout::Place at = layout.place(rank);
+          if (at.pp != k.pp - 1 || at.tp != 0 || at.cp != 0 || zero > 0) continue;
           const StepFlops exact = predicted_flops(layout, w, rank, held);
-          EXPECT_EQ(e.flops.matrices, exact.matrices);
-          EXPECT_EQ(e.flops.head, exact.head);
+          EXPECT_EQ(e.flops.matrices, exact.matrices) << "rank " << rank;
+          EXPECT_EQ(e.flops.head, exact.head) << "rank " << rank;
+          if (k.cp > 1) continue;  // chapter 12's kernel: its own count of the scores
           const double s = static_cast<double>(w.seq_len);
           EXPECT_NEAR(static_cast<double>(e.flops.attention) * (s + 1) / s,
                       static_cast<double>(exact.attention), 0.5);
@@ -190,34 +206,36 @@ TEST(Planner, PricesMlaAndExpertsAsTheTrainerCounts) {
         EXPECT_EQ(e.state_bytes, most) << "ZeRO-" << zero;
         EXPECT_LT(e.exposed.count("ep") ? e.exposed.at("ep") : 0.0, 1e-20);  // free links
       }
-      if (ep == 1) continue;
       Cluster costly = cluster(4);
       costly.intra_node = {1e-6, 1e9};
-      const Layout layout = resolve_layout(sizes(4 / pp, 1, pp, 1, ep, 0), 4, w);
-      EXPECT_GT(estimate_step(w, layout, costly, ch14::Precision::Fp32).exposed.at("ep"), 0);
+      Layout asked = sizes(dp, k.tp, k.pp, k.cp, k.ep, 0);
+      asked.sequence_parallel = k.sp;
+      const StepEstimate priced =
+          estimate_step(w, resolve_layout(asked, 4, w), costly, ch14::Precision::Fp32);
+      for (const auto& [group, n] :
+           {std::pair{"ep", k.ep}, std::pair{"tp", k.tp}, std::pair{"cp", k.cp}})
+        if (n > 1) EXPECT_GT(priced.exposed.at(group), 0) << group;
     }
   w.recompute = {ch14::Recompute::None, 1, 0};
-  EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(2, 2, 1, 1), cluster(4)); },
-                                      "without tp or cp"));
-  EXPECT_TRUE(throws_error_containing([&] { estimate(w, sizes(2, 1, 1, 2), cluster(4)); },
-                                      "without tp or cp"));
   Workload gqa_experts = w;  // chapter 07's experts under chapter 03's attention: not derived
-  gqa_experts.recompute = {};
   gqa_experts.model.extensions.erase("kv_lora_rank");
   EXPECT_TRUE(throws_error_containing(
       [&] { estimate(gqa_experts, sizes(4, 1, 1, 1), cluster(4)); }, "experts without MLA"));
-  // The search tries what can be priced: every ep, every recomputation, tp and cp 1.
+  // The search tries every ep, tp, cp and recomputation.
   SearchLimits everything;
   everything.keep = 100000;
   const Search found = search_layouts(w, cluster(4), ch14::Precision::Fp32, everything);
-  std::set<int64_t> eps;
+  std::set<int64_t> eps, tps, cps;
   std::set<ch14::Recompute> modes;
   for (const Candidate& k : found.best) {
-    EXPECT_EQ(k.layout.tp * k.layout.cp, 1) << k.layout.describe();
+    tps.insert(k.layout.tp);
+    cps.insert(k.layout.cp);
     modes.insert(k.recompute);
     eps.insert(k.layout.ep);
   }
   EXPECT_EQ(eps, (std::set<int64_t>{1, 2, 4}));
+  EXPECT_EQ(tps, (std::set<int64_t>{1, 2, 4}));
+  EXPECT_EQ(cps, (std::set<int64_t>{1, 2, 4}));
   EXPECT_EQ(modes.size(), 3u);
 }
 
