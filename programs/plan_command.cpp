@@ -175,6 +175,7 @@ void declare_flags(ArgParser& args) {
   args.option("top", "5", "with --search: how many layouts to print");
   args.option("max-micro-batches", "512", "with --search: the most micro-batches to try");
   args.flag("json", "print JSON instead of a table");
+  args.flag("no-progress", "with --search: no progress bar on stderr");
 }
 
 // The model the flags describe when no --config is given (Llama's shape, or GPT-2's with --gpt2).

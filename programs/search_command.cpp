@@ -1,6 +1,7 @@
 // fivefold plan --search: the layouts of a cluster for a model, fastest first (chapter 15's
 // planner), as a table or JSON.
 #include <cstdio>
+#include <memory>
 #include <string>
 
 #include "07_moe/moe.h"
@@ -10,6 +11,7 @@
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
+#include "fivefold/progress.h"
 #include "fivefold/runtime.h"
 #include "plan_sections.h"
 #include "runtime/calibrate.h"
@@ -95,6 +97,16 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
   if (args.given("schedule")) limits.schedule = args.str("schedule");
   if (args.given("virtual-stages")) limits.virtual_stages = args.integer("virtual-stages");
   if (args.given("micro-batches")) limits.micro_batches = args.integer("micro-batches");
+  // Progress on stderr (a search of millions of layouts takes minutes): the splits of the devices
+  // (tp, cp, pp, ep) done, the layouts priced and fitting so far.
+  std::unique_ptr<ProgressBar> bar;
+  limits.progress = [&bar, &args](int64_t done, int64_t total, const ch15::Search& so_far) {
+    if (!bar) bar = std::make_unique<ProgressBar>(total, "search", !args.on("no-progress"));
+    const std::string status =
+        std::to_string(so_far.valid) + " layouts, " + std::to_string(so_far.fit) + " fit";
+    bar->update(done, status);
+    if (done == total) bar->finish(status);
+  };
   const ch15::Search found = ch15::search_layouts(work, cluster, precision, limits);
   if (args.on("json")) {
     nlohmann::json out = {{"cluster", cluster.name},

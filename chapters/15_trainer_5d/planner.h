@@ -13,6 +13,7 @@
 /// (notes/15_trainer_5d.md, "Choosing the layout"). Llama-shaped models (chapter 03) in every
 /// layout; MLA and MoE models (chapters 06-07) without tp and cp, with ep (chapter 13).
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -165,6 +166,9 @@ struct SearchLimits {
   std::string schedule;             ///< pipeline schedule; "": every schedule
   int64_t virtual_stages = 0;       ///< with interleaved; 0: every v
   int64_t micro_batches = 0;        ///< per data-parallel rank; 0: every divisor
+  /// Called before each split of the devices (tp, cp, pp, ep) and once at the end: splits done,
+  /// splits in all, the search so far (a long search's progress; unset: nothing).
+  std::function<void(int64_t, int64_t, const Search&)> progress;
 };
 /// The search. A layout whose step, without the pipeline's idle time, is already slower than the
 /// `keep`-th best found so far is counted but not simulated.

@@ -99,10 +99,16 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
   const bool experts = ch07::has_routed_experts(work.model);
   FIVEFOLD_CHECK(experts || limits.ep <= 1, "search_layouts: ep ", limits.ep,
                  " needs a model with routed experts");
+  int64_t splits = 0, done = 0;  // (tp, cp, pp, ep), for limits.progress
+  for (int64_t tp : divisors(world))
+    for (int64_t cp : divisors(world / tp))
+      for (int64_t pp : divisors(world / (tp * cp)))
+        splits += static_cast<int64_t>(divisors(experts ? world / (tp * pp) : 1).size());
   for (int64_t tp : divisors(world))
     for (int64_t cp : divisors(world / tp))
       for (int64_t pp : divisors(world / (tp * cp)))
         for (int64_t ep : divisors(experts ? world / (tp * pp) : 1)) {
+          if (limits.progress) limits.progress(done++, splits, search);
           const int64_t dp = world / (tp * cp * pp);
           if (!allowed(tp, limits.tp) || !allowed(cp, limits.cp) || !allowed(pp, limits.pp) ||
               !allowed(dp, limits.dp) || !allowed(ep, limits.ep) || (dp * cp) % ep != 0)
@@ -163,6 +169,7 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
             }
           }
         }
+  if (limits.progress) limits.progress(done, splits, search);
   search.dropped = search.valid - search.fit;
   return search;
 }

@@ -354,6 +354,25 @@ TEST(Planner, SearchesEveryLayoutTheTrainerAccepts) {
     EXPECT_EQ(k.layout.tp, 2);
 }
 
+// A long search reports its progress: before each split of the devices (tp, cp, pp) and once at
+// the end, the splits done rising to all of them, with the layouts priced so far.
+TEST(Planner, ReportsItsProgress) {
+  SearchLimits limits;
+  std::vector<int64_t> done;
+  int64_t total = 0, valid = 0;
+  limits.progress = [&](int64_t d, int64_t all, const Search& so_far) {
+    done.push_back(d);
+    total = all;
+    EXPECT_GE(so_far.valid, valid);
+    valid = so_far.valid;
+  };
+  const Search found = search_layouts(small(8), cluster(8), ch14::Precision::Fp32, limits);
+  EXPECT_EQ(total, 20);  // (tp, cp, pp) with tp·cp·pp dividing 8
+  ASSERT_EQ(done.size(), 21u);
+  for (size_t i = 0; i < done.size(); ++i) EXPECT_EQ(done[i], std::min<int64_t>(i, 20));
+  EXPECT_EQ(valid, found.valid);
+}
+
 // The presets read, and what cluster_toml writes reads back the same; a bad file is refused with
 // its name and the key.
 TEST(Planner, ReadsClusterFiles) {
