@@ -64,6 +64,12 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
   }
   // The micro-batches each rank keeps depend only on the schedule's lists, not on the costs.
   std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, int64_t> in_flight;
+  // The best `keep` so far, a heap with the slowest on top (a later find after an equal one),
+  // sorted fastest first at the end: each find costs log(keep), however many are kept.
+  using Ranked = std::pair<std::pair<double, int64_t>, Candidate>;  // (step, order found)
+  std::vector<Ranked> best;
+  auto slower = [](const Ranked& a, const Ranked& b) { return a.first < b.first; };
+  int64_t order = 0;
   auto consider = [&](const Layout& layout, const Workload& w) {
     int64_t held = 1;
     if (layout.pp > 1) {
@@ -82,18 +88,18 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
     StepEstimate e = estimate_before_pipeline(w, terms, layout, cluster, precision, held, costs);
     if (e.memory_bytes() > cluster.memory_bytes) return;
     search.fit += 1;
-    const bool full = static_cast<int64_t>(search.best.size()) >= keep;
-    if (full && e.step >= search.best.back().estimate.step) return;  // the bubble only adds
+    const bool full = static_cast<int64_t>(best.size()) >= keep;
+    if (full && e.step >= best.front().first.first) return;  // the bubble only adds
     if (layout.pp > 1) {
       add_pipeline(e, ch11::simulate(schedule_of(layout, w.micro_batches), costs));
     }
-    if (full && e.step >= search.best.back().estimate.step) return;
-    Candidate candidate{layout, w.micro_batches, w.recompute.mode, e};
-    auto at =
-        std::upper_bound(search.best.begin(), search.best.end(), e.step,
-                         [](double step, const Candidate& c) { return step < c.estimate.step; });
-    search.best.insert(at, candidate);
-    if (static_cast<int64_t>(search.best.size()) > keep) search.best.pop_back();
+    if (full && e.step >= best.front().first.first) return;
+    best.push_back({{e.step, order++}, Candidate{layout, w.micro_batches, w.recompute.mode, e}});
+    std::push_heap(best.begin(), best.end(), slower);
+    if (static_cast<int64_t>(best.size()) > keep) {
+      std::pop_heap(best.begin(), best.end(), slower);
+      best.pop_back();
+    }
   };
   // A model with routed experts tries every ep that divides dp·cp.
   const bool experts = ch07::has_routed_experts(work.model);
@@ -169,6 +175,8 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
             }
           }
         }
+  std::sort_heap(best.begin(), best.end(), slower);
+  for (auto& ranked : best) search.best.push_back(std::move(ranked.second));
   if (limits.progress) limits.progress(done, splits, search);
   search.dropped = search.valid - search.fit;
   return search;
