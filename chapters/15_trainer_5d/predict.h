@@ -189,10 +189,18 @@ struct ActivationPrediction {
   int64_t peak() const { return per_micro_batch * in_flight; }
 };
 
+/// What block `layer` of `run`'s model keeps for backward, for `rows` rows of run.seq_len tokens
+/// on a rank with shares `tp` and `cp`: the formula of the kernels the run computes with
+/// (run.block_activations), or, unset, chapter 14's for the lesson's kernels
+/// (block_activation_bytes; DeepSeek-shaped blocks deepseek_block_activation_bytes).
+int64_t block_kept(const Workload& run, int64_t layer, int64_t rows, ch14::Precision precision,
+                   ch14::Recompute mode, const ch14::TensorParallelShare& tp,
+                   const ch14::ContextParallelShare& cp);
+
 /// What one micro-batch keeps through blocks [first, last) on a rank at `at` of `layout` in a run
-/// of `run` in `precision`: per block chapter 14's block_activation_bytes for the rank's tp and
-/// cp share (DeepSeek-shaped blocks deepseek_block_activation_bytes), in the mode `run.recompute`
-/// gives pipeline stage at.pp and the block. Throws as predicted_activations does.
+/// of `run` in `precision`: per block block_kept for the rank's tp and cp share, in the mode
+/// `run.recompute` gives pipeline stage at.pp and the block. Throws as predicted_activations
+/// does.
 int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const Layout::Place& at,
                                 int64_t first, int64_t last, ch14::Precision precision);
 

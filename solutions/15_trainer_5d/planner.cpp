@@ -250,10 +250,14 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   }
   // ep's all-to-alls run in every MoE block the rank holds: a stage's share is the mean over the
   // stages of the rank that holds the largest (whose dense blocks may leave it none of its own).
+  // Under tp, that rank's blocks' partial gradients are summed once a step.
   double stage_moe_layers = 0;
+  int64_t partial = 0;
   for (size_t s = largest % static_cast<size_t>(p); s < stages.size(); s += static_cast<size_t>(p))
-    for (int64_t i = stages[s].first; i < stages[s].second; ++i)
+    for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
       stage_moe_layers += block[static_cast<size_t>(i)].experts > 0 ? 1.0 / v : 0.0;
+      if (deepseek) partial += rank_blocks[static_cast<size_t>(i)].partial;
+    }
   // The head: tp rank 0's vocabulary rows (chapter 10 gives the first V mod t ranks one more).
   const double head_share = static_cast<double>(split_sizes(shape.vocab_size, t)[0]) /
                             static_cast<double>(shape.vocab_size) * t;  // of a 1/t share
@@ -449,11 +453,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // parallelism every whole parameter, the routed experts included): summed over tp once a step,
   // in fp32, after the last backward, waited for.
   double tp_sums = 0;
-  if (deepseek && t > 1) {
-    int64_t partial = 0;
-    for (size_t s = largest % static_cast<size_t>(p); s < stages.size(); s += static_cast<size_t>(p))
-      for (int64_t i = stages[s].first; i < stages[s].second; ++i)
-        partial += rank_blocks[static_cast<size_t>(i)].partial;
+  if (partial > 0) {
     const double grads = 4.0 * static_cast<double>(partial);
     tp_sums = group_link(cluster, 1, t)
                   .seconds(Op::AllReduce, std::ceil(grads / 25e6) * 2 * (t - 1),

@@ -419,29 +419,32 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
   return bytes;
 }
 
+int64_t block_kept(const Workload& run, int64_t layer, int64_t rows, ch14::Precision precision,
+                   ch14::Recompute mode, const ch14::TensorParallelShare& tp,
+                   const ch14::ContextParallelShare& cp) {
+  const ch03::ModelConfig& config = run.model;
+  if (run.block_activations)
+    return run.block_activations(config, layer, rows, run.seq_len, precision, mode, tp, cp);
+  return config.extensions.is_null()
+             ? ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
+                                            precision, cp)
+             : ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len, mode, tp,
+                                                     cp, precision);
+}
+
 int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const Layout::Place& at,
                                 int64_t first, int64_t last, ch14::Precision precision) {
-  const ch03::ModelConfig& config = run.model;
-  const bool deepseek = !config.extensions.is_null();
   const int64_t rows = run.batch / (layout.dp * run.micro_batches);
   const ch14::RecomputeConfig recompute = run.recompute.for_stage(at.pp);
   const ch14::TensorParallelShare tp{layout.tp, at.tp, layout.sequence_parallel};
   const ch14::ContextParallelShare cp{layout.cp, at.cp, layout.cp_layout, layout.cp_attention};
-  auto block = [&](int64_t layer, ch14::Recompute mode) {
-    if (run.block_activations)
-      return run.block_activations(config, layer, rows, run.seq_len, precision, mode, tp, cp);
-    return deepseek ? ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len,
-                                                            mode, tp, cp, precision)
-                    : ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
-                                                   precision, cp);
-  };
   int64_t bytes = 0;
   for (int64_t layer = first; layer < last; ++layer) {
     const ch14::Recompute mode =
         recompute.mode == ch14::Recompute::Full && !ch14::recomputes_block(recompute, layer)
             ? ch14::Recompute::None
             : recompute.mode;
-    bytes += block(layer, mode);
+    bytes += block_kept(run, layer, rows, precision, mode, tp, cp);
   }
   return bytes;
 }

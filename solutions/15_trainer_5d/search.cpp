@@ -7,6 +7,7 @@
 #include "07_moe/moe.h"
 #include "10_tensor_parallel/layers.h"
 #include "15_trainer_5d/planner.h"
+#include "15_trainer_5d/predict.h"
 #include "fivefold/error.h"
 #include "planner_parts.h"
 
@@ -35,33 +36,23 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
   const ModelTerms terms = model_terms(work);  // the same for every layout
   // What a block keeps depends on its kind (dense or MoE), the micro-batch, the mode and the
   // rank's tp and cp shares, not on the rest of the layout: each is counted once for the search.
+  std::map<std::array<int64_t, 12>, int64_t> kept;
   Workload counted = work;
-  {
-    const BlockActivations formula = work.block_activations;
-    auto memo = std::make_shared<std::map<std::array<int64_t, 12>, int64_t>>();
-    counted.block_activations = [formula, memo, &terms](
-                                    const ch03::ModelConfig& model, int64_t layer, int64_t rows,
-                                    int64_t seq, ch14::Precision precision, ch14::Recompute mode,
-                                    const ch14::TensorParallelShare& tp,
-                                    const ch14::ContextParallelShare& cp) {
-      const std::array<int64_t, 12> key = {
-          terms.block[static_cast<size_t>(layer)].experts > 0, rows, seq,
-          static_cast<int64_t>(precision), static_cast<int64_t>(mode), tp.ranks, tp.rank,
-          tp.sequence_parallel, cp.ranks, cp.rank, static_cast<int64_t>(cp.layout),
-          static_cast<int64_t>(cp.attention)};
-      auto found = memo->find(key);
-      if (found != memo->end()) return found->second;
-      const int64_t bytes =
-          formula ? formula(model, layer, rows, seq, precision, mode, tp, cp)
-                  : (model.extensions.is_null()
-                         ? ch14::block_activation_bytes(model.shape(), rows, seq, mode, tp,
-                                                        precision, cp)
-                         : ch14::deepseek_block_activation_bytes(model, layer, rows, seq, mode, tp,
-                                                                 cp, precision));
-      memo->emplace(key, bytes);
-      return bytes;
-    };
-  }
+  counted.block_activations = [&kept, &terms, &work](
+                                  const ch03::ModelConfig&, int64_t layer, int64_t rows,
+                                  int64_t seq, ch14::Precision precision, ch14::Recompute mode,
+                                  const ch14::TensorParallelShare& tp,
+                                  const ch14::ContextParallelShare& cp) {
+    const std::array<int64_t, 12> key = {
+        terms.block[static_cast<size_t>(layer)].experts > 0, rows, seq,
+        static_cast<int64_t>(precision), static_cast<int64_t>(mode), tp.ranks, tp.rank,
+        tp.sequence_parallel, cp.ranks, cp.rank, static_cast<int64_t>(cp.layout),
+        static_cast<int64_t>(cp.attention)};
+    auto found = kept.find(key);
+    if (found == kept.end())
+      found = kept.emplace(key, block_kept(work, layer, rows, precision, mode, tp, cp)).first;
+    return found->second;
+  };
   // The micro-batches each rank keeps depend only on the schedule's lists, not on the costs.
   std::map<std::tuple<std::string, int64_t, int64_t, int64_t>, int64_t> in_flight;
   // The best `keep` so far, a heap with the slowest on top (a later find after an equal one),
