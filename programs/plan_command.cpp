@@ -283,7 +283,7 @@ int plan(int argc, char** argv) {
   if (args.given("config")) {
     const auto config = io::read_json(args.str("config"));
     if (config.is_object() && config.value("model_type", "") == "deepseek_v3") {
-      if (args.on("search")) {  // chapter 15's planner: MLA and experts without tp and cp
+      if (args.on("search")) {  // chapter 15's planner: MLA and experts, every layout
         FIVEFOLD_CHECK(args.integer("ep") >= 0, "--ep must be >= 0");
         return plan_search(args, ch03::config_from_json(config),
                            args.given("seq") ? args.integer("seq") : 4096);

@@ -11,7 +11,8 @@
 /// 14's activations. A collective of B wire bytes over a link costs B / bandwidth plus one
 /// latency per message; what overlaps with compute is stated where it is modelled
 /// (notes/15_trainer_5d.md, "Choosing the layout"). Llama-shaped models (chapter 03) in every
-/// layout; MLA and MoE models (chapters 06-07) without tp and cp, with ep (chapter 13).
+/// layout; MLA and MoE models (chapters 06-07) too, with ep (chapter 13) and tp split as chapter
+/// 10 splits their blocks (ch10::rank_block).
 #include <cstdint>
 #include <functional>
 #include <map>
