@@ -43,7 +43,7 @@ for spec in "${layouts[@]}"; do
   plan=$work/plan-$i.json
   "$ff" plan --search --cluster "$cluster" --devices "$np" "${model[@]}" --vocab 259 --dp "$dp" \
     --tp "$tp" --pp "$pp" --cp "$cp" --zero "$zero" --schedule "$schedule" \
-    --virtual-stages "$v" --micro-batches "$m" --top 1 --json >"$plan"
+    --virtual-stages "$v" --micro-batches "$m" --top 1 --no-progress --json >"$plan"
   predicted=$(field "$plan" step_s)
   flags=(--dp "$dp" --tp "$tp" --pp "$pp" --cp "$cp" --zero "$zero" --accum "$m"
          --recompute "$(field "$plan" recompute)")

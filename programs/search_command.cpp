@@ -157,7 +157,9 @@ int calibrate(int argc, char** argv) {
   ArgParser args("fivefold calibrate",
                  "This machine as chapter 15's planner describes a cluster, measured on the ranks "
                  "of the job (under mpirun, one rank a device): the step's product rate in fp32 "
-                 "and bf16 (every rank training the model alone, at once), the link's latency "
+                 "and bf16 (every rank training the model alone, at once), each of the step's "
+                 "product shapes alone (a product's latency) and the memory's bandwidth, the "
+                 "attention kernel's rate, the links' latency "
                  "and bandwidth (all-reduces and ring send/receives), the memory each rank may "
                  "use. Writes the cluster file `fivefold plan --search --cluster` reads.");
   args.option("cluster-out", "", "where to write the cluster's TOML file (required)");
@@ -187,6 +189,16 @@ int calibrate(int argc, char** argv) {
            << si(found.cluster.matmul_flops_bf16) << "FLOP/s a rank; latency "
            << found.cluster.intra_node.latency * 1e6 << " us, "
            << si(found.cluster.intra_node.bandwidth, "B/s");
+    const auto& line = found.measured["product_line"];
+    log0() << found.measured["products"].size() / 2
+           << " product shapes alone: " << si(line["fp32"]["rate"].get<double>())
+           << "FLOP/s fp32 + " << found.cluster.product_latency_fp32 * 1e6
+           << " us a product (every shape within "
+           << std::lround(100 * line["fp32"]["worst_error"].get<double>()) << "%), "
+           << si(line["bf16"]["rate"].get<double>()) << "FLOP/s bf16 + "
+           << found.cluster.product_latency_bf16 * 1e6 << " us (within "
+           << std::lround(100 * line["bf16"]["worst_error"].get<double>()) << "%); memory "
+           << si(found.cluster.memory_bandwidth, "B/s");
   }
   return 0;
 }

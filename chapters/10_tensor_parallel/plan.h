@@ -7,6 +7,7 @@
 /// See notes/10_tensor_parallel.md for the derivations and Llama-2-7B at tp 8.
 
 #include <cstdint>
+#include <vector>
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/model.h"
@@ -23,8 +24,22 @@ int64_t parameters_per_rank(const ch02::TransformerShape& shape, int t, int rank
 /// ranks one more). The residual width, the vocabulary and the layers stay whole.
 ch02::TransformerShape rank_shape(const ch02::TransformerShape& shape, int t, int rank = 0);
 
+/// One weight matrix a rank multiplies, [in, out], and whose rows it multiplies.
+struct RankMatrix {
+  enum class Rows {
+    Every,   ///< every token of the rank (sequence parallelism: after the gather)
+    Routed,  ///< the tokens the rank routes (the router)
+    Expert,  ///< the tokens routed to one expert (each routed expert's matrices)
+  };
+  int64_t in = 0, out = 0;
+  Rows rows = Rows::Every;
+};
+
 /// What rank `rank` of `t` holds and multiplies of one block, in parameters.
 struct RankBlock {
+  /// Its matrices one by one (the shapes chapter 15's planner prices): products, router and
+  /// per_assignment are their sums by kind of rows.
+  std::vector<RankMatrix> matrices;
   int64_t products = 0;        ///< matrices every token of the rank multiplies (split and whole)
   int64_t router = 0;          ///< the router's matrix: multiplies the tokens the rank routes
   int64_t per_assignment = 0;  ///< one routed expert's matrices (k of them a routed token)

@@ -63,12 +63,25 @@ struct Cluster {
   /// (half the square of scores); 0: the products' rate.
   double attention_flops_fp32 = 0;
   double attention_flops_bf16 = 0;  ///< the same in bf16; 0: the products' rate
+  /// Seconds each product costs besides its FLOPs at the rate, in fp32 (a kernel's launch and
+  /// ramp: what makes many small products slower than one large one); 0: nothing.
+  double product_latency_fp32 = 0;
+  double product_latency_bf16 = 0;  ///< the same in bf16
+  /// Bytes a second a product streams its operands at: a product whose operands take longer to
+  /// read and write than its FLOPs take (few rows against a large matrix) costs its bytes at
+  /// this rate instead; 0: every product costs its FLOPs.
+  double memory_bandwidth = 0;
   /// Seconds a step's optimizer takes per parameter it updates, and whatever else a step costs
   /// once whatever its tokens (AdamW streams each parameter's value, gradient and two moments:
   /// memory-bound).
   double optimizer_seconds_per_parameter = 0;
   Link intra_node;  ///< between devices of one node
   Link inter_node;  ///< between nodes
+  /// Seconds a product of `rows` rows by an [in, out] matrix costs besides its FLOPs at the
+  /// matmul rate: the latency, and where its operands' bytes take longer at the memory's
+  /// bandwidth than its FLOPs, the difference (the roofline). Its two backward products
+  /// (∂L/∂x = ∂L/∂y·W, ∂L/∂W = (∂L/∂y)ᵀ·x) move as many bytes and cost the same.
+  double product_overhead(bool bf16, double rows, int64_t in, int64_t out) const;
   /// Throws fivefold::Error naming the first missing or impossible value.
   void validate() const;
 };
@@ -125,9 +138,9 @@ ch11::UnitCosts micro_batch_costs(const StageTimes& stage);
 /// 4 + 4 + 8 bytes of state per parameter; bf16: 2-byte elements and the mixed-precision
 /// 2 + 2 + 12; activations as chapter 14 counts them in that precision). `layout` must come from
 /// resolve_layout for cluster.devices processes. A model with MLA and experts (chapters 06-07,
-/// DeepSeek-V3's shape) is priced block by block, with ep's all-to-alls (chapter 13); it throws
-/// fivefold::Error for such a model with tp or cp > 1 or selective recomputation, whose
-/// activations chapter 14 does not derive.
+/// DeepSeek-V3's shape) is priced block by block, split over tp as chapter 10 splits it, with
+/// ep's all-to-alls (chapter 13). Each product costs its FLOPs at the matmul rate, and, where the
+/// cluster gives them, a latency and the bytes of a product bound by the memory (notes §7).
 StepEstimate estimate_step(const Workload& work, const Layout& layout, const Cluster& cluster,
                            ch14::Precision precision);
 
@@ -145,8 +158,7 @@ struct Candidate {
 /// (zig-zag), the schedules (1F1B alone without pp; interleaved with every v >= 2), micro-batches
 /// (the divisors of the rows per data-parallel rank, at most `max_micro_batches`) and
 /// recomputation (none, selective, full); work.micro_batches and work.recompute are ignored. A
-/// model with MLA and experts: tp and cp 1, recomputation none or full, and ep over every size
-/// that divides dp·cp and the experts.
+/// model with experts: ep too, over every size that divides dp·cp and the experts.
 struct Search {
   int64_t valid = 0;            ///< layouts the trainer accepts (x the three recomputations)
   int64_t fit = 0;              ///< of those, whose memory fits the device

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -11,6 +12,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "07_moe/moe.h"
+#include "10_tensor_parallel/plan.h"
 #include "14_memory/precision.h"
 #include "fivefold/consolidate.h"
 #include "fivefold/error.h"
@@ -127,6 +129,85 @@ ch15::Link measure_link(dist::Communicator& whole, dist::Communicator& world,
   return link;
 }
 
+// The products a step of `run` multiplies (chapter 10's rank_block at tp 1 for each block, and
+// the head), each alone at its shape, in fp32 and bf16, on both kernels (the fast paths' oneDNN
+// and at::mm), every rank at once (the slowest rank's time): each matrix by every token of the
+// batch (a routed expert's by its k/E share), forward ([m, in]·[in, out]) and the two backward
+// products (∂L/∂x = ∂L/∂y·W: [m, out]·[out, in]; ∂L/∂W = (∂L/∂y)ᵀ·x: [out, m]·[m, in]), at the
+// batch and at a quarter of it. A line through each precision's on the kernel the run uses,
+// seconds = latency + FLOPs / rate, gives what a product costs besides its FLOPs; a product of
+// one row by a matrix larger than the caches, the memory's bandwidth.
+void measure_products(const RunConfig& run, dist::Communicator& world, ch15::Cluster& c,
+                      nlohmann::json& measured) {
+  const ch03::ModelConfig& m = run.model;
+  const int64_t tokens = run.batch * run.seq_len;
+  const auto moe =
+      ch07::has_routed_experts(m) ? ch07::MoeConfig::from_json(m.extensions) : ch07::MoeConfig{};
+  std::vector<std::array<int64_t, 3>> shapes;  // rows, inner, columns
+  auto add = [&](int64_t rows, int64_t in, int64_t out) {
+    for (int64_t share : {1, 4}) {
+      const int64_t r = std::max<int64_t>(1, rows / share);
+      for (std::array<int64_t, 3> shape :
+           {std::array<int64_t, 3>{r, in, out}, {r, out, in}, {out, r, in}})
+        if (std::find(shapes.begin(), shapes.end(), shape) == shapes.end()) shapes.push_back(shape);
+    }
+  };
+  for (int64_t layer = 0; layer < m.n_layers; ++layer)
+    for (const ch10::RankMatrix& w : ch10::rank_block(m, layer, 1, 0, false).matrices)
+      add(w.rows == ch10::RankMatrix::Rows::Expert
+              ? tokens * moe.num_experts_per_tok / moe.n_routed_experts
+              : tokens,
+          w.in, w.out);
+  add(tokens, m.d_model, m.vocab_size);  // the head
+  const auto previous = ch03::set_matmul_kernel(nullptr);
+  auto seconds_of = [&](int64_t rows, int64_t inner, int64_t cols) {  // fp32, bf16
+    world.barrier();
+    const ch14::ProductSpeed speed = ch14::measure_product_speed(rows, inner, cols);
+    const double flops = 2.0 * static_cast<double>(rows * inner * cols);
+    return std::make_pair(slowest(flops / (speed.fp32 * 1e9), world),
+                          slowest(flops / (speed.bf16 * 1e9), world));
+  };
+  using Samples = std::vector<std::pair<double, double>>;  // FLOPs, seconds
+  Samples fp32, bf16;
+  for (bool fast : {true, false}) {
+    ch03::set_matmul_kernel(fast ? fast_matmul_kernel() : nullptr);
+    for (const auto& [rows, inner, cols] : shapes) {
+      const auto [single, half] = seconds_of(rows, inner, cols);
+      const double flops = 2.0 * static_cast<double>(rows * inner * cols);
+      if (fast == run.fast) fp32.push_back({flops, single}), bf16.push_back({flops, half});
+      measured["products"].push_back({{"kernel", fast ? "oneDNN" : "at::mm"},
+                                      {"rows", rows},
+                                      {"inner", inner},
+                                      {"columns", cols},
+                                      {"fp32_s", single},
+                                      {"bf16_s", half}});
+    }
+  }
+  ch03::set_matmul_kernel(run.fast ? fast_matmul_kernel() : nullptr);
+  // Least squares for seconds = latency + FLOPs / rate (through zero where the latency comes out
+  // negative); the worst product's distance from the line.
+  auto fit = [&](const Samples& points, const char* precision) {
+    double n = 0, f = 0, ff = 0, t = 0, ft = 0;
+    for (const auto& [x, y] : points) n += 1, f += x, ff += x * x, t += y, ft += x * y;
+    double per_flop = (n * ft - f * t) / (n * ff - f * f), latency = (t - per_flop * f) / n;
+    if (!(latency >= 0)) latency = 0, per_flop = ft / ff;
+    double worst = 0;
+    for (const auto& [x, y] : points)
+      worst = std::max(worst, std::abs(latency + x * per_flop - y) / y);
+    measured["product_line"][precision] = {
+        {"latency_s", latency}, {"rate", 1 / per_flop}, {"worst_error", worst}};
+    return latency;
+  };
+  c.product_latency_fp32 = fit(fp32, "fp32");
+  c.product_latency_bf16 = fit(bf16, "bf16");
+  // The memory: one row by a 4096 x 4096 matrix (64 MB in fp32) streams the matrix.
+  const int64_t n = 4096;
+  const double streamed = seconds_of(1, n, n).first - c.product_latency_fp32;
+  c.memory_bandwidth = 4.0 * static_cast<double>(n * n + 2 * n) / streamed;
+  measured["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth;
+  ch03::set_matmul_kernel(previous);
+}
+
 }  // namespace
 
 Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptions& options) {
@@ -212,14 +293,29 @@ Calibration calibrate(const dist::CommunicatorPtr& world, const CalibrationOptio
                            static_cast<double>(flops.matrices + flops.head),
                            static_cast<double>(flops.attention));
   };
+  // Each product on its own first: the latency a step's products cost besides their FLOPs
+  // (products_a_step of them, as the planner counts them) leaves the step's rate to the fit.
+  measure_products(options.run, *world, c, out.measured);
+  const double products_a_step = [&] {
+    ch15::Cluster counting = unit;  // every FLOP free, each product a second
+    counting.matmul_flops_fp32 = counting.matmul_flops_bf16 = 1e300;
+    counting.product_latency_fp32 = 1;
+    return std::round(ch15::estimate_step(work, ch15::resolve_layout({}, 1, work), counting,
+                                          ch14::Precision::Fp32)
+                          .compute);
+  }();
+  out.measured["products_a_step"] = std::llround(products_a_step);
   double fixed = 0;
   for (const char* precision : {"fp32", "bf16"}) {
     // The attention kernel alone first: its seconds leave the step's products to the fit.
     const double attention_rate = time_attention(precision);
+    const double latency =
+        products_a_step *
+        (std::string(precision) == "fp32" ? c.product_latency_fp32 : c.product_latency_bf16);
     const auto [full, full_flops, full_attention] = timed_step(precision, options.run.batch);
     const auto [half, half_flops, half_attention] = timed_step(precision, options.run.batch / 2);
-    const double full_products = full - full_attention / attention_rate;
-    const double half_products = half - half_attention / attention_rate;
+    const double full_products = full - full_attention / attention_rate - latency;
+    const double half_products = half - half_attention / attention_rate - latency;
     double rate = (full_flops - half_flops) / (full_products - half_products);
     double once = full_products - full_flops / rate;
     if (!(full_products > half_products) || once < 0) {  // noise: no fixed part

@@ -36,35 +36,53 @@ RankBlock rank_block(const ch03::ModelConfig& config, int64_t layer, int t, int 
   const int64_t d = config.d_model, h = config.n_heads / t;
   RankBlock b;
   b.vectors = 2 * d;  // the two norms
+  using Rows = RankMatrix::Rows;
+  const auto multiplies = [&](int64_t in, int64_t out, Rows rows = Rows::Every) {
+    b.matrices.push_back({in, out, rows});
+  };
   int64_t whole = 0;  // matrices kept whole that every token multiplies
   if (config.extensions.is_null() || !config.extensions.contains("kv_lora_rank")) {
     const ch02::TransformerShape s = rank_shape(config.shape(), t, rank);
-    const int64_t kv = config.n_kv_heads % t == 0 ? s.n_kv_heads : 1;
-    b.products = 2 * d * s.n_heads * s.head_dim + 2 * d * kv * s.head_dim;
+    const int64_t kv = (config.n_kv_heads % t == 0 ? s.n_kv_heads : 1) * s.head_dim;
+    const int64_t q = s.n_heads * s.head_dim;
+    for (int64_t out : {q, kv, kv}) multiplies(d, out);  // q, k, v
+    multiplies(q, d);                                    // o
   } else {  // chapter 06's MLA: the heads split, the down-projections whole
     const auto m = ch06::MlaConfig::from_json(config.extensions);
     const int64_t qk = m.qk_nope_head_dim + m.qk_rope_head_dim;
     whole = d * (m.kv_lora_rank + m.qk_rope_head_dim) + d * m.q_lora_rank;
-    b.products = whole + (m.q_lora_rank > 0 ? m.q_lora_rank : d) * h * qk +
-                 m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d;
+    if (m.q_lora_rank > 0) multiplies(d, m.q_lora_rank);              // q_a_proj
+    multiplies(m.q_lora_rank > 0 ? m.q_lora_rank : d, h * qk);        // q_b_proj, or q_proj
+    multiplies(d, m.kv_lora_rank + m.qk_rope_head_dim);               // kv_a_proj_with_mqa
+    multiplies(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim));  // kv_b_proj
+    multiplies(h * m.v_head_dim, d);                                  // o_proj
     b.vectors += m.q_lora_rank + m.kv_lora_rank;  // the latents' norms
     b.partial = whole + m.q_lora_rank + m.kv_lora_rank;
   }
   const auto moe = ch07::has_routed_experts(config) ? ch07::MoeConfig::from_json(config.extensions)
                                                     : ch07::MoeConfig{};
+  const auto mlp = [&](int64_t features, Rows rows) {  // gate and up, then down
+    if (features == 0) return;
+    multiplies(d, features, rows);
+    multiplies(d, features, rows);
+    multiplies(features, d, rows);
+  };
   b.crossings = 4;
   if (ch07::has_routed_experts(config) && moe.is_moe_layer(layer)) {
     const int64_t f = moe.moe_intermediate_size;
-    b.products += 3 * d * mine(f * moe.n_shared_experts);
-    b.router = d * moe.n_routed_experts;
-    b.per_assignment = 3 * d * f;
-    b.routed = moe.n_routed_experts * b.per_assignment;
+    mlp(mine(f * moe.n_shared_experts), Rows::Every);
+    multiplies(d, moe.n_routed_experts, Rows::Routed);
+    mlp(f, Rows::Expert);
+    b.routed = moe.n_routed_experts * 3 * d * f;
     b.vectors += moe.n_routed_experts;
     b.frozen = moe.n_routed_experts;
     if (moe.n_shared_experts == 0) b.crossings = 2;  // the experts alone are not split
   } else {
-    b.products += 3 * d * mine(config.d_ff);
+    mlp(mine(config.d_ff), Rows::Every);
   }
+  for (const RankMatrix& w : b.matrices)
+    (w.rows == Rows::Every ? b.products : w.rows == Rows::Routed ? b.router : b.per_assignment) +=
+        w.in * w.out;
   // Under sequence parallelism every whole parameter has seen only this rank's part of the
   // sequence; the bias has no gradient.
   if (sequence_parallel) b.partial = whole + b.router + b.routed + b.vectors - b.frozen;

@@ -22,32 +22,6 @@
 
 namespace fivefold::ch15 {
 
-void Cluster::validate() const {
-  FIVEFOLD_CHECK(devices >= 1 && devices_per_node >= 1, "cluster '", name,
-                 "': devices and devices per node must be at least 1");
-  FIVEFOLD_CHECK(memory_bytes > 0, "cluster '", name, "': give each device's memory");
-  FIVEFOLD_CHECK(
-      matmul_flops_fp32 > 0 && matmul_flops_bf16 > 0 && peak_flops_fp32 > 0 && peak_flops_bf16 > 0,
-      "cluster '", name, "': give the peak and sustained matmul FLOP/s in fp32 and bf16");
-  FIVEFOLD_CHECK(attention_flops_fp32 >= 0 && attention_flops_bf16 >= 0, "cluster '", name,
-                 "': the attention kernel's FLOP/s cannot be negative (0: the products' rate)");
-  FIVEFOLD_CHECK(optimizer_seconds_per_parameter >= 0, "cluster '", name,
-                 "': the optimizer's seconds per parameter cannot be negative");
-  FIVEFOLD_CHECK(intra_node.bandwidth > 0 && inter_node.bandwidth > 0 && intra_node.latency >= 0 &&
-                     inter_node.latency >= 0,
-                 "cluster '", name, "': give both links' bandwidth (> 0) and latency (>= 0)");
-  for (const Link* link : {&intra_node, &inter_node})
-    for (const auto& [op, line] : link->by_collective)
-      FIVEFOLD_CHECK(line.bandwidth > 0 && line.latency >= 0, "cluster '", name,
-                     "': ", dist::op_name(op), "'s own line needs bandwidth > 0 and latency >= 0");
-}
-
-double Link::seconds(dist::Op op, double messages, double wire) const {
-  const auto own = by_collective.find(op);
-  const LinkLine line = own != by_collective.end() ? own->second : LinkLine{latency, bandwidth};
-  return messages * line.latency + wire / line.bandwidth;
-}
-
 namespace {
 
 // The link a group's messages cross. The mesh puts tp fastest, then cp, dp, pp (trainer_5d.h):
@@ -157,22 +131,42 @@ ModelTerms model_terms(const Workload& work) {
     if (block.experts > 0) terms.experts = block.experts, terms.per_token = block.per_token;
   }
   const ch03::ModelConfig& config = work.model;
-  if (!config.extensions.is_null() && config.extensions.contains("kv_lora_rank")) {
-    int64_t first_moe = 0;  // the first MoE block, if any
-    while (first_moe < layers && terms.block[static_cast<size_t>(first_moe)].experts == 0)
-      ++first_moe;
-    for (int64_t t = 1; t <= config.n_heads; ++t)
-      for (bool sp : {false, true}) {
-        if (config.n_heads % t != 0) continue;
-        const auto dense = ch10::rank_block(config, 0, static_cast<int>(t), 0, sp);
-        terms.split[{t, sp}] = {dense, first_moe < layers ? ch10::rank_block(config, first_moe,
-                                                                            static_cast<int>(t),
-                                                                            0, sp)
-                                                          : dense};
-      }
-  }
+  int64_t first_moe = 0;  // the first MoE block, if any
+  while (first_moe < layers && terms.block[static_cast<size_t>(first_moe)].experts == 0)
+    ++first_moe;
+  for (int64_t t = 1; t <= config.n_heads; ++t)
+    for (bool sp : {false, true}) {
+      if (config.n_heads % t != 0) continue;
+      const auto dense = ch10::rank_block(config, 0, static_cast<int>(t), 0, sp);
+      terms.split[{t, sp}] = {
+          dense,
+          first_moe < layers ? ch10::rank_block(config, first_moe, static_cast<int>(t), 0, sp)
+                             : dense};
+    }
   return terms;
 }
+
+namespace {
+
+// What a block's products cost besides their FLOPs (Cluster::product_overhead), its matrices
+// (ch10::rank_block) one by one: every token's by the rank's `tokens`, the router's by those it
+// routes, each of the rank's `experts` by its `per_expert` rows.
+double block_overhead(const Cluster& cluster, bool bf16, const ch10::RankBlock& block,
+                      double tokens, double routed, double experts, double per_expert) {
+  using Rows = ch10::RankMatrix::Rows;
+  double seconds = 0;
+  for (const ch10::RankMatrix& w : block.matrices) {
+    if (w.rows == Rows::Expert) {
+      seconds += experts * cluster.product_overhead(bf16, per_expert, w.in, w.out);
+    } else {
+      seconds +=
+          cluster.product_overhead(bf16, w.rows == Rows::Every ? tokens : routed, w.in, w.out);
+    }
+  }
+  return seconds;
+}
+
+}  // namespace
 
 StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& terms,
                                       const Layout& layout, const Cluster& cluster,
@@ -259,10 +253,34 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
       if (deepseek) partial += rank_blocks[static_cast<size_t>(i)].partial;
     }
   // The head: tp rank 0's vocabulary rows (chapter 10 gives the first V mod t ranks one more).
-  const double head_share = static_cast<double>(split_sizes(shape.vocab_size, t)[0]) /
-                            static_cast<double>(shape.vocab_size) * t;  // of a 1/t share
-  const double head = p == 1 ? f.lm_head * head_share * seconds : 0;
-  const double products = stage_products * seconds + head;
+  const int64_t head_rows = split_sizes(shape.vocab_size, t)[0];
+  const double head_share =
+      static_cast<double>(head_rows) / static_cast<double>(shape.vocab_size) * t;  // of a 1/t
+  const double head =
+      p == 1 ? f.lm_head * head_share * seconds +
+                   cluster.product_overhead(bf16, tokens, shape.d_model, head_rows)
+             : 0;
+  // Each product's cost besides its FLOPs (Cluster: a latency, the bytes of a thin product):
+  // every matrix of the stage's blocks, a routed expert's for each of the rank's E/ep experts,
+  // each receiving its share of the ep group's routed tokens.
+  double overhead = 0;
+  if (cluster.product_latency_fp32 > 0 || cluster.product_latency_bf16 > 0 ||
+      cluster.memory_bandwidth > 0) {
+    const auto& [dense, moe] = terms.split.at({t, layout.sequence_parallel});
+    const double experts = static_cast<double>(terms.experts) / layout.ep;
+    const double per_expert =
+        terms.experts == 0 ? 0 : tokens * routes * terms.per_token * layout.ep / terms.experts;
+    double dense_overhead = -1, moe_overhead = -1;  // each kind's once
+    for (int64_t i = first_layer; i < last_layer; ++i) {
+      const bool routed = block[static_cast<size_t>(i)].experts > 0;
+      double& each = routed ? moe_overhead : dense_overhead;
+      if (each < 0)
+        each = block_overhead(cluster, bf16, routed ? moe : dense, tokens, tokens * routes, experts,
+                              per_expert);
+      overhead += each;
+    }
+  }
+  const double products = stage_products * seconds + overhead + head;
   const double attention = stage_attention * attention_seconds;
   const double attention_backward =
       (stage_attention_training - stage_attention) * attention_seconds;

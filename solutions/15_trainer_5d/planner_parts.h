@@ -22,8 +22,9 @@ struct ModelTerms {
   // attention's training FLOPs (chapter 12's blockwise kernel), block by block.
   std::vector<double> products, attention, attention_training;
   int64_t experts = 0, per_token = 0;  // E and k of the MoE blocks (0 without experts)
-  // MLA's blocks under tp (chapter 10's rank_block for tp rank 0): a dense block's and a MoE
-  // block's share, by t (every divisor of the heads) and sequence parallelism.
+  // The blocks under tp (chapter 10's rank_block for tp rank 0): a dense block's and a MoE
+  // block's share, by t (every divisor of the heads) and sequence parallelism. MLA's are priced
+  // by it; every model's matrices by their shapes (a product's latency and bytes).
   std::map<std::pair<int64_t, bool>, std::pair<ch10::RankBlock, ch10::RankBlock>> split;
 };
 ModelTerms model_terms(const Workload& work);

@@ -11,6 +11,8 @@
 // squares not summed over tp, or the replicated norms counted on every tp rank, fails
 // GradientsEqualOneDevice (the global norm).
 
+#include <set>
+
 #include "../02_flops_6np/shapes.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
@@ -283,6 +285,16 @@ TEST(TensorParallelPlan, RankBlockIsWhatEachRankHoldsAndSends) {
         }
         EXPECT_EQ(held, want.held()) << "block " << i;
         EXPECT_EQ(summed, want.partial) << "block " << i;
+        // Its matrices one by one: each weight [out, in] the block holds (a routed expert's as
+        // many times as there are experts), and no other.
+        std::multiset<std::pair<int64_t, int64_t>> built, listed;
+        for (const auto& p : local->block(i).parameters())
+          if (p.dim() == 2) built.insert({p.size(0), p.size(1)});
+        const int64_t experts = want.routed == 0 ? 0 : want.routed / want.per_assignment;
+        for (const RankMatrix& w : want.matrices)
+          for (int64_t copy = 0; copy < (w.rows == RankMatrix::Rows::Expert ? experts : 1); ++copy)
+            listed.insert({w.out, w.in});
+        EXPECT_EQ(built, listed) << "block " << i;
         crossings += want.crossings;
       }
       const auto batch = tp_batches().batch(0);

@@ -100,7 +100,8 @@ endif()
 train_best("${json}" "--model-config;${moe_config}")
 
 # `fivefold calibrate` on 4 ranks writes a cluster file that the search reads back, its links
-# timed at 2 and 4 ranks.
+# timed at 2 and 4 ranks, the step's products alone on both kernels (45 a step: 2 blocks of 4
+# attention and 3 MLP matrices and the head, each forward and backward twice) and the memory.
 execute_process(COMMAND ${MPIRUN} -np 4 ${FIVEFOLD} calibrate --cluster-out ${WORK}/here.toml
                         --d-model 64 --n-layers 2 --n-heads 4 --seq 16 --batch 4 --timed-steps 2
                         --sizes 4096,65536
@@ -113,6 +114,10 @@ message("${here}")
 if(NOT here MATCHES "devices = 4\n" OR NOT here MATCHES "matmul-tflops-bf16 = [0-9]" OR
    NOT here MATCHES "attention-tflops-fp32 = [0-9]")
   message(FATAL_ERROR "the calibrated cluster file lacks its devices or rates")
+endif()
+if(NOT here MATCHES "memory-gbps = [0-9]" OR NOT here MATCHES "\"kernel\":\"oneDNN\"" OR
+   NOT here MATCHES "\"kernel\":\"at::mm\"" OR NOT here MATCHES "\"products_a_step\":45")
+  message(FATAL_ERROR "calibrate did not time the step's products on both kernels, the memory")
 endif()
 if(NOT here MATCHES "\"ranks\":2" OR NOT here MATCHES "\"ranks\":4")
   message(FATAL_ERROR "calibrate did not time its collectives at 2 and at 4 ranks")

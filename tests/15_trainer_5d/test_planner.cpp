@@ -1,12 +1,16 @@
 // Chapter 15's planner: its pieces against the chapters' exact counts, the groups' links, the
 // pipeline's idle time, the search against the trainer's own checks, and the cluster files.
 
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <set>
 
 #include "../10_tensor_parallel/fixtures.h"
+#include "03_transformer/train.h"
+#include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
+#include "14_memory/recompute.h"
 #include "15_trainer_5d/planner.h"
 #include "15_trainer_5d/predict.h"
 #include "fivefold/error.h"
@@ -131,6 +135,75 @@ TEST(Planner, PricesAttentionAtItsKernelsRate) {
         << ch14::to_string(mode);
     EXPECT_EQ(slow.flops.total(), same.flops.total());
   }
+}
+
+namespace {
+
+// Records each product `linear` multiplies: a [m, k] · b [k, n] as {m, k, n}.
+class RecordingKernel : public ch03::MatmulKernel {
+ public:
+  torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const override {
+    products.push_back({a.size(0), a.size(1), b.size(1)});
+    return a.mm(b);
+  }
+  mutable std::vector<std::array<int64_t, 3>> products;
+};
+
+}  // namespace
+
+// A product's cost besides its FLOPs (Cluster::product_latency_fp32, memory_bandwidth) is priced
+// for each product a real step multiplies: a training step of the model on one device, without
+// and with full recomputation, records them (a kernel in chapter 03's slot), Llama's and
+// DeepSeek's in miniature. With FLOPs made free, the compute is one latency a product; with a
+// memory slow enough for every product to be bound by it, each product's operand bytes at that
+// bandwidth.
+TEST(Planner, PricesEachProductTheStepMultiplies) {
+  for (bool deepseek : {false, true})
+    for (auto mode : {ch14::Recompute::None, ch14::Recompute::Full}) {
+      SCOPED_TRACE(std::string(deepseek ? "DeepSeek, " : "Llama, ") + ch14::to_string(mode));
+      Workload w = small(4, 1);
+      if (deepseek) w.model = ch10::testing::deepseek_config();
+      w.recompute = {mode, 1, 0};
+      auto kernel = std::make_shared<RecordingKernel>();
+      const auto previous = ch03::set_matmul_kernel(kernel);
+      torch::manual_seed(0);
+      auto model = ch07::make_model(w.model);
+      ch14::apply_recompute(model, w.recompute);
+      const auto tokens = torch::randint(w.model.vocab_size, {w.batch, w.seq_len + 1});
+      const ch03::Batch batch(tokens.narrow(1, 0, w.seq_len), tokens.narrow(1, 1, w.seq_len));
+      ch03::loss_of(model, batch).backward();
+      ch03::set_matmul_kernel(previous);
+      // Two products multiply outside chapter 03's slot (torch::matmul): the head's, forward and
+      // backward, and each MoE block's router's, which full recomputation runs forward again.
+      const int64_t tokens_in = w.batch * w.seq_len, d = w.model.d_model;
+      std::vector<std::array<int64_t, 3>> products = kernel->products;
+      for (int i = 0; i < 3; ++i) products.push_back({tokens_in, d, w.model.vocab_size});
+      if (deepseek) {
+        const auto moe = ch07::MoeConfig::from_json(w.model.extensions);
+        for (int64_t layer = 0; layer < w.model.n_layers; ++layer)
+          for (int i = 0; moe.is_moe_layer(layer) && i < (mode == ch14::Recompute::Full ? 4 : 3);
+               ++i)
+            products.push_back({tokens_in, d, moe.n_routed_experts});
+      }
+      double bytes = 0;
+      for (const auto& [m, k, n] : products) bytes += 4.0 * static_cast<double>(m * k + k * n + m * n);
+
+      Cluster free = cluster(1);  // FLOPs cost nothing
+      free.matmul_flops_fp32 = free.attention_flops_fp32 = 1e30;
+      Cluster latency = free;
+      latency.product_latency_fp32 = 1e-3;
+      const StepEstimate each = estimate(w, sizes(1, 1, 1, 1), latency);
+      EXPECT_NEAR(each.compute / 1e-3, static_cast<double>(products.size()), 1e-6);
+      Cluster slow_memory = free;
+      slow_memory.memory_bandwidth = 1;  // a byte a second
+      const StepEstimate streamed = estimate(w, sizes(1, 1, 1, 1), slow_memory);
+      EXPECT_NEAR(streamed.compute, bytes, 1e-9 * bytes);
+      // At the FLOPs' rate they cost nothing more: the products are not thin.
+      Cluster fast_memory = cluster(1);
+      fast_memory.memory_bandwidth = 1e30;
+      EXPECT_DOUBLE_EQ(estimate(w, sizes(1, 1, 1, 1), fast_memory).compute,
+                       estimate(w, sizes(1, 1, 1, 1), cluster(1)).compute);
+    }
 }
 
 // The state is chapter 09's ZeRO formula over the rank that holds the most, as chapter 15's
@@ -397,8 +470,19 @@ TEST(Planner, ReadsClusterFiles) {
   EXPECT_EQ(back.attention_flops_bf16, 0) << "absent: the products' rate";
   Cluster timed = h100;
   timed.attention_flops_bf16 = 312e12;
+  timed.product_latency_fp32 = 12e-6;
+  timed.product_latency_bf16 = 9e-6;
+  timed.memory_bandwidth = 2.5e12;
   std::ofstream(again) << runtime::cluster_toml(timed);
-  EXPECT_DOUBLE_EQ(runtime::read_cluster(again).attention_flops_bf16, 312e12);
+  const Cluster timed_back = runtime::read_cluster(again);
+  EXPECT_DOUBLE_EQ(timed_back.attention_flops_bf16, 312e12);
+  EXPECT_DOUBLE_EQ(timed_back.product_latency_fp32, 12e-6);
+  EXPECT_DOUBLE_EQ(timed_back.product_latency_bf16, 9e-6);
+  EXPECT_DOUBLE_EQ(timed_back.memory_bandwidth, 2.5e12);
+  EXPECT_DOUBLE_EQ(h100.memory_bandwidth, 3.35e12) << "HBM3's, from the datasheet";
+  const std::string negative = (dir / "negative.toml").string();
+  std::ofstream(negative) << runtime::cluster_toml(h100) << "product-latency-us-bf16 = -1\n";
+  EXPECT_TRUE(throws_error_containing([&] { runtime::read_cluster(negative); }, "latency"));
 
   const std::string typo = (dir / "typo.toml").string();
   std::ofstream(typo) << runtime::cluster_toml(h100) << "inter-node-gbs = 3\n";

@@ -16,6 +16,9 @@
 ///     adamw-ns-per-parameter = 0.0084 # the update streams 28 bytes a parameter at 3.35 TB/s
 ///     attention-tflops-bf16 = 500     # optional: the causal attention kernel's own rate
 ///     attention-tflops-fp32 = 40      # (absent: the products')
+///     memory-gbps = 3350              # optional: what a product streams its operands at
+///     product-latency-us-bf16 = 5     # optional: what each product costs besides its FLOPs
+///     product-latency-us-fp32 = 5
 ///     intra-node-gbps = 450           # GB/s one device sends inside its node
 ///     intra-node-latency-us = 3
 ///     inter-node-gbps = 50            # GB/s one device sends to other nodes
