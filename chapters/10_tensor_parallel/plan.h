@@ -26,13 +26,15 @@ ch02::TransformerShape rank_shape(const ch02::TransformerShape& shape, int t, in
 
 /// One weight matrix a rank multiplies, [in, out], and whose rows it multiplies.
 struct RankMatrix {
+  /// Whose rows a matrix multiplies.
   enum class Rows {
     Every,   ///< every token of the rank (sequence parallelism: after the gather)
     Routed,  ///< the tokens the rank routes (the router)
     Expert,  ///< the tokens routed to one expert (each routed expert's matrices)
   };
-  int64_t in = 0, out = 0;
-  Rows rows = Rows::Every;
+  int64_t in = 0;           ///< the features it reads
+  int64_t out = 0;          ///< the features it writes
+  Rows rows = Rows::Every;  ///< whose rows it multiplies
 };
 
 /// What rank `rank` of `t` holds and multiplies of one block, in parameters.
