@@ -455,7 +455,7 @@ TEST(Planner, ReadsClusterFiles) {
   EXPECT_EQ(h100.devices_per_node, 8);
   EXPECT_DOUBLE_EQ(h100.peak_flops_bf16, 989e12);
   EXPECT_DOUBLE_EQ(h100.inter_node.bandwidth, 50e9);
-  for (const char* name : {"h800.toml", "a100-80gb.toml"})
+  for (const char* name : {"h800.toml", "a100-80gb.toml", "dev-2-core.toml"})
     EXPECT_NO_THROW(runtime::read_cluster(presets + name)) << name;
 
   const auto dir = std::filesystem::temp_directory_path() / "fivefold_test_cluster";
