@@ -37,6 +37,13 @@ struct TensorParallelShare {
   int64_t own(int64_t tokens) const;
 };
 
+/// A rank's part of chapter 13's expert parallelism, for a MoE layer's activations: the ranks of
+/// its group, and the rows its experts computed (the routing decides them).
+struct ExpertParallelShare {
+  int64_t ranks = 1;      ///< ep
+  int64_t received = -1;  ///< rows the rank's experts computed; -1: the balanced expectation
+};
+
 /// One rank's share of a context-parallel group (chapter 12), for block_activation_bytes.
 struct ContextParallelShare {
   int64_t ranks = 1;                                      ///< c, the ranks that share a sequence
@@ -119,12 +126,21 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// two roundings only); under sequence parallelism the router reads the rank's own rows and the
 /// shared experts' gathered input is rounded once, d fewer instead of one more. Under tp the
 /// rank's heads and shares, under cp its s_r tokens.
+///
+/// On a rank of chapter 13's expert parallelism (`ep`) a MoE layer's experts compute the R rows
+/// the routing sends them, not the k a token the rank routes (A of them): each received row keeps
+/// 2d + 4f_e floats and its regrouping index (an int64), each of the rank's assignments 2d + 3
+/// floats and five int64s, against 3d + 4f_e + 3 floats and four on one device; so R − A rows
+/// more (or fewer) at 4(2d + 4f_e + 2) bytes, and d floats and an int64 more an assignment. In
+/// bf16 the routed row and the expert's SwiGLU product are rounded where the expert runs: on the
+/// received rows. Full recomputation keeps none of it. Measured with ep alone (2 and 4 ranks).
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq,
                                         Recompute mode = Recompute::None,
                                         const TensorParallelShare& tp = {},
                                         const ContextParallelShare& cp = {},
-                                        Precision precision = Precision::Fp32);
+                                        Precision precision = Precision::Fp32,
+                                        const ExpertParallelShare& ep = {});
 
 /// A recomputation choice and what it costs: the blocks' activations for one micro-batch and the
 /// training FLOPs per token.

@@ -103,7 +103,8 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq, Recompute mode,
                                         const TensorParallelShare& tp,
-                                        const ContextParallelShare& cp, Precision precision) {
+                                        const ContextParallelShare& cp, Precision precision,
+                                        const ExpertParallelShare& ep) {
   const auto mla = ch06::MlaConfig::from_json(config.extensions);
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
   const bool routed = ch07::has_routed_experts(config) && moe.is_moe_layer(layer);
@@ -176,6 +177,17 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
       if (f_s > 0) rounded += share(f_s) + (tp.sequence_parallel ? d : -d);
     }
     bytes -= 2 * (tokens * rounded + own * routed_rounded);
+  }
+  if (routed && ep.ranks > 1) {
+    // Chapter 13: the experts compute the R rows they receive (2d + 4f_e floats and the
+    // regrouping index each), not the rank's A assignments; each assignment keeps its output sent
+    // back, and that gated (2d), the gates and the routing's indices, d and an int64 more than on
+    // one device. The rounded routed row and SwiGLU product (bf16) are the received rows'.
+    const int64_t k = moe.num_experts_per_tok, f_e = moe.moe_intermediate_size;
+    const int64_t assigned = own * k, received = ep.received < 0 ? assigned : ep.received;
+    const int64_t per_row =
+        4 * (2 * d + 4 * f_e + 2) - (precision == Precision::Bf16 ? 2 * (d + f_e) : 0);
+    bytes += (received - assigned) * per_row + assigned * (4 * d + 8);
   }
   if (config.rope_theta > 0) bytes += 4 * s_r * r;  // cos and sin, [s, r/2] each
   if (mode == Recompute::Selective) return bytes;
