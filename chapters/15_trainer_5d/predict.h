@@ -190,12 +190,12 @@ struct ActivationPrediction {
 };
 
 /// What block `layer` of `run`'s model keeps for backward, for `rows` rows of run.seq_len tokens
-/// on a rank with shares `tp` and `cp`: the formula of the kernels the run computes with
+/// on a rank with shares `tp`, `cp` and `ep`: the formula of the kernels the run computes with
 /// (run.block_activations), or, unset, chapter 14's for the lesson's kernels
 /// (block_activation_bytes; DeepSeek-shaped blocks deepseek_block_activation_bytes).
 int64_t block_kept(const Workload& run, int64_t layer, int64_t rows, ch14::Precision precision,
                    ch14::Recompute mode, const ch14::TensorParallelShare& tp,
-                   const ch14::ContextParallelShare& cp);
+                   const ch14::ContextParallelShare& cp, const ch14::ExpertParallelShare& ep = {});
 
 /// What one micro-batch keeps through blocks [first, last) on a rank at `at` of `layout` in a run
 /// of `run` in `precision`: per block block_kept for the rank's tp and cp share, in the mode
@@ -212,8 +212,8 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
 /// times the schedule's micro-batches in flight. The lesson's kernels: the training run's fast
 /// kernels keep less (notes/14_memory.md §1). Throws fivefold::Error where chapter 14 derives no
 /// formula (another architecture; MLA and MoE blocks with selective recomputation). Under ep a rank's
-/// experts compute what the router sends them: the count is the balanced expectation, k rows a
-/// token as on one device (the all-to-alls' buffers not measured).
+/// experts compute what the router sends them: the count is the balanced expectation (chapter
+/// 14's ep term with as many rows received as the rank routes, exact summed over the ep ranks).
 ActivationPrediction predicted_activations(const Layout& layout, const Workload& run,
                                            int64_t world_rank,
                                            ch14::Precision precision = ch14::Precision::Fp32);

@@ -30,10 +30,11 @@
 namespace fivefold::ch15 {
 
 /// Bytes one block keeps for backward on a rank: the model, the block (from 0), batch (rows), seq,
-/// precision, mode, the rank's tp and cp shares (the arguments of chapter 14's formulas).
+/// precision, mode, the rank's tp, cp and ep shares (the arguments of chapter 14's formulas).
 using BlockActivations = std::function<int64_t(
     const ch03::ModelConfig&, int64_t, int64_t, int64_t, ch14::Precision, ch14::Recompute,
-    const ch14::TensorParallelShare&, const ch14::ContextParallelShare&)>;
+    const ch14::TensorParallelShare&, const ch14::ContextParallelShare&,
+    const ch14::ExpertParallelShare&)>;
 
 /// What a layout is checked against and predicted for: the model and each step's batch.
 struct Workload {

@@ -351,11 +351,12 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
 int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t batch, int64_t seq,
                                ch14::Precision precision, ch14::Recompute mode,
                                const ch14::TensorParallelShare& tp,
-                               const ch14::ContextParallelShare& cp) {
+                               const ch14::ContextParallelShare& cp,
+                               const ch14::ExpertParallelShare& ep) {
   if (config.extensions.is_null())
     return block_activation_bytes(config.shape(), batch, seq, precision, mode, tp, cp);
   const int64_t lesson =
-      ch14::deepseek_block_activation_bytes(config, layer, batch, seq, mode, tp, cp, precision);
+      ch14::deepseek_block_activation_bytes(config, layer, batch, seq, mode, tp, cp, precision, ep);
   if (mode == ch14::Recompute::Full) return lesson;  // the block's input (and routing) alone
   const auto mla = ch06::MlaConfig::from_json(config.extensions);
   const int64_t d = config.d_model, h = config.n_heads / tp.ranks, n = mla.qk_nope_head_dim;

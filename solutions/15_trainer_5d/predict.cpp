@@ -421,15 +421,15 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
 
 int64_t block_kept(const Workload& run, int64_t layer, int64_t rows, ch14::Precision precision,
                    ch14::Recompute mode, const ch14::TensorParallelShare& tp,
-                   const ch14::ContextParallelShare& cp) {
+                   const ch14::ContextParallelShare& cp, const ch14::ExpertParallelShare& ep) {
   const ch03::ModelConfig& config = run.model;
   if (run.block_activations)
-    return run.block_activations(config, layer, rows, run.seq_len, precision, mode, tp, cp);
+    return run.block_activations(config, layer, rows, run.seq_len, precision, mode, tp, cp, ep);
   return config.extensions.is_null()
              ? ch14::block_activation_bytes(config.shape(), rows, run.seq_len, mode, tp,
                                             precision, cp)
              : ch14::deepseek_block_activation_bytes(config, layer, rows, run.seq_len, mode, tp,
-                                                     cp, precision);
+                                                     cp, precision, ep);
 }
 
 int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const Layout::Place& at,
@@ -438,13 +438,14 @@ int64_t blocks_activation_bytes(const Layout& layout, const Workload& run, const
   const ch14::RecomputeConfig recompute = run.recompute.for_stage(at.pp);
   const ch14::TensorParallelShare tp{layout.tp, at.tp, layout.sequence_parallel};
   const ch14::ContextParallelShare cp{layout.cp, at.cp, layout.cp_layout, layout.cp_attention};
+  const ch14::ExpertParallelShare ep{layout.ep, -1};  // the routing's balanced expectation
   int64_t bytes = 0;
   for (int64_t layer = first; layer < last; ++layer) {
     const ch14::Recompute mode =
         recompute.mode == ch14::Recompute::Full && !ch14::recomputes_block(recompute, layer)
             ? ch14::Recompute::None
             : recompute.mode;
-    bytes += block_kept(run, layer, rows, precision, mode, tp, cp);
+    bytes += block_kept(run, layer, rows, precision, mode, tp, cp, ep);
   }
   return bytes;
 }

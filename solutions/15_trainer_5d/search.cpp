@@ -36,21 +36,22 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
   const ModelTerms terms = model_terms(work);  // the same for every layout
   // What a block keeps depends on its kind (dense or MoE), the micro-batch, the mode and the
   // rank's tp and cp shares, not on the rest of the layout: each is counted once for the search.
-  std::map<std::array<int64_t, 12>, int64_t> kept;
+  std::map<std::array<int64_t, 14>, int64_t> kept;
   Workload counted = work;
   counted.block_activations = [&kept, &terms, &work](
                                   const ch03::ModelConfig&, int64_t layer, int64_t rows,
                                   int64_t seq, ch14::Precision precision, ch14::Recompute mode,
                                   const ch14::TensorParallelShare& tp,
-                                  const ch14::ContextParallelShare& cp) {
-    const std::array<int64_t, 12> key = {
+                                  const ch14::ContextParallelShare& cp,
+                                  const ch14::ExpertParallelShare& ep) {
+    const std::array<int64_t, 14> key = {
         terms.block[static_cast<size_t>(layer)].experts > 0, rows, seq,
         static_cast<int64_t>(precision), static_cast<int64_t>(mode), tp.ranks, tp.rank,
         tp.sequence_parallel, cp.ranks, cp.rank, static_cast<int64_t>(cp.layout),
-        static_cast<int64_t>(cp.attention)};
+        static_cast<int64_t>(cp.attention), ep.ranks, ep.received};
     auto found = kept.find(key);
     if (found == kept.end())
-      found = kept.emplace(key, block_kept(work, layer, rows, precision, mode, tp, cp)).first;
+      found = kept.emplace(key, block_kept(work, layer, rows, precision, mode, tp, cp, ep)).first;
     return found->second;
   };
   // The micro-batches each rank keeps depend only on the schedule's lists, not on the costs.

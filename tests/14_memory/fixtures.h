@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "03_transformer/train.h"
+#include "07_moe/moe.h"
 #include "14_memory/precision.h"
 #include "fivefold/dist.h"
 #include "fivefold/memory.h"
@@ -37,6 +39,28 @@ inline std::vector<int64_t> kept_per_block(const std::function<ch03::Transformer
   for (size_t i = 1; i < alive.size(); ++i) growth.push_back(alive[i] - alive[i - 1]);
   return growth;
 }
+
+/// A dispatcher around another (chapter 13's), recording how many rows this rank's experts
+/// received in the last dispatch: what a MoE block keeps under ep follows them.
+class RecordingDispatcher : public ch07::TokenDispatcher {
+ public:
+  RecordingDispatcher(std::shared_ptr<ch07::TokenDispatcher> inner, int64_t* received)
+      : inner_(std::move(inner)), received_(received) {}
+  ch07::DispatchedTokens dispatch(const torch::Tensor& x, const torch::Tensor& experts,
+                                  const torch::Tensor& kept, int64_t n_experts) override {
+    auto dispatched = inner_->dispatch(x, experts, kept, n_experts);
+    *received_ = dispatched.tokens.size(0);
+    return dispatched;
+  }
+  torch::Tensor combine(const torch::Tensor& outputs, const ch07::DispatchedTokens& dispatched,
+                        const torch::Tensor& gates, int64_t tokens, int64_t k) override {
+    return inner_->combine(outputs, dispatched, gates, tokens, k);
+  }
+
+ private:
+  std::shared_ptr<ch07::TokenDispatcher> inner_;
+  int64_t* received_;
+};
 
 /// A world of 4 ranks as tp 2 inside cp 2: rank 2c + t is rank t of its tp group and rank c of its
 /// cp group.

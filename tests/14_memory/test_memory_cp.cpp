@@ -196,31 +196,6 @@ TEST(ContextParallelMemory, WithTensorParallelismEachRankKeepsWhatTheDeepSeekFor
   }
 }
 
-namespace {
-
-// Chapter 13's dispatcher, recording how many rows this rank's experts received.
-class RecordingDispatcher : public ch07::TokenDispatcher {
- public:
-  RecordingDispatcher(std::shared_ptr<ch07::TokenDispatcher> inner, int64_t* received)
-      : inner_(std::move(inner)), received_(received) {}
-  ch07::DispatchedTokens dispatch(const torch::Tensor& x, const torch::Tensor& experts,
-                                  const torch::Tensor& kept, int64_t n_experts) override {
-    auto dispatched = inner_->dispatch(x, experts, kept, n_experts);
-    *received_ = dispatched.tokens.size(0);
-    return dispatched;
-  }
-  torch::Tensor combine(const torch::Tensor& outputs, const ch07::DispatchedTokens& dispatched,
-                        const torch::Tensor& gates, int64_t tokens, int64_t k) override {
-    return inner_->combine(outputs, dispatched, gates, tokens, k);
-  }
-
- private:
-  std::shared_ptr<ch07::TokenDispatcher> inner_;
-  int64_t* received_;
-};
-
-}  // namespace
-
 // DeepSeek-V3 in miniature under expert parallelism (chapter 13, ep = the world: each rank its own
 // tokens, E/ep experts), every recomputation mode, fp32 and bf16, five variants: what the MoE block
 // keeps on each rank against deepseek_block_activation_bytes with the rows the routing sent the
@@ -257,8 +232,8 @@ TEST(ExpertParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
                   ch03::Transformer model = ch13::make_model(config, group);
                   if (layers == 3) {
                     auto moe = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(2).mlp);
-                    moe->dispatcher =
-                        std::make_shared<RecordingDispatcher>(moe->dispatcher, &received);
+                    moe->dispatcher = std::make_shared<ch14::testing::RecordingDispatcher>(
+                        moe->dispatcher, &received);
                   }
                   apply_recompute(model, {mode, 1});
                   use_precision(precision, nullptr);

@@ -1,8 +1,8 @@
 // The fast paths (the tiled attention, the fused RMSNorm) on a rank of tensor parallelism (with
-// and without sequence parallelism) and of context parallelism (chapter 12's kernel in the
-// attention's place, the fused norms kept): what a block keeps, measured as the growth of the
-// storage alive when the loss is computed as a block is added, against block_activation_bytes for
-// the rank's share, in every recomputation mode, in fp32 and bf16.
+// and without sequence parallelism), of context parallelism (chapter 12's kernel in the
+// attention's place, the fused norms kept) and of expert parallelism: what a block keeps, measured
+// as the growth of the storage alive when the loss is computed as a block is added, against
+// block_activation_bytes for the rank's share, in every recomputation mode, in fp32 and bf16.
 #include <functional>
 
 #include "../10_tensor_parallel/fixtures.h"
@@ -11,6 +11,7 @@
 #include "07_moe/moe.h"
 #include "10_tensor_parallel/layers.h"
 #include "12_context_parallel/context_parallel.h"
+#include "13_expert_parallel/expert_parallel.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
 #include "fivefold/memory.h"
@@ -252,4 +253,43 @@ TEST(FastPathsParallel, EachRankOfTensorAndContextParallelismKeepsWhatTheDeepSee
       }
     }
   }
+}
+
+// A MoE block on each rank of expert parallelism (ep = the world, each rank its own tokens) with
+// the fast paths, every mode, fp32 and bf16: the fast kernels' formula with chapter 14's ep term
+// for the rows the routing sent the rank's experts (recorded around chapter 13's dispatcher).
+TEST(FastPathsParallel, EachExpertParallelRankKeepsWhatTheDeepSeekFormulaSays) {
+  if (world()->size() == 1) GTEST_SKIP() << "expert parallelism needs 2 ranks or more";
+  const int64_t n = world()->size();
+  const auto group = ch13::make_expert_parallel(world(), n);
+  Fp32Afterwards restore;
+  for (Precision precision : {Precision::Fp32, Precision::Bf16})
+    for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full})
+      for (const auto& [batch, seq] : {std::pair<int64_t, int64_t>{1, 8}, {2, 12}}) {
+        SCOPED_TRACE(ch14::to_string(precision) + ", " + ch14::to_string(mode) + ", " +
+                     std::to_string(batch) + " x " + std::to_string(seq));
+        auto config = ch10::testing::deepseek_config();
+        config.extensions["first_k_dense_replace"] = 2;  // blocks 1-2 dense, block 3 MoE
+        auto tokens = torch::randint(0, 259, {batch, seq}, generator_for(5 + world()->rank(), "t"));
+        int64_t received = -1;
+        const auto kept = kept_per_block(
+            [&, mode = mode, precision = precision](int64_t layers) {
+              config.n_layers = layers;
+              ch03::set_matmul_kernel(nullptr);
+              ch03::Transformer model = ch13::make_model(config, group);
+              runtime::install_fast_paths(model);
+              if (layers == 3) {
+                auto moe = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(2).mlp);
+                moe->dispatcher = std::make_shared<ch14::testing::RecordingDispatcher>(
+                    moe->dispatcher, &received);
+              }
+              ch14::apply_recompute(model, {mode, 1});
+              if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
+              return model;
+            },
+            {tokens, tokens}, 3);
+        ASSERT_GE(received, 0);
+        EXPECT_EQ(kept[1], runtime::block_activation_bytes(config, 2, batch, seq, precision, mode,
+                                                           {}, {}, {n, received}));
+      }
 }

@@ -108,13 +108,16 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// recomputation or cp, the tiled kernel in the lesson's place: no probabilities 4b·h·s², no mask
 /// s², no whole kv_b_proj output for a single row (4h·n a token); its own contiguous v and its
 /// log-sum-exp, 4h(dv + 1) a token; in bf16 q, k and v rounded, 2h(2(n + r) + dv) bytes fewer a
-/// token (h: the rank's heads under tp). Measured by the runtime's tests on one device and on
-/// every rank of tp, cp and tp x cp, in fp32 and bf16.
+/// token (h: the rank's heads under tp); under ep a MoE block's term for the rows the routing sent
+/// the rank's experts, as chapter 14 counts it (the fast paths do not touch the experts).
+/// Measured by the runtime's tests on one device and on every rank of tp, cp, tp x cp and ep, in
+/// fp32 and bf16.
 int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t layer, int64_t batch,
                                int64_t seq, ch14::Precision precision = ch14::Precision::Fp32,
                                ch14::Recompute mode = ch14::Recompute::None,
                                const ch14::TensorParallelShare& tp = {},
-                               const ch14::ContextParallelShare& cp = {});
+                               const ch14::ContextParallelShare& cp = {},
+                               const ch14::ExpertParallelShare& ep = {});
 
 /// The products of `linear` on oneDNN's sgemm (libdnnl, which Debian's LibTorch links as well)
 /// instead of OpenBLAS's: on the machine this project is measured on, oneDNN's kernels run the
