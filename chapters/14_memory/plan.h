@@ -133,7 +133,9 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// floats and five int64s, against 3d + 4f_e + 3 floats and four on one device; so R − A rows
 /// more (or fewer) at 4(2d + 4f_e + 2) bytes, and d floats and an int64 more an assignment. In
 /// bf16 the routed row and the expert's SwiGLU product are rounded where the expert runs: on the
-/// received rows. Full recomputation keeps none of it. Measured with ep alone (2 and 4 ranks).
+/// received rows. Full recomputation keeps none of it. A is the rank's tokens' (tp and cp: the
+/// tokens it routes). Measured with ep alone (2 and 4 ranks) and beside tp 2, with and without
+/// sequence parallelism, and cp 2.
 int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t layer,
                                         int64_t batch, int64_t seq,
                                         Recompute mode = Recompute::None,

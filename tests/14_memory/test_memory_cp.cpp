@@ -251,3 +251,73 @@ TEST(ExpertParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
             EXPECT_EQ(sums[0].item<int64_t>(), sums[1].item<int64_t>()) << "over the ranks";
           }
 }
+
+// The same beside tp 2 (with and without sequence parallelism: the rank routes its own part of
+// the sequence, or all of it again) and beside cp 2 (ring and all-gather, zigzag), on 4 ranks with
+// ep 2 over the other dimension: the DeepSeek formula with both shares and the received rows.
+TEST(ExpertParallelMemory, BesideTensorOrContextParallelismEachRankKeepsWhatTheFormulaSays) {
+  if (world()->size() != 4) GTEST_SKIP() << "tp 2 or cp 2 beside ep 2 needs 4 ranks";
+  const int rank = world()->rank();
+  // rank = 2·i + j: j the rank in its tp or cp group (consecutive ranks), i in its ep group.
+  auto inner = world()->split(rank / 2, rank % 2, "inner");
+  auto data = world()->split(rank % 2, rank / 2, "data");
+  const auto beside_tp = ch13::make_expert_parallel(data, 2);
+  const auto beside_cp = ch13::make_expert_parallel(world(), 2);  // ep over dp·cp's first 2
+  ch14::testing::Fp32Afterwards restore;
+  const int64_t batch = 2, seq = 8;
+  enum class Beside { Tp, TpSp, CpRing, CpAllGather };
+  for (Beside beside : {Beside::Tp, Beside::TpSp, Beside::CpRing, Beside::CpAllGather})
+    for (Precision precision : {Precision::Fp32, Precision::Bf16})
+      for (Recompute mode : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+        const bool cp = beside == Beside::CpRing || beside == Beside::CpAllGather;
+        const auto attention =
+            beside == Beside::CpRing ? ch12::CpAttention::Ring : ch12::CpAttention::AllGather;
+        SCOPED_TRACE(std::string(cp ? "cp 2 " : "tp 2 ") +
+                     (beside == Beside::TpSp          ? "SP"
+                      : beside == Beside::CpRing      ? "ring"
+                      : beside == Beside::CpAllGather ? "all-gather"
+                                                      : "") +
+                     ", " + to_string(precision) + ", " + to_string(mode));
+        auto config = ch10::testing::deepseek_config();
+        config.extensions["first_k_dense_replace"] = 2;  // blocks 1-2 dense, block 3 MoE
+        auto tokens = torch::randint(0, config.vocab_size, {batch, seq},
+                                     generator_for(5 + rank / 2, "t"));  // a tp group's alike
+        const ch03::Batch mine =
+            cp ? ch12::shard_batch({tokens, tokens}, 2, inner->rank(), ch12::CpLayout::Zigzag)
+               : ch03::Batch{tokens, tokens};
+        int64_t received = -1;
+        const auto kept = kept_per_block(
+            [&, beside = beside, mode = mode, precision = precision](int64_t layers) {
+              config.n_layers = layers;
+              ch03::Transformer model{nullptr};
+              if (cp) {
+                model = ch13::make_model(config, beside_cp);
+                model->set_attention_kernel(std::make_shared<ch12::ContextParallelKernel>(
+                    ch12::ContextParallel{inner, ch12::CpLayout::Zigzag, attention}));
+              } else {
+                model = ch10::make_model(config,
+                                         std::make_shared<ch10::TensorParallel>(
+                                             ch10::TensorParallel{inner, beside == Beside::TpSp}));
+                ch13::adapt_moe_layers(model, beside_tp);
+              }
+              if (layers == 3) {
+                auto moe = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(2).mlp);
+                moe->dispatcher = std::make_shared<ch14::testing::RecordingDispatcher>(
+                    moe->dispatcher, &received);
+              }
+              apply_recompute(model, {mode, 1});
+              use_precision(precision, nullptr);
+              return model;
+            },
+            mine, 3);
+        ASSERT_GE(received, 0);
+        const TensorParallelShare tp =
+            cp ? TensorParallelShare{}
+               : TensorParallelShare{2, inner->rank(), beside == Beside::TpSp};
+        const ContextParallelShare cps =
+            cp ? ContextParallelShare{2, inner->rank(), ch12::CpLayout::Zigzag, attention}
+               : ContextParallelShare{};
+        EXPECT_EQ(kept[1], deepseek_block_activation_bytes(config, 2, batch, seq, mode, tp, cps,
+                                                           precision, {2, received}));
+      }
+}
