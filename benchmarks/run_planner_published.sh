@@ -4,7 +4,7 @@
 # virtual stages and micro-batches where the paper gives them, fixed; the rest as the planner
 # chooses), and the best of every layout the trainer accepts. Prints a Markdown table: the
 # published MFU, the published layout's predicted MFU and its difference, whether it is among the
-# planner's top 5, and the planner's best. About 7 minutes on the 2-core development machine
+# planner's top 5, and the planner's best. 8-10 minutes on the 2-core development machine
 # (DeepSeek-V3's search is 3 of them).
 #   benchmarks/run_planner_published.sh [BUILD (build)]
 set -euo pipefail

@@ -183,7 +183,7 @@ void measure_products(const RunConfig& run, dist::Communicator& world, ch15::Clu
                                       {"bf16_s", half}});
     }
   }
-  ch03::set_matmul_kernel(run.fast ? fast_matmul_kernel() : nullptr);
+  ch03::set_matmul_kernel(run.fast ? fast_matmul_kernel() : nullptr);  // the run's, for the memory
   // Least squares for seconds = latency + FLOPs / rate (through zero where the latency comes out
   // negative); the worst product's distance from the line.
   auto fit = [&](const Samples& points, const char* precision) {
@@ -202,7 +202,9 @@ void measure_products(const RunConfig& run, dist::Communicator& world, ch15::Clu
   c.product_latency_bf16 = fit(bf16, "bf16");
   // The memory: one row by a 4096 x 4096 matrix (64 MB in fp32) streams the matrix.
   const int64_t n = 4096;
-  const double streamed = seconds_of(1, n, n).first - c.product_latency_fp32;
+  const double seconds = seconds_of(1, n, n).first;
+  const double streamed =
+      seconds > c.product_latency_fp32 ? seconds - c.product_latency_fp32 : seconds;
   c.memory_bandwidth = 4.0 * static_cast<double>(n * n + 2 * n) / streamed;
   measured["memory_bandwidth_bytes_per_s"] = c.memory_bandwidth;
   ch03::set_matmul_kernel(previous);
