@@ -62,6 +62,13 @@ class RecordingDispatcher : public ch07::TokenDispatcher {
   int64_t* received_;
 };
 
+/// Puts a RecordingDispatcher around the dispatcher of block `layer`'s MoE layer in `model`, writing
+/// the rows its experts receive to `received`.
+inline void record_received_rows(ch03::Transformer& model, int64_t layer, int64_t* received) {
+  auto moe = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(layer).mlp);
+  moe->dispatcher = std::make_shared<RecordingDispatcher>(moe->dispatcher, received);
+}
+
 /// A world of 4 ranks as tp 2 inside cp 2: rank 2c + t is rank t of its tp group and rank c of its
 /// cp group.
 struct TensorInsideContext {

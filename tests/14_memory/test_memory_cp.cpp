@@ -230,11 +230,7 @@ TEST(ExpertParallelMemory, EachRankKeepsWhatTheDeepSeekFormulaSays) {
                 [&, mode = mode, precision = precision](int64_t layers) {
                   config.n_layers = layers;
                   ch03::Transformer model = ch13::make_model(config, group);
-                  if (layers == 3) {
-                    auto moe = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(2).mlp);
-                    moe->dispatcher = std::make_shared<ch14::testing::RecordingDispatcher>(
-                        moe->dispatcher, &received);
-                  }
+                  if (layers == 3) ch14::testing::record_received_rows(model, 2, &received);
                   apply_recompute(model, {mode, 1});
                   use_precision(precision, nullptr);
                   return model;
@@ -300,11 +296,7 @@ TEST(ExpertParallelMemory, BesideTensorOrContextParallelismEachRankKeepsWhatTheF
                                              ch10::TensorParallel{inner, beside == Beside::TpSp}));
                 ch13::adapt_moe_layers(model, beside_tp);
               }
-              if (layers == 3) {
-                auto moe = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(2).mlp);
-                moe->dispatcher = std::make_shared<ch14::testing::RecordingDispatcher>(
-                    moe->dispatcher, &received);
-              }
+              if (layers == 3) ch14::testing::record_received_rows(model, 2, &received);
               apply_recompute(model, {mode, 1});
               use_precision(precision, nullptr);
               return model;

@@ -278,11 +278,7 @@ TEST(FastPathsParallel, EachExpertParallelRankKeepsWhatTheDeepSeekFormulaSays) {
               ch03::set_matmul_kernel(nullptr);
               ch03::Transformer model = ch13::make_model(config, group);
               runtime::install_fast_paths(model);
-              if (layers == 3) {
-                auto moe = std::dynamic_pointer_cast<ch07::MoeImpl>(model->block(2).mlp);
-                moe->dispatcher = std::make_shared<ch14::testing::RecordingDispatcher>(
-                    moe->dispatcher, &received);
-              }
+              if (layers == 3) ch14::testing::record_received_rows(model, 2, &received);
               ch14::apply_recompute(model, {mode, 1});
               if (precision == Precision::Bf16) ch14::use_precision(precision, nullptr);
               return model;
