@@ -87,22 +87,32 @@ class AttentionKernel {
   /// q [batch, n_heads, seq_q, d], k [batch, n_kv_heads, seq_k, d], v [batch, n_kv_heads, seq_k,
   /// v_dim]; q_positions [seq_q] and k_positions [seq_k] (int64) are the tokens' positions in
   /// their sequence: a query sees the keys at positions <= its own. Scores are scale·q·k.
-  virtual AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k,
-                                 const torch::Tensor& v, const torch::Tensor& q_positions,
-                                 const torch::Tensor& k_positions, double scale) const = 0;
+  /// Computes in fp32 at least: q, k and v of a narrower type (chapter 14's products hand on
+  /// bf16) are widened first, so that softmax and the log-sum-exp never run in bf16; then compute.
+  AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                         const torch::Tensor& q_positions, const torch::Tensor& k_positions,
+                         double scale) const;
+
+ protected:
+  /// What the kernel does (attend's arguments; q, k and v of one type, fp32 or wider).
+  virtual AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, const torch::Tensor& q_positions,
+                                  const torch::Tensor& k_positions, double scale) const = 0;
 };
 
 /// Chapter 03's kernel: causal_attention. It needs the layout causal_attention assumes (keys at
 /// consecutive positions, queries the last of them) and refuses any other with fivefold::Error.
 class CausalAttentionKernel : public AttentionKernel {
  public:
-  AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                         const torch::Tensor& q_positions, const torch::Tensor& k_positions,
-                         double scale) const override;
   /// Whether queries at `q_positions` and keys at `k_positions` (int64) are the layout a causal
   /// kernel of one process computes: keys at consecutive positions, the queries the last of them
   /// (any other, such as a context-parallel rank's, needs chapter 12's kernel).
   static bool causal_layout(const torch::Tensor& q_positions, const torch::Tensor& k_positions);
+
+ protected:
+  AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const torch::Tensor& q_positions, const torch::Tensor& k_positions,
+                          double scale) const override;
 };
 
 /// The positions first .. first + count - 1, int64 [count].
@@ -161,7 +171,8 @@ class RMSNormImpl : public torch::nn::Module {
  public:
   /// @param dim features; @param eps added under the square root.
   RMSNormImpl(int64_t dim, double eps);
-  /// x [..., dim] -> same shape: the formula above, or `kernel` when one is installed.
+  /// x [..., dim] -> same shape, in the weight's type (a bf16 input is widened first): the formula
+  /// above, or `kernel` when one is installed.
   torch::Tensor forward(const torch::Tensor& x);
   torch::Tensor weight;  ///< [dim], initialised to ones
   /// Computes the norm instead of the formula written out in forward (null: the formula).

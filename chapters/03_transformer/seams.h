@@ -67,8 +67,11 @@ class MatmulKernel {
   }
   /// The form mm reads an activation in: `linear` converts its input x (and backward ∂L/∂y) to it
   /// once, and keeps x so for backward (chapter 14's bf16 kernel rounds to bf16, halving what
-  /// linear keeps); the products' results go on in x's own dtype. The identity here.
+  /// linear keeps). The identity here.
   virtual torch::Tensor operand(const torch::Tensor& t) const { return t; }
+  /// The type `linear` hands its result y on in, for an input x of type `input` (x's own here;
+  /// chapter 14's bf16 kernel: bf16, as autocast does). ∂L/∂x goes back in x's own type.
+  virtual at::ScalarType result_type(at::ScalarType input) const { return input; }
 };
 
 /// Makes `kernel` the one `linear` multiplies with (nullptr: at::mm), for every thread; returns the

@@ -58,7 +58,8 @@ struct TensorParallel {
   /// Into the split layers: f (copy_to_tensor_parallel), or under sequence parallelism the
   /// all-gather of the sequence. x [batch, seq or seq_r, d] -> [batch, seq, d].
   torch::Tensor enter(const torch::Tensor& x) const;
-  /// Out of them: g (reduce_from_tensor_parallel), or the reduce-scatter along the sequence.
+  /// Out of them: g (reduce_from_tensor_parallel), or the reduce-scatter along the sequence; a
+  /// partial sum narrower than fp32 (a bf16 product's result, chapter 14) is summed in fp32.
   torch::Tensor leave(const torch::Tensor& partial) const;
 };
 

@@ -121,9 +121,9 @@ class BlockwiseAttentionKernel : public ch03::AttentionKernel {
  public:
   /// `block`: keys per block (> 0).
   explicit BlockwiseAttentionKernel(int64_t block = 128);
-  ch03::AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const torch::Tensor& q_positions,
-                               const torch::Tensor& k_positions, double scale) const override;
+  ch03::AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& q_positions,
+                                const torch::Tensor& k_positions, double scale) const override;
 
  private:
   int64_t block_;

@@ -107,9 +107,9 @@ class ContextParallelKernel : public ch03::AttentionKernel {
  public:
   /// Attends over the ranks of `group.cp` as `group.attention` says.
   explicit ContextParallelKernel(ContextParallel group) : group_(std::move(group)) {}
-  ch03::AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const torch::Tensor& q_positions,
-                               const torch::Tensor& k_positions, double scale) const override;
+  ch03::AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& q_positions,
+                                const torch::Tensor& k_positions, double scale) const override;
 
  private:
   ContextParallel group_;

@@ -2,11 +2,12 @@
 /// @file precision.h
 /// @brief Chapter 14: mixed precision. The matrix products, which are almost all of a step's
 /// FLOPs, run in bf16: each operand rounded to bf16 (8 bits of mantissa, fp32's range), multiplied
-/// by oneDNN's bf16 GEMM with fp32 accumulation, the product rounded to bf16 and handed on as fp32.
-/// Everything else stays fp32: the weights themselves (they are the master copy AdamW updates),
-/// the activations between products, RMSNorm, softmax and the loss, the gradients and their
-/// reduction across ranks, AdamW's moments and the checkpoints. bf16 has fp32's exponent, so no
-/// gradient underflows and no loss scaling is needed (fp16, with 5 exponent bits, needs it).
+/// by oneDNN's bf16 GEMM with fp32 accumulation, the product handed on in bf16 (as PyTorch's
+/// autocast does: SwiGLU then runs over bf16). RMSNorm, the attention kernels and the collectives
+/// that sum or carry a product's result widen it to fp32 first; the weights themselves (the
+/// master copy AdamW updates), the residual stream, softmax and the loss, the gradients and their
+/// reduction across ranks, AdamW's moments and the checkpoints stay fp32. bf16 has fp32's exponent,
+/// so no gradient underflows and no loss scaling is needed (fp16, with 5 exponent bits, needs it).
 
 #include <torch/torch.h>
 
@@ -21,7 +22,7 @@ namespace fivefold::ch14 {
 /// What the matrix products compute in.
 enum class Precision {
   Fp32,  ///< every product in fp32 (chapter 03's training)
-  Bf16,  ///< the products' operands rounded to bf16, fp32 everywhere else
+  Bf16,  ///< the products in bf16 (operands and results), fp32 where the header says
 };
 
 /// "fp32" or "bf16"; throws fivefold::Error for anything else, naming the choices.
@@ -31,8 +32,8 @@ std::string to_string(Precision precision);
 
 /// `linear`'s products (x·Wᵀ forward; ∂L/∂y·W and (∂L/∂y)ᵀ·x backward) and the tiled attention's
 /// batched ones in bf16: a and b rounded to bf16, multiplied (oneDNN, fp32 accumulation), the
-/// result rounded to bf16 and returned as fp32. The weights' gradients are such products too: they
-/// reach .grad in fp32, where the optimizer and the reductions read them.
+/// result returned in bf16. The weights' gradients are such products too: `linear` widens them
+/// into .grad in fp32, where the optimizer and the reductions read them.
 class Bf16MatmulKernel : public ch03::MatmulKernel {
  public:
   torch::Tensor mm(const torch::Tensor& a, const torch::Tensor& b) const override;
@@ -43,6 +44,7 @@ class Bf16MatmulKernel : public ch03::MatmulKernel {
   /// them) share its rounding: the last two on this thread are reused while they are alive and
   /// their inputs unchanged.
   torch::Tensor operand(const torch::Tensor& t) const override;
+  at::ScalarType result_type(at::ScalarType input) const override { return torch::kBFloat16; }
 };
 
 /// Makes `linear` multiply in `precision`, for the whole process (ch03::set_matmul_kernel): Bf16

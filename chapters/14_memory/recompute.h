@@ -89,9 +89,9 @@ class RecomputedAttentionKernel : public ch03::AttentionKernel {
  public:
   /// Wraps `inner` (not null).
   explicit RecomputedAttentionKernel(std::shared_ptr<const ch03::AttentionKernel> inner);
-  ch03::AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const torch::Tensor& q_positions,
-                               const torch::Tensor& k_positions, double scale) const override;
+  ch03::AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& q_positions,
+                                const torch::Tensor& k_positions, double scale) const override;
   /// The kernel wrapped.
   const std::shared_ptr<const ch03::AttentionKernel>& inner() const { return inner_; }
 

@@ -205,11 +205,11 @@ int64_t TiledCausalAttentionKernel::scores(int64_t seq) const {
   return total;
 }
 
-AttentionOutput TiledCausalAttentionKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
-                                                   const torch::Tensor& v,
-                                                   const torch::Tensor& q_positions,
-                                                   const torch::Tensor& k_positions,
-                                                   double scale) const {
+AttentionOutput TiledCausalAttentionKernel::compute(const torch::Tensor& q, const torch::Tensor& k,
+                                                    const torch::Tensor& v,
+                                                    const torch::Tensor& q_positions,
+                                                    const torch::Tensor& k_positions,
+                                                    double scale) const {
   const int64_t seq_q = q.size(2);
   FIVEFOLD_CHECK(q_positions.size(0) == seq_q && k_positions.size(0) == k.size(2) &&
                      CausalAttentionKernel::causal_layout(q_positions, k_positions),
@@ -321,10 +321,11 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
   const int64_t kv = shape.n_kv_heads;
   const int64_t rounded = precision == ch14::Precision::Bf16 ? 2 : 4;  // bytes a kept operand
   const int64_t tokens = batch * s_r;
-  // Per token: the norms' inputs and 1/rms, for the rank's own tokens (2d + 2); SwiGLU, the
-  // attention's output and log-sum-exp over all its tokens; the linear maps' inputs rounded.
+  // Per token: the norms' inputs and 1/rms, for the rank's own tokens (2d + 2); the attention's
+  // output and log-sum-exp over all its tokens; the linear maps' inputs rounded, and SwiGLU's
+  // gate, SiLU and up, which the products hand on in their own type.
   const int64_t residual = 2 * d + 2;
-  int64_t fp32 = 3 * f + h * hd + h, operands = 2 * d + h * hd + f;
+  int64_t fp32 = h * hd + h, operands = 2 * d + h * hd + 4 * f;
   int64_t bytes = 4 * s_r * hd;  // RoPE's cos and sin rows for its positions
   if (cp.ranks == 1) {
     operands += 3 * h * hd;  // the tiled kernel's q, k and v, rounded, at every query head
@@ -364,15 +365,17 @@ int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t
   const int64_t s_r = cp.tokens(seq), tokens = batch * s_r, own = batch * tp.own(s_r);
   // The fused norms keep their input and 1/rms, 2 floats a number fewer than the lesson's: the
   // two on the residual stream (the rank's own tokens), the latents' (whole on every tp rank),
-  // and kv_a_layernorm's input no longer holds kv_a_proj's rotary part (r) alive.
-  int64_t bytes =
-      lesson - 4 * own * 4 * d - 4 * tokens * (2 * (mla.q_lora_rank + mla.kv_lora_rank) + r);
+  // and in fp32 kv_a_layernorm's input no longer holds kv_a_proj's rotary part (r) alive (in
+  // bf16 the lesson's norm widens a copy of its own and holds none either).
+  const bool bf16 = precision == ch14::Precision::Bf16;
+  int64_t bytes = lesson - 4 * own * 4 * d -
+                  4 * tokens * (2 * (mla.q_lora_rank + mla.kv_lora_rank) + (bf16 ? 0 : r));
   if (mode == ch14::Recompute::Selective || cp.ranks > 1) return bytes;  // no tiled kernel
   // The tiled kernel: no probabilities, no mask, no whole kv_b_proj output for one row; its own
   // contiguous v and its log-sum-exp; in bf16 q, k and v rounded.
   bytes += 4 * tokens * h * (dv + 1) - 4 * batch * h * seq * seq - seq * seq;
-  if (batch == 1) bytes -= 4 * tokens * h * n;
-  if (precision == ch14::Precision::Bf16) bytes -= 2 * tokens * h * (2 * (n + r) + dv);
+  if (batch == 1 && !bf16) bytes -= 4 * tokens * h * n;  // (bf16: the lesson's has none)
+  if (bf16) bytes -= 2 * tokens * h * (2 * (n + r) + dv);
   return bytes;
 }
 

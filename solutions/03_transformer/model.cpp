@@ -44,11 +44,19 @@ bool CausalAttentionKernel::causal_layout(const torch::Tensor& q_positions,
   return true;
 }
 
-AttentionOutput CausalAttentionKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
-                                              const torch::Tensor& v,
-                                              const torch::Tensor& q_positions,
-                                              const torch::Tensor& k_positions,
-                                              double scale) const {
+AttentionOutput AttentionKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
+                                        const torch::Tensor& v, const torch::Tensor& q_positions,
+                                        const torch::Tensor& k_positions, double scale) const {
+  const auto type = at::promote_types(at::promote_types(q.scalar_type(), k.scalar_type()),
+                                      at::promote_types(v.scalar_type(), torch::kFloat));
+  return compute(q.to(type), k.to(type), v.to(type), q_positions, k_positions, scale);
+}
+
+AttentionOutput CausalAttentionKernel::compute(const torch::Tensor& q, const torch::Tensor& k,
+                                               const torch::Tensor& v,
+                                               const torch::Tensor& q_positions,
+                                               const torch::Tensor& k_positions,
+                                               double scale) const {
   FIVEFOLD_CHECK(q_positions.size(0) == q.size(2) && k_positions.size(0) == k.size(2) &&
                      causal_layout(q_positions, k_positions),
                  "chapter 03's attention kernel needs keys at consecutive positions and queries "
@@ -101,7 +109,8 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
-torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+torch::Tensor RMSNormImpl::forward(const torch::Tensor& input) {
+  const auto x = input.to(weight.scalar_type());  // a bf16 product's result: the norm in fp32
   if (kernel) return kernel->normalize(x, weight, eps_);
   return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
 }
@@ -134,14 +143,17 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
                                const torch::Tensor& weight) {
     const auto x_kept = matmul_operand(x);
     ctx->save_for_backward({x_kept, weight});
-    return unrows(product(rows(x_kept), weight.t()), x).to(x.scalar_type());
+    ctx->saved_data["input_type"] = static_cast<int64_t>(x.scalar_type());
+    const auto type = g_matmul ? g_matmul->result_type(x.scalar_type()) : x.scalar_type();
+    return unrows(product(rows(x_kept), weight.t()), x).to(type);
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &weight = saved[1];
     const auto grad_y = matmul_operand(grads[0]);
-    auto grad_x = unrows(product(rows(grad_y), weight), x).to(grads[0].scalar_type());
+    const auto input_type = static_cast<at::ScalarType>(ctx->saved_data["input_type"].toInt());
+    auto grad_x = unrows(product(rows(grad_y), weight), x).to(input_type);
     if (deferred != nullptr) {
       deferred->keep(weight, x, grad_y);
       return {grad_x, torch::Tensor()};

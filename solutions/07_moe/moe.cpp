@@ -199,11 +199,10 @@ torch::Tensor MoeImpl::run_experts(const DispatchedTokens& dispatched) {
   std::vector<torch::Tensor> outputs;
   for (size_t i = 0; i < pieces.size(); ++i) {
     // An expert that received no token computes nothing (and gets no gradient).
-    outputs.push_back(pieces[i].size(0) == 0
-                          ? pieces[i]
-                          : expert(held_.first + static_cast<int64_t>(i)).forward(pieces[i]));
+    if (pieces[i].size(0) > 0)
+      outputs.push_back(expert(held_.first + static_cast<int64_t>(i)).forward(pieces[i]));
   }
-  return torch::cat(outputs);  // [rows, d_model]
+  return outputs.empty() ? dispatched.tokens : torch::cat(outputs);  // [rows, d_model]
 }
 
 ch03::MlpImpl& MoeImpl::expert(int64_t j) {
@@ -233,7 +232,7 @@ torch::Tensor LocalDispatcher::combine(const torch::Tensor& outputs,
                                        const torch::Tensor& gates, int64_t tokens, int64_t k) {
   const auto token_of = dispatched.slots.div(k, "floor");
   const auto weighted = outputs * gates.index_select(0, dispatched.slots).unsqueeze(1);
-  return torch::zeros({tokens, outputs.size(1)}, outputs.options())
+  return torch::zeros({tokens, outputs.size(1)}, weighted.options())  // the gates' type
       .index_add(0, token_of, weighted);
 }
 

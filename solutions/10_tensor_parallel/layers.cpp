@@ -64,8 +64,11 @@ dist::CommunicatorPtr TensorParallel::replica_group(int parts) {
 }
 
 torch::Tensor TensorParallel::leave(const torch::Tensor& partial) const {
-  return sequence_parallel ? reduce_scatter_to_sequence_parallel(partial, comm)
-                           : reduce_from_tensor_parallel(partial, comm);
+  // The partial sums are summed in fp32 at least: a bf16 product's result (chapter 14) is widened
+  // first, so that the sum rounds once and the traffic is an fp32 step's.
+  const auto wide = partial.to(at::promote_types(partial.scalar_type(), torch::kFloat));
+  return sequence_parallel ? reduce_scatter_to_sequence_parallel(wide, comm)
+                           : reduce_from_tensor_parallel(wide, comm);
 }
 
 ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out, int rank, int ranks)

@@ -226,7 +226,7 @@ BlockwiseAttentionKernel::BlockwiseAttentionKernel(int64_t block) : block_(block
                  block);
 }
 
-ch03::AttentionOutput BlockwiseAttentionKernel::attend(
+ch03::AttentionOutput BlockwiseAttentionKernel::compute(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     const torch::Tensor& q_positions, const torch::Tensor& k_positions, double scale) const {
   return blockwise_attention(q, k, v, q_positions, k_positions, scale, block_);

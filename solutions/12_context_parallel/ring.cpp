@@ -182,11 +182,11 @@ ch03::AttentionOutput all_gather_attention(const torch::Tensor& q, const torch::
                              keys.all, scale, block);
 }
 
-ch03::AttentionOutput ContextParallelKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
-                                                    const torch::Tensor& v,
-                                                    const torch::Tensor& q_positions,
-                                                    const torch::Tensor& k_positions,
-                                                    double scale) const {
+ch03::AttentionOutput ContextParallelKernel::compute(const torch::Tensor& q, const torch::Tensor& k,
+                                                     const torch::Tensor& v,
+                                                     const torch::Tensor& q_positions,
+                                                     const torch::Tensor& k_positions,
+                                                     double scale) const {
   if (group_.attention == CpAttention::Ring) {
     return ring_attention(q, k, v, q_positions, k_positions, scale, group_.cp, group_.overlap);
   }

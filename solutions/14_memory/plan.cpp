@@ -42,13 +42,14 @@ double training_flops_per_token(const ch02::TransformerShape& shape, int64_t con
 
 namespace {
 
-// In bf16 the linear maps keep their inputs rounded, 2 bytes an element instead of 4: the norms'
-// outputs, the heads' merged output, SwiGLU's product, for `tokens` tokens of `shape` (a rank's
-// share of heads and d_ff under tp).
+// In bf16, 2 bytes an element instead of 4: the linear maps keep their inputs rounded (the norms'
+// outputs, the heads' merged output, SwiGLU's product), and SwiGLU's gate, its SiLU and up are
+// the products' bf16 results; for `tokens` tokens of `shape` (a rank's share of heads and d_ff
+// under tp).
 int64_t linear_inputs_saving(const ch02::TransformerShape& shape, int64_t tokens,
                              Precision precision) {
   if (precision != Precision::Bf16) return 0;
-  return 2 * tokens * (2 * shape.d_model + shape.n_heads * shape.head_dim + shape.d_ff);
+  return 2 * tokens * (2 * shape.d_model + shape.n_heads * shape.head_dim + 4 * shape.d_ff);
 }
 
 }  // namespace
@@ -164,17 +165,26 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   if (precision == Precision::Bf16) {
     // The linear maps' inputs kept rounded (2 bytes fewer an element) where the fp32 one is freed:
     // this rank's heads and shares; a MoE layer's routed rows for the tokens it routes.
-    int64_t rounded = d + mla.q_lora_rank + d_c + h * dv, routed_rounded = 0;
+    // The products hand their results on in bf16: SwiGLU's gate, SiLU and up (3 a unit of
+    // width) and a routed expert's output, which the gate's product keeps, are bf16. What views
+    // of an fp32 result kept whole is no longer kept: kv_b_proj's output, of which v was a view
+    // (the kernel widens v into a copy: h·n fewer where the core's inputs, the ring's own keys
+    // and values or one row's kept it), and kv_a_proj's, whose latent the norm now widens (the
+    // key's rotary part, r: 4 bytes, 2r here).
+    int64_t rounded = d + mla.q_lora_rank + d_c + h * dv + 2 * r, routed_rounded = 0;
+    const bool v_view_kept = mode == Recompute::Selective || (cp.ranks == 1 && batch == 1) ||
+                             (cp.ranks > 1 && cp.attention == ch12::CpAttention::Ring);
+    if (v_view_kept) rounded += 2 * h * n;
     if (!routed) {
-      rounded += d + share(config.d_ff);
+      rounded += d + 4 * share(config.d_ff);
     } else {
       const int64_t f_s = moe.moe_intermediate_size * moe.n_shared_experts;
-      routed_rounded = moe.num_experts_per_tok * (d + moe.moe_intermediate_size);
+      routed_rounded = moe.num_experts_per_tok * (2 * d + 4 * moe.moe_intermediate_size);
       // The shared experts' product; and the norm's output: under sequence parallelism the
       // router reads the rank's own rows and the shared experts the gathered output, rounded once
       // (d); else the router keeps the fp32 output and the experts' roundings in between cost
       // the shared experts a second rounded copy of it (-d).
-      if (f_s > 0) rounded += share(f_s) + (tp.sequence_parallel ? d : -d);
+      if (f_s > 0) rounded += 4 * share(f_s) + (tp.sequence_parallel ? d : -d);
     }
     bytes -= 2 * (tokens * rounded + own * routed_rounded);
   }
@@ -182,12 +192,14 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
     // Chapter 13: the experts compute the R rows they receive (2d + 4f_e floats and the
     // regrouping index each), not the rank's A assignments; each assignment keeps its output sent
     // back, and that gated (2d), the gates and the routing's indices, d and an int64 more than on
-    // one device. The rounded routed row and SwiGLU product (bf16) are the received rows'.
+    // one device. In bf16 the received rows keep the rounded routed row and SwiGLU product and
+    // the products' bf16 gate, SiLU and up (d + 4f_e at 2 bytes); their outputs go back widened
+    // to fp32 (chapter 13's combine), so the rank's own assignments keep theirs in fp32.
     const int64_t k = moe.num_experts_per_tok, f_e = moe.moe_intermediate_size;
     const int64_t assigned = own * k, received = ep.received < 0 ? assigned : ep.received;
-    const int64_t per_row =
-        4 * (2 * d + 4 * f_e + 2) - (precision == Precision::Bf16 ? 2 * (d + f_e) : 0);
-    bytes += (received - assigned) * per_row + assigned * (4 * d + 8);
+    const bool bf16 = precision == Precision::Bf16;
+    const int64_t per_row = 4 * (2 * d + 4 * f_e + 2) - (bf16 ? 2 * (d + 4 * f_e) : 0);
+    bytes += (received - assigned) * per_row + assigned * (4 * d + 8 + (bf16 ? 2 * d : 0));
   }
   if (config.rope_theta > 0) bytes += 4 * s_r * r;  // cos and sin, [s, r/2] each
   if (mode == Recompute::Selective) return bytes;

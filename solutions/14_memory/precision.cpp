@@ -20,11 +20,11 @@ std::string to_string(Precision precision) {
 }
 
 torch::Tensor Bf16MatmulKernel::mm(const torch::Tensor& a, const torch::Tensor& b) const {
-  return a.to(torch::kBFloat16).mm(b.to(torch::kBFloat16)).to(a.scalar_type());
+  return a.to(torch::kBFloat16).mm(b.to(torch::kBFloat16));
 }
 
 torch::Tensor Bf16MatmulKernel::bmm(const torch::Tensor& a, const torch::Tensor& b) const {
-  return a.to(torch::kBFloat16).bmm(b.to(torch::kBFloat16)).to(a.scalar_type());
+  return a.to(torch::kBFloat16).bmm(b.to(torch::kBFloat16));
 }
 
 namespace {

@@ -31,12 +31,12 @@ RecomputedAttentionKernel::RecomputedAttentionKernel(
   FIVEFOLD_CHECK(inner_ != nullptr, "RecomputedAttentionKernel: no kernel to wrap");
 }
 
-ch03::AttentionOutput RecomputedAttentionKernel::attend(const torch::Tensor& q,
-                                                        const torch::Tensor& k,
-                                                        const torch::Tensor& v,
-                                                        const torch::Tensor& q_positions,
-                                                        const torch::Tensor& k_positions,
-                                                        double scale) const {
+ch03::AttentionOutput RecomputedAttentionKernel::compute(const torch::Tensor& q,
+                                                         const torch::Tensor& k,
+                                                         const torch::Tensor& v,
+                                                         const torch::Tensor& q_positions,
+                                                         const torch::Tensor& k_positions,
+                                                         double scale) const {
   const auto inner = inner_;
   const auto out = checkpoint(
       [inner, q_positions, k_positions, scale](const std::vector<torch::Tensor>& in) {

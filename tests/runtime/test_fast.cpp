@@ -403,9 +403,9 @@ TEST(FastPaths, KeepWhatTheirFormulaSays) {
 
 TEST(FastPaths, LeaveAnotherAttentionKernelAlone) {
   struct Mine : AttentionKernel {
-    AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                           const torch::Tensor& qp, const torch::Tensor& kp,
-                           double scale) const override {
+    AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& qp, const torch::Tensor& kp,
+                            double scale) const override {
       return CausalAttentionKernel().attend(q, k, v, qp, kp, scale);
     }
   };

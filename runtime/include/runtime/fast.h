@@ -42,9 +42,9 @@ class TiledCausalAttentionKernel : public ch03::AttentionKernel {
   /// Σ t·(e + 1): chapter 12's visible_scores of those positions in tiles of `tile`. One tile
   /// (seq <= tile) is the whole seq x seq square.
   int64_t scores(int64_t seq) const;
-  ch03::AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v, const torch::Tensor& q_positions,
-                               const torch::Tensor& k_positions, double scale) const override;
+  ch03::AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& q_positions,
+                                const torch::Tensor& k_positions, double scale) const override;
 
  private:
   int64_t tile_;
