@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The planner (chapter 15, `fivefold plan --search`) against published trainings, on the cluster
 # presets (datasheet figures): for each, the published layout priced (its sizes, and the schedule,
-# virtual stages and micro-batches where the paper gives them, fixed; the rest as the planner
-# chooses), and the best of every layout the trainer accepts. Prints a Markdown table: the
+# virtual stages, micro-batches and recomputation where the paper gives them, fixed; the rest as
+# the planner chooses), and the best of every layout the trainer accepts. Prints a Markdown table: the
 # published MFU, the published layout's predicted MFU and its difference, whether it is among the
 # planner's top 5, and the planner's best. 8-10 minutes on the 2-core development machine
 # (DeepSeek-V3's search is 3 of them).
@@ -23,7 +23,7 @@ trainings=(
   "Llama 3 405B, 16,384 H100, 8K|0.41|h100-sxm|16384|8192|2048|llama405b|--tp 8 --pp 16 --dp 128 --schedule interleaved --virtual-stages 4 --micro-batches 16"
   "Llama 3 405B, 8,192 H100, 8K|0.43|h100-sxm|8192|8192|2048|llama405b|--tp 8 --pp 16 --dp 64 --schedule interleaved --virtual-stages 4 --micro-batches 32"
   "Llama 3 405B, 16,384 H100, 128K|0.38|h100-sxm|16384|131072|128|llama405b|--tp 8 --cp 16 --pp 16 --dp 8 --schedule interleaved --virtual-stages 4 --micro-batches 16"
-  "Megatron 1T, 3,072 A100, 2K|0.39|a100-80gb|3072|2048|3072|megatron1t|--tp 8 --pp 64 --dp 6"
+  "Megatron 1T, 3,072 A100, 2K|0.39|a100-80gb|3072|2048|3072|megatron1t|--tp 8 --pp 64 --dp 6 --recompute full"
   "DeepSeek-V3, 2,048 H800, 4K|0.39|h800|2048|4096|15360|deepseek|--tp 1 --cp 1 --pp 16 --dp 128 --ep 64 --zero 1")
 summary() {  # a plan's JSON -> "MFU|step s|layout, m, recompute|memory GB"
   python3 -c "

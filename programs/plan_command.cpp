@@ -172,6 +172,8 @@ void declare_flags(ArgParser& args) {
   args.option("zero", "",
               "with --search: only this ZeRO stage (--tp, --pp, --cp, --dp, "
               "--schedule, --virtual-stages and --micro-batches, given, fix theirs)");
+  args.option("recompute", "",
+              "with --search: only this recomputation, none, selective or full (every block)");
   args.option("top", "5", "with --search: how many layouts to print");
   args.option("max-micro-batches", "512", "with --search: the most micro-batches to try");
   args.flag("json", "print JSON instead of a table");

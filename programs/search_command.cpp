@@ -97,6 +97,7 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
   if (args.given("schedule")) limits.schedule = args.str("schedule");
   if (args.given("virtual-stages")) limits.virtual_stages = args.integer("virtual-stages");
   if (args.given("micro-batches")) limits.micro_batches = args.integer("micro-batches");
+  if (args.given("recompute")) limits.recompute = ch14::parse_recompute(args.str("recompute"));
   // Progress on stderr (a search of millions of layouts takes minutes): the splits of the devices
   // (tp, cp, pp, ep) done, the layouts priced and fitting so far.
   std::unique_ptr<ProgressBar> bar;

@@ -16,11 +16,13 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "11_pipeline_parallel/schedule.h"
 #include "14_memory/precision.h"
+#include "14_memory/recompute.h"
 #include "fivefold/dist.h"
 #include "15_trainer_5d/predict.h"
 #include "15_trainer_5d/trainer_5d.h"
@@ -179,6 +181,8 @@ struct SearchLimits {
   std::string schedule;             ///< pipeline schedule; "": every schedule
   int64_t virtual_stages = 0;       ///< with interleaved; 0: every v
   int64_t micro_batches = 0;        ///< per data-parallel rank; 0: every divisor
+  /// Only this recomputation (of every block); unset: none, selective and full each.
+  std::optional<ch14::Recompute> recompute;
   /// Called before each split of the devices (tp, cp, pp, ep) and once at the end: splits done,
   /// splits in all, the search so far (a long search's progress; unset: nothing).
   std::function<void(int64_t, int64_t, const Search&)> progress;

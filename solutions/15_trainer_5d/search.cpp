@@ -160,6 +160,7 @@ Search search_layouts(const Workload& work, const Cluster& cluster, ch14::Precis
                       layout.cp_attention = attention;
                       for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective,
                                         ch14::Recompute::Full}) {
+                        if (limits.recompute && mode != *limits.recompute) continue;
                         w.recompute = {mode, 1, 0};
                         consider(layout, w);
                       }

@@ -425,6 +425,13 @@ TEST(Planner, SearchesEveryLayoutTheTrainerAccepts) {
   tp2.tp = 2;
   for (const Candidate& k : search_layouts(w, c, ch14::Precision::Fp32, tp2).best)
     EXPECT_EQ(k.layout.tp, 2);
+  // Fixing the recomputation keeps a third of the layouts, each with it.
+  SearchLimits full = everything;
+  full.recompute = ch14::Recompute::Full;
+  const Search recomputed = search_layouts(w, c, ch14::Precision::Fp32, full);
+  EXPECT_EQ(recomputed.valid * 3, found.valid);
+  ASSERT_FALSE(recomputed.best.empty());
+  for (const Candidate& k : recomputed.best) EXPECT_EQ(k.recompute, ch14::Recompute::Full);
 }
 
 // A long search reports its progress: before each split of the devices (tp, cp, pp) and once at
