@@ -280,6 +280,11 @@ int plan(int argc, char** argv) {
   if (!args.parse(argc, argv)) return 0;
   FIVEFOLD_CHECK(args.integer("tp") >= 0, "--tp must be >= 0");
   FIVEFOLD_CHECK(args.integer("micro-batch") >= 1, "--micro-batch must be >= 1");
+  if (!args.on("search")) {  // the planner's options, given without it, would be ignored
+    for (const char* name : {"cluster", "batch", "zero", "recompute", "top", "max-micro-batches"})
+      FIVEFOLD_CHECK(!args.given(name), "--", name, " is an option of --search (chapter 15's ",
+                     "planner); add --search, or leave it out");
+  }
   ch02::TransformerShape shape;
   int64_t context = 2048;
   if (args.given("config")) {

@@ -6,7 +6,7 @@
 # planner chose; so do the best 2 with experts split of DeepSeek-V3 in miniature, and the best 2
 # with tp 2 (chapter 10's split of MLA and experts, with or without sequence parallelism). The
 # refusals: no --cluster, a cluster file with an unknown key, a GPT-2 shape, --ep for a model
-# without experts. `fivefold calibrate` on 4 ranks writes a cluster
+# without experts, an unknown --recompute, and a search option (--recompute) without --search. `fivefold calibrate` on 4 ranks writes a cluster
 # file the search reads back; on one process it is refused.
 
 file(REMOVE_RECURSE ${WORK})
@@ -152,3 +152,13 @@ expect_refused("a cluster file's typo" "unknown setting 'device'" --cluster ${WO
                ${model})
 expect_refused("GPT-2" "Llama-shaped" --cluster ${cluster} ${model} --gpt2)
 expect_refused("ep without experts" "no routed experts" --cluster ${cluster} ${model} --ep 2)
+expect_refused("an unknown recomputation" "'some' is not one of none, full, selective"
+               --cluster ${cluster} ${model} --recompute some)
+# The planner's options without --search would be ignored: refused, naming it.
+execute_process(COMMAND ${FIVEFOLD} plan --d-model 64 --n-layers 4 --n-heads 4 --recompute full
+                RESULT_VARIABLE rc
+                OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "--recompute is an option of --search")
+  message(FATAL_ERROR "plan --recompute without --search: expected a refusal, got exit ${rc}:\n"
+                      "${out}${err}")
+endif()
