@@ -86,6 +86,11 @@ const MatmulKernel* matmul_kernel();
 /// once.
 torch::Tensor matmul_operand(const torch::Tensor& t);
 
+/// `t` in fp32, or in its own type when that is wider: what a product's result (bf16 under
+/// chapter 14's kernel) is widened to where fp32 is kept, such as the collectives that sum or
+/// carry it (chapter 10's g, chapter 13's combine).
+torch::Tensor at_least_fp32(const torch::Tensor& t);
+
 /// GFLOP/s of an n x n float product on the kernel `linear` multiplies with now (best of 3): the
 /// peak that MFU is measured against, so that a faster library raises the peak with the step.
 double matmul_peak_gflops(int n);

@@ -73,8 +73,8 @@ class ExpertParallelDispatcher : public ch07::TokenDispatcher {
   ch07::DispatchedTokens dispatch(const torch::Tensor& x, const torch::Tensor& experts,
                                   const torch::Tensor& kept, int64_t n_experts) override;
   /// outputs [rows, d] for dispatch's rows -> [tokens, d], each token's gated outputs summed.
-  /// Outputs narrower than fp32 (chapter 14's bf16 products) go back widened to fp32, as the
-  /// tokens came: the traffic and the sum are an fp32 step's.
+  /// Outputs narrower than fp32 (chapter 14's bf16 products) go back widened
+  /// (ch03::at_least_fp32), as the tokens came: the traffic and the sum are an fp32 step's.
   torch::Tensor combine(const torch::Tensor& outputs, const ch07::DispatchedTokens& dispatched,
                         const torch::Tensor& gates, int64_t tokens, int64_t k) override;
 

@@ -198,6 +198,10 @@ const MatmulKernel* matmul_kernel() { return g_matmul.get(); }
 
 torch::Tensor matmul_operand(const torch::Tensor& t) { return g_matmul ? g_matmul->operand(t) : t; }
 
+torch::Tensor at_least_fp32(const torch::Tensor& t) {
+  return t.to(at::promote_types(t.scalar_type(), torch::kFloat));
+}
+
 double matmul_peak_gflops(int n) {
   const auto kernel = g_matmul;
   if (!kernel) return measure_matmul_gflops(n);

@@ -66,7 +66,7 @@ dist::CommunicatorPtr TensorParallel::replica_group(int parts) {
 torch::Tensor TensorParallel::leave(const torch::Tensor& partial) const {
   // The partial sums are summed in fp32 at least: a bf16 product's result (chapter 14) is widened
   // first, so that the sum rounds once and the traffic is an fp32 step's.
-  const auto wide = partial.to(at::promote_types(partial.scalar_type(), torch::kFloat));
+  const auto wide = ch03::at_least_fp32(partial);
   return sequence_parallel ? reduce_scatter_to_sequence_parallel(wide, comm)
                            : reduce_from_tensor_parallel(wide, comm);
 }

@@ -66,7 +66,7 @@ torch::Tensor ExpertParallelDispatcher::combine(const torch::Tensor& outputs,
   const auto& plan = std::any_cast<const ExchangePlan&>(dispatched.route_back);
   // The rows go back in fp32 at least, as the tokens came (a bf16 product's result is widened),
   // so that the gate-weighted sum and the traffic are those of an fp32 step.
-  const auto rows = outputs.to(at::promote_types(outputs.scalar_type(), torch::kFloat));
+  const auto rows = ch03::at_least_fp32(outputs);
   // Undo step 4: row order[i] of the source-major layout is the expert-major row i.
   auto source_major = torch::zeros_like(rows).index_copy(0, plan.order, rows);
   // Undo step 3: each output goes back to the rank its token came from, in the order it was sent.
