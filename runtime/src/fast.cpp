@@ -25,14 +25,14 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// a [b, h, m, k] · b [b, h, k, n], one product per head, as a `type` tensor: on the MatmulKernel
-// set (oneDNN with the fast paths, bf16 under chapter 14's kernel), torch::matmul otherwise.
-torch::Tensor head_products(const torch::Tensor& a, const torch::Tensor& b, at::ScalarType type) {
+// a [b, h, m, k] · b [b, h, k, n], one product per head, in the kernel's result type: on the
+// MatmulKernel set (oneDNN with the fast paths, bf16 under chapter 14's kernel), torch::matmul
+// otherwise.
+torch::Tensor head_products(const torch::Tensor& a, const torch::Tensor& b) {
   const MatmulKernel* kernel = matmul_kernel();
   if (kernel == nullptr) return torch::matmul(a, b);
   return kernel->bmm(a.flatten(0, 1), b.flatten(0, 1))
-      .view({a.size(0), a.size(1), a.size(2), b.size(3)})
-      .to(type);
+      .view({a.size(0), a.size(1), a.size(2), b.size(3)});
 }
 
 // The scores of a tile of queries q_tile [b, h, T, d] (already scaled) against the keys it can
@@ -40,11 +40,22 @@ torch::Tensor head_products(const torch::Tensor& a, const torch::Tensor& b, at::
 // tile's diagonal block [T, T] (the last T keys) has keys after a query; `future` is the strictly
 // upper triangle of a full tile, whose top-left corner serves a shorter last tile.
 torch::Tensor tile_scores(const torch::Tensor& q_tile, const torch::Tensor& keys,
-                          const torch::Tensor& future, at::ScalarType type) {
+                          const torch::Tensor& future) {
   const int64_t t = q_tile.size(2), end = keys.size(2);
-  auto scores = head_products(q_tile, keys.transpose(-2, -1), type);  // [b, h, T, end]
+  auto scores = head_products(q_tile, keys.transpose(-2, -1));  // [b, h, T, end]
   scores.narrow(-1, end - t, t).masked_fill_(future.narrow(0, 0, t).narrow(1, 0, t), -INFINITY);
   return scores;
+}
+
+// A tile's unnormalised probabilities e = exp(s − max) [b, h, T, end], in place of its scores s,
+// and the max per query [b, h, T, 1]. The passes over the tile run in the scores' own type (bf16
+// under chapter 14's kernel: half the bytes of fp32 per pass; s − max is then rounded once more,
+// an error of the size of the rounding of s itself); forward and backward compute e alike, bit for
+// bit, so backward recomputes exactly the probabilities forward used.
+torch::Tensor unnormalised_probabilities(torch::Tensor& scores) {
+  auto max = scores.amax(-1, /*keepdim=*/true);  // every query sees its own key
+  scores.sub_(max).exp_();
+  return max;
 }
 
 class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttention> {
@@ -53,7 +64,8 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, double scale, int64_t tile) {
     const int64_t heads = q.size(1), seq_q = q.size(2), offset = k.size(2) - seq_q;
-    const auto type = q.scalar_type();  // operands converted once to the kernel's form
+    const auto type = q.scalar_type();  // of the output and the log-sum-exp
+    // The operands converted once to the kernel's form (bf16 under chapter 14's kernel).
     auto qs = matmul_operand((q * scale).contiguous());
     auto keys = matmul_operand(expand_heads(k, heads).contiguous());
     auto values = matmul_operand(expand_heads(v, heads).contiguous());
@@ -62,13 +74,13 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     const auto future = torch::ones({tile, tile}, torch::kBool).triu(1);
     for (int64_t first = 0; first < seq_q; first += tile) {
       const int64_t t = std::min(tile, seq_q - first), end = offset + first + t;
-      auto e = tile_scores(qs.narrow(2, first, t), keys.narrow(2, 0, end), future, type);
-      // Softmax as max, exp, sum; the division by the sum waits for the output's rows.
-      auto max = std::get<0>(e.max(-1, /*keepdim=*/true));  // every query sees its own key
-      e.sub_(max).exp_();
-      auto sum = e.sum(-1, /*keepdim=*/true);
-      out.narrow(2, first, t).copy_(head_products(e, values.narrow(2, 0, end), type).div_(sum));
-      lse.narrow(2, first, t).copy_((max + sum.log()).squeeze(-1));
+      auto e = tile_scores(qs.narrow(2, first, t), keys.narrow(2, 0, end), future);
+      // Softmax as max, exp and a sum (in the output's type); the division by the sum waits for
+      // the output's rows.
+      const auto max = unnormalised_probabilities(e);
+      const auto sum = e.sum(-1, /*keepdim=*/true, type);
+      out.narrow(2, first, t).copy_(head_products(e, values.narrow(2, 0, end))).div_(sum);
+      lse.narrow(2, first, t).copy_((max.to(type) + sum.log()).squeeze(-1));
     }
     ctx->save_for_backward({qs, keys, values, out, lse});
     ctx->saved_data["scale"] = scale;
@@ -87,10 +99,8 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     const int64_t kv_heads = ctx->saved_data["kv_heads"].toInt();
     const int64_t seq_q = qs.size(2), offset = keys.size(2) - seq_q;
     const auto grad_out = grads[0].contiguous();
-    const auto type = grad_out.scalar_type();
     // Softmax's backward needs Σ_j p_j·(dO·v_j) per query, which is dO·O.
     const auto delta = (grad_out * out).sum(-1, /*keepdim=*/true);  // [b, h, sq, 1]
-    const auto grad_kept = matmul_operand(grad_out);
     auto grad_q = torch::empty(qs.sizes(), grad_out.options());
     auto grad_keys = torch::zeros(keys.sizes(), grad_out.options());
     auto grad_values = torch::zeros(values.sizes(), grad_out.options());
@@ -98,15 +108,21 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     for (int64_t first = 0; first < seq_q; first += tile) {
       const int64_t t = std::min(tile, seq_q - first), end = offset + first + t;
       const auto q_tile = qs.narrow(2, first, t), k_seen = keys.narrow(2, 0, end);
-      const auto v_seen = values.narrow(2, 0, end), dout = grad_kept.narrow(2, first, t);
-      // The tile's probabilities again, from its log-sum-exp: p = exp(s − lse).
-      auto p = tile_scores(q_tile, k_seen, future, type);
-      p.sub_(lse.narrow(2, first, t).unsqueeze(-1)).exp_();
-      grad_values.narrow(2, 0, end).add_(head_products(p.transpose(-2, -1), dout, type));
-      auto grad_scores = head_products(dout, v_seen.transpose(-2, -1), type);  // ∂L/∂p
-      grad_scores.sub_(delta.narrow(2, first, t)).mul_(p);                     // ∂L/∂s
-      grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen, type).mul_(scale));
-      grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile, type));
+      const auto v_seen = values.narrow(2, 0, end);
+      // Forward's e again; p = e / sum, and 1 / sum = exp(max − lse) since lse = max + log(sum).
+      auto e = tile_scores(q_tile, k_seen, future);
+      const auto max = unnormalised_probabilities(e);
+      const auto inverse =
+          (max.to(lse.scalar_type()) - lse.narrow(2, first, t).unsqueeze(-1)).exp();
+      // The 1/sum moves onto dO's rows, [T, dv] numbers instead of [T, end]: with dO' = dO/sum,
+      // ∂L/∂v = pᵀ·dO = eᵀ·dO' and ∂L/∂s = p∘(dO·vᵀ − δ) = e∘(dO'·vᵀ − δ/sum).
+      const auto dout = matmul_operand(grad_out.narrow(2, first, t) * inverse);
+      grad_values.narrow(2, 0, end).add_(head_products(e.transpose(-2, -1), dout));
+      auto grad_scores = head_products(dout, v_seen.transpose(-2, -1));
+      grad_scores.sub_((delta.narrow(2, first, t) * inverse).to(grad_scores.scalar_type()))
+          .mul_(e);  // ∂L/∂s, in the products' type: both products below read it as it is
+      grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen)).mul_(scale);
+      grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile));
     }
     return {grad_q, fold_heads(grad_keys, kv_heads), fold_heads(grad_values, kv_heads), {}, {}};
   }

@@ -37,7 +37,9 @@ std::vector<torch::Tensor> run_kernel(const AttentionKernel& kernel, torch::Tens
   const int64_t seq_k = k.size(2);
   const auto result = kernel.attend(q, k, v, position_range(seq_k - seq_q, seq_q),
                                     position_range(0, seq_k), 0.4);
-  auto upstream = draw(result.output.sizes().vec(), "upstream", result.output.scalar_type());
+  // Drawn in fp64 whatever the kernel's type, so that kernels of two types get one upstream.
+  auto upstream = draw(result.output.sizes().vec(), "upstream", torch::kDouble)
+                      .to(result.output.scalar_type());
   (result.output * upstream).sum().backward();
   return {result.output.detach(), result.lse, q.grad(), k.grad(), v.grad()};
 }
@@ -62,6 +64,33 @@ TEST(TiledCausalAttention, EqualsTheLessonKernelWithItsGradients) {
       SCOPED_TRACE(names[i]);
       EXPECT_TENSOR_CLOSE(got[i], want[i], 1e-12, 1e-12);
     }
+  }
+}
+
+// Under chapter 14's bf16 kernel the products read bf16 and the passes over each score tile run
+// in bf16 (max, exp, the gradient of the scores); the sums, the log-sum-exp and the output stay
+// fp32. Against the exact result (fp64, the lesson's kernel): errors of bf16's size (8 bits of
+// mantissa, 2⁻⁸ ≈ 4e-3 a rounding), and not fp32's (it did compute in bf16).
+TEST(TiledCausalAttention, InBf16StaysWithinBf16sRounding) {
+  fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
+  struct Fp32Afterwards {
+    ~Fp32Afterwards() { fivefold::ch14::use_precision(fivefold::ch14::Precision::Fp32, nullptr); }
+  } restore;
+  auto q = draw({2, 4, 70, 16}, "q", torch::kFloat);
+  auto k = draw({2, 2, 70, 16}, "k", torch::kFloat);
+  auto v = draw({2, 2, 70, 12}, "v", torch::kFloat);
+  const auto want = run_kernel(CausalAttentionKernel(), q.to(torch::kDouble), k.to(torch::kDouble),
+                               v.to(torch::kDouble), 70);
+  const auto got = run_kernel(TiledCausalAttentionKernel(32), q, k, v, 70);
+  const char* names[] = {"output", "lse", "grad q", "grad k", "grad v"};
+  for (size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE(names[i]);
+    ASSERT_EQ(got[i].scalar_type(), torch::kFloat);
+    const double error =
+        ((got[i].to(torch::kDouble) - want[i]).norm() / want[i].norm()).item<double>();
+    std::printf("%-7s relative error %.2e\n", names[i], error);
+    EXPECT_LT(error, 1e-2);
+    EXPECT_GT(error, 1e-5) << "computed in fp32, not bf16";
   }
 }
 
