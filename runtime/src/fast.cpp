@@ -132,7 +132,8 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, double eps) {
-    const auto input = x.contiguous(), w = weight.contiguous();
+    // A weight kept in bf16 (chapter 14's master weights) is read widened to x's type.
+    const auto input = x.contiguous(), w = weight.to(x.scalar_type()).contiguous();
     const int64_t dim = input.size(-1), rows = input.numel() / dim;
     auto y = torch::empty_like(input);
     auto rstd = torch::empty({rows}, input.options());
@@ -153,13 +154,14 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
         }
       });
     });
-    ctx->save_for_backward({input, w, rstd});
+    ctx->save_for_backward({input, weight, rstd});  // the parameter itself: no copy kept
     return y;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &input = saved[0], &w = saved[1], &rstd = saved[2];
+    const auto &input = saved[0], &rstd = saved[2];
+    const auto w = saved[1].to(input.scalar_type()).contiguous();
     const auto grad_y = grads[0].contiguous();
     const int64_t dim = input.size(-1), rows = input.numel() / dim;
     auto grad_x = torch::empty_like(input);
@@ -243,7 +245,8 @@ AttentionOutput TiledCausalAttentionKernel::compute(const torch::Tensor& q, cons
 
 torch::Tensor FusedRMSNormKernel::normalize(const torch::Tensor& x, const torch::Tensor& weight,
                                             double eps) const {
-  FIVEFOLD_CHECK(x.size(-1) == weight.numel() && x.scalar_type() == weight.scalar_type(),
+  FIVEFOLD_CHECK(x.size(-1) == weight.numel() &&
+                     at::promote_types(x.scalar_type(), weight.scalar_type()) == x.scalar_type(),
                  "RMSNorm: x [..., ", x.size(-1), "] ", x.scalar_type(), " against weight [",
                  weight.numel(), "] ", weight.scalar_type());
   return RMSNormFunction::apply(x, weight, eps);

@@ -110,7 +110,10 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
 }
 
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& input) {
-  const auto x = input.to(weight.scalar_type());  // a bf16 product's result: the norm in fp32
+  // In at least fp32, whatever the input's type (a bf16 product's result) or the weight's (a bf16
+  // table, chapter 14): a mean of squares in bf16 loses the small components.
+  const auto x = input.to(at::promote_types(
+      at::promote_types(input.scalar_type(), weight.scalar_type()), torch::kFloat));
   if (kernel) return kernel->normalize(x, weight, eps_);
   return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
 }
@@ -307,7 +310,9 @@ EmbeddingImpl::EmbeddingImpl(int64_t vocab, int64_t d_model) {
 }
 
 torch::Tensor EmbeddingImpl::forward(const torch::Tensor& tokens) {
-  return torch::embedding(weight, tokens);  // row tokens[b, s] of the table
+  // Row tokens[b, s] of the table, in at least fp32: the residual stream stays fp32 when the
+  // table is kept in bf16 (chapter 14's master weights).
+  return at_least_fp32(torch::embedding(weight, tokens));
 }
 
 torch::Tensor OutputLayer::loss(const torch::Tensor& hidden, const torch::Tensor& targets) {
@@ -322,7 +327,8 @@ LanguageModelHeadImpl::LanguageModelHeadImpl(int64_t vocab, int64_t d_model,
 }
 
 torch::Tensor LanguageModelHeadImpl::logits(const torch::Tensor& hidden) {
-  return torch::matmul(hidden, weight.t());  // [..., d_model] x [d_model, vocab]
+  // [..., d_model] x [d_model, vocab], in the hidden state's type (a bf16 table is widened).
+  return torch::matmul(hidden, weight.t().to(hidden.scalar_type()));
 }
 
 int64_t ModelPart::end(int64_t n_layers) const {

@@ -131,7 +131,7 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_absorbed(const torch::Tensor
   auto entry = torch::cat({latent, k_rope}, -1);
   cache.keys = cache.keys.defined() ? torch::cat({cache.keys, entry}, 2) : entry;
   // kv_b_proj's weight per head: rows [W^UK (nope) ; W^UV (dv)], each over the d_c latent.
-  auto w = kv_b_proj->weight.view({heads, nope + dv, d_c});
+  auto w = kv_b_proj->weight.to(q_nope.scalar_type()).view({heads, nope + dv, d_c});
   auto w_uk = w.narrow(1, 0, nope), w_uv = w.narrow(1, nope, dv);
   // Absorb W^UK: q_nope·(W^UK c) = (q_nope·W^UK)·c, a query over the latent, [b, h, s, d_c].
   auto q_latent = torch::matmul(q_nope, w_uk);

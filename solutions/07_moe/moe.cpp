@@ -113,7 +113,8 @@ TopkRouterImpl::TopkRouterImpl(int64_t d_model, const MoeConfig& config)
 }
 
 torch::Tensor TopkRouterImpl::scores(const torch::Tensor& x) {
-  auto logits = torch::nn::functional::linear(x, weight);  // [tokens, E]
+  // [tokens, E], in x's type (fp32): a router weight kept in bf16 is widened.
+  auto logits = torch::nn::functional::linear(x, weight.to(x.scalar_type()));
   return scoring_func_ == "sigmoid" ? torch::sigmoid(logits) : torch::softmax(logits, -1);
 }
 

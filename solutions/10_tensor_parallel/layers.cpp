@@ -278,7 +278,8 @@ torch::Tensor VocabParallelHeadImpl::local_logits(const torch::Tensor& hidden, i
   tp_->sequence = seq;
   // enter: f (the hidden state feeds every rank's rows; its gradient is their sum), or the
   // sequence all-gather whose backward reduce-scatters that sum.
-  return torch::matmul(tp_->enter(hidden), weight.t());  // [batch, seq, rows]
+  const auto x = tp_->enter(hidden);
+  return torch::matmul(x, weight.t().to(x.scalar_type()));  // [batch, seq, rows]
 }
 
 torch::Tensor VocabParallelHeadImpl::logits(const torch::Tensor& hidden) {

@@ -83,3 +83,43 @@ TEST(Precision, ABf16StepKeepsFp32StateAndLandsNearTheFp32Step) {
     EXPECT_LT(relative(grads[1].at(name), want), 5e-2) << name;
   }
 }
+
+// Mixed precision's weights: a model whose trainable parameters are stored in bf16 (the rounding
+// of fp32 master weights an optimizer keeps) still runs its residual stream, norms, router and
+// loss in fp32: the embedding hands fp32 rows on, each norm and the head widen their weight; the
+// gradients come back in the parameters' own type. Its loss and gradients land within bf16's
+// rounding of the fp32 model's, dense (tied embedding) and MLA + MoE alike.
+TEST(Precision, AModelWithBf16ParametersKeepsAnFp32ResidualStream) {
+  ch14::testing::Fp32Afterwards restore;
+  use_precision(Precision::Bf16, nullptr);
+  const auto batch = ch10::testing::tp_batches().batch(0, 0, 1);
+  for (const auto& config : {ch10::testing::tp_config(true), ch10::testing::deepseek_config()}) {
+    SCOPED_TRACE(config.extensions.empty() ? "Llama, tied" : "MLA + MoE");
+    std::map<std::string, Tensor> grads[2];
+    double loss[2] = {0, 0};
+    for (int bf16 = 0; bf16 < 2; ++bf16) {
+      ch03::Transformer model = ch07::make_model(config);
+      if (bf16) {
+        torch::NoGradGuard no_grad;
+        for (auto& p : model->parameters())
+          if (p.requires_grad()) p.set_data(p.to(torch::kBFloat16));
+      }
+      EXPECT_EQ(model->embed(batch.inputs).scalar_type(), torch::kFloat);
+      const auto result = ch03::loss_of(model, batch);
+      ASSERT_EQ(result.scalar_type(), torch::kFloat);
+      result.backward();
+      loss[bf16] = result.item<double>();
+      for (const auto& item : model->named_parameters()) {
+        if (!item.value().grad().defined()) continue;
+        EXPECT_EQ(item.value().grad().scalar_type(), item.value().scalar_type()) << item.key();
+        grads[bf16][item.key()] = item.value().grad().to(torch::kFloat);
+      }
+    }
+    EXPECT_NEAR(loss[1], loss[0], 1e-2 * loss[0]);
+    ASSERT_EQ(grads[1].size(), grads[0].size());
+    for (const auto& [name, want] : grads[0]) {
+      if (want.norm().item<double>() == 0) continue;
+      EXPECT_LT(relative(grads[1].at(name), want), 5e-2) << name;
+    }
+  }
+}

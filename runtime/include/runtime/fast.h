@@ -53,7 +53,8 @@ class TiledCausalAttentionKernel : public ch03::AttentionKernel {
 /// RMSNorm as one pass forward (per row: Σx², then x·rstd·w) and one backward
 /// (∂x = rstd·(g − x·rstd²·mean(g·x)) with g = ∂y·w; ∂w = Σ_rows ∂y·x·rstd), over at::parallel_for,
 /// instead of the six operations forward and about a dozen backward that autograd records for the
-/// formula. float32 and float64.
+/// formula. x in float32 or float64; the weight in x's type or a narrower one (a bf16 weight,
+/// chapter 14's master weights, is read widened; its gradient returns in its own type).
 class FusedRMSNormKernel : public ch03::NormKernel {
  public:
   torch::Tensor normalize(const torch::Tensor& x, const torch::Tensor& weight,
