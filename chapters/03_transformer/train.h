@@ -30,6 +30,12 @@ struct TrainConfig {
   double eps = 1e-8;              ///< Adam epsilon
   double grad_clip = 1.0;         ///< maximum global gradient norm (0: no clipping)
   bool decay_embeddings = false;  ///< also decay the token embedding (GPT-2 does not)
+  /// The type a training step keeps the model's trainable parameters, and so their gradients,
+  /// in. Below fp32 (chapter 14's bf16) AdamW updates fp32 master copies (MasterWeights),
+  /// which the step takes from the parameters when it is built, and rounds them into the
+  /// parameters after each update: ZeRO's mixed-precision split, 2 + 2 bytes a parameter for
+  /// the model's weights and gradients, 4 + 8 for the masters and the moments.
+  torch::Dtype param_dtype = torch::kFloat;
   /// Builds the AdamW make_optimizer returns from its two parameter groups and the defaults
   /// (unset: torch::optim::AdamW). The seam for a faster implementation of the same update: the
   /// training run's fast paths give a fused one (runtime/fast.h). Not saved with a run.
@@ -48,6 +54,41 @@ double learning_rate(const TrainConfig& config, int64_t step);
 /// embedding unless decay_embeddings), group 1 does not (norms, and the embedding by default).
 /// config.make_adamw, when set, builds it (the same update, computed another way).
 std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& config);
+
+/// The same groups over any list of (name, tensor): the names pick the groups, the tensors are
+/// what AdamW steps (chapter 14's master weights).
+std::unique_ptr<torch::optim::AdamW> make_optimizer(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, const TrainConfig& config);
+
+/// Mixed precision's master weights (chapter 14): fp32 copies of parameters that the model keeps
+/// in a narrower type (TrainConfig::param_dtype). AdamW steps the masters; the model computes
+/// with, and back-propagates into, the parameters' rounding.
+class MasterWeights {
+ public:
+  /// Copies `params` (name, parameter, fp32) as the masters, then rounds every parameter to
+  /// `dtype` in place (the same tensors: modules and hooks keep them).
+  MasterWeights(std::vector<std::pair<std::string, torch::Tensor>> params, torch::Dtype dtype);
+  /// The masters under the parameters' names: what the optimizer steps.
+  const std::vector<std::pair<std::string, torch::Tensor>>& masters() const { return masters_; }
+  /// Before the update: each parameter's gradient, widened to fp32, becomes its master's. A
+  /// master with a gradient already (a resumed state, ch03::load_optimizer_state) and a parameter
+  /// without one gets zeros, as AdamW steps a zeroed gradient.
+  void load_gradients();
+  /// After the update (and before the next forward): every parameter becomes its master's
+  /// rounding, and the masters' fp32 gradients are dropped (a parameter whose master had one
+  /// keeps a zeroed gradient of its own).
+  void store();
+  /// Every parameter becomes its master itself (fp32, the same storage) until the next store():
+  /// what a checkpoint saves and an evaluation reads, so that a resumed run starts from the
+  /// masters, not from their rounding.
+  void reveal();
+  /// Bytes of the masters (4 a parameter).
+  int64_t bytes() const;
+
+ private:
+  std::vector<std::pair<std::string, torch::Tensor>> params_, masters_;
+  torch::Dtype dtype_;
+};
 
 /// Mean next-token cross-entropy of `batch`.
 torch::Tensor loss_of(Transformer& model, const Batch& batch);
@@ -78,7 +119,7 @@ class LossWeightScope {
 double accumulate_gradients(Transformer& model, const std::vector<Batch>& micro_batches);
 
 /// Scales all gradients so that their global L2 norm is at most `max_norm`; returns the norm
-/// before scaling.
+/// before scaling (summed in at least fp32, whatever the gradients' type).
 double clip_gradients(Transformer& model, double max_norm);
 /// The same for any list of parameters (those without a gradient are skipped).
 double clip_gradients(const std::vector<torch::Tensor>& params, double max_norm);
@@ -95,21 +136,25 @@ struct StepResult {
 
 /// One optimizer step at `step`: zero the gradients, accumulate over `micro_batches`, clip, set
 /// the learning rate of every group, step; no step when the norm is not finite (StepResult).
+/// With `masters` (chapter 14), `optimizer` steps them: the clipped gradients are loaded into
+/// them before the update and the parameters stored from them after.
 StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainConfig& config,
-                      const std::vector<Batch>& micro_batches, int64_t step);
+                      const std::vector<Batch>& micro_batches, int64_t step,
+                      MasterWeights* masters = nullptr);
 
 /// Bytes a process keeps between steps, by kind: what chapter 09's ZeRO formulas count.
 struct StateBytes {
   int64_t parameters = 0;  ///< the parameters' storage (frozen ones too)
   int64_t gradients = 0;   ///< the gradients kept (whole, or a shard)
-  int64_t optimizer = 0;   ///< AdamW's moments (whole, or a shard)
+  int64_t optimizer = 0;   ///< AdamW's moments and any master weights (whole, or a shard)
   /// All three.
   int64_t total() const { return parameters + gradients + optimizer; }
 };
 
 /// Measured from the tensors: `model`'s parameters and their gradients, and `optimizer`'s
-/// moments (exp_avg, exp_avg_sq).
-StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer);
+/// moments (exp_avg, exp_avg_sq) with the `masters`' bytes when there are some.
+StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer,
+                       const MasterWeights* masters = nullptr);
 
 /// The training step as an object: what the training run (runtime/run.h) calls, so that one loop
 /// serves every layout. Chapter 03's SingleProcessStep is train_step on one process; chapter 09
@@ -143,19 +188,22 @@ class TrainingStep {
 /// Chapter 03's step: AdamW from make_optimizer and train_step, on one process.
 class SingleProcessStep : public TrainingStep {
  public:
-  /// The step for `model` with AdamW configured by `config`.
+  /// The step for `model` with AdamW configured by `config` (over master weights when
+  /// config.param_dtype is below fp32: the model's parameters are rounded here).
   SingleProcessStep(Transformer model, const TrainConfig& config);
   StepResult step(const std::vector<Batch>& micro_batches, int64_t step) override;
   Transformer& model() override { return model_; }
-  Transformer& full_model() override { return model_; }
+  /// The model; with master weights, holding them (fp32) until the next step.
+  Transformer& full_model() override;
   io::TensorMap optimizer_state() override;
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   io::TensorMap gradients() override;
-  StateBytes state_bytes() override { return ch03::state_bytes(model_, *optimizer_); }
+  StateBytes state_bytes() override;
 
  private:
   Transformer model_;
   TrainConfig config_;
+  std::unique_ptr<MasterWeights> masters_;  // when config_.param_dtype is below fp32
   std::unique_ptr<torch::optim::AdamW> optimizer_;
 };
 
@@ -167,6 +215,9 @@ using StepFactory =
 /// parameter's shape) and `{name}.step` (int64). Names, not positions in a list, so that a run
 /// with another layout can read it. Parameters without state yet (no step taken) are left out.
 io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer);
+/// The same for an optimizer over `params` (name, the tensor it steps).
+io::TensorMap optimizer_state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                              torch::optim::AdamW& optimizer);
 /// Checks a state in optimizer_state's layout (read from `source`) against `params` (name,
 /// parameter): each parameter with an `{name}.exp_avg` has its three entries, the moments with the
 /// parameter's shape, and every entry belongs to one of them. Throws fivefold::Error naming
@@ -179,6 +230,10 @@ std::vector<bool> check_optimizer_state(
 /// A tensor of the wrong shape, a missing one or a name the model lacks is a fivefold::Error
 /// naming `source`.
 void load_optimizer_state(const io::TensorMap& state, const std::string& source, Transformer& model,
+                          torch::optim::AdamW& optimizer);
+/// The same for an optimizer over `params` (name, the tensor it steps).
+void load_optimizer_state(const io::TensorMap& state, const std::string& source,
+                          const std::vector<std::pair<std::string, torch::Tensor>>& params,
                           torch::optim::AdamW& optimizer);
 
 }  // namespace fivefold::ch03

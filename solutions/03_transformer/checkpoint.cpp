@@ -165,14 +165,21 @@ std::string state_key(const torch::Tensor& p) {
 }  // namespace
 
 io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer) {
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+  return optimizer_state(params, optimizer);
+}
+
+io::TensorMap optimizer_state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                              torch::optim::AdamW& optimizer) {
   io::TensorMap tensors;
-  for (const auto& item : model->named_parameters()) {
-    auto found = optimizer.state().find(state_key(item.value()));
+  for (const auto& [name, p] : params) {
+    auto found = optimizer.state().find(state_key(p));
     if (found == optimizer.state().end()) continue;
     const auto& state = static_cast<const torch::optim::AdamWParamState&>(*found->second);
-    tensors[item.key() + ".exp_avg"] = state.exp_avg();
-    tensors[item.key() + ".exp_avg_sq"] = state.exp_avg_sq();
-    tensors[item.key() + ".step"] = torch::tensor(state.step(), torch::kLong);
+    tensors[name + ".exp_avg"] = state.exp_avg();
+    tensors[name + ".exp_avg_sq"] = state.exp_avg_sq();
+    tensors[name + ".step"] = torch::tensor(state.step(), torch::kLong);
   }
   return tensors;
 }
@@ -213,6 +220,12 @@ void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
                           torch::optim::AdamW& optimizer) {
   std::vector<std::pair<std::string, torch::Tensor>> params;
   for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+  load_optimizer_state(tensors, path, params, optimizer);
+}
+
+void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
+                          const std::vector<std::pair<std::string, torch::Tensor>>& params,
+                          torch::optim::AdamW& optimizer) {
   const std::vector<bool> has = check_optimizer_state(tensors, path, params);
   for (size_t k = 0; k < params.size(); ++k) {
     if (!has[k]) continue;

@@ -19,6 +19,8 @@ void TrainConfig::validate() const {
                  "train config: weight_decay, grad_clip >= 0, eps > 0");
   FIVEFOLD_CHECK(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1,
                  "train config: betas must be in [0, 1)");
+  FIVEFOLD_CHECK(param_dtype == torch::kFloat || param_dtype == torch::kBFloat16,
+                 "train config: parameters are kept in fp32 or bf16, not ", param_dtype);
 }
 
 double learning_rate(const TrainConfig& c, int64_t step) {
@@ -30,12 +32,18 @@ double learning_rate(const TrainConfig& c, int64_t step) {
 }
 
 std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& c) {
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
+  return make_optimizer(params, c);
+}
+
+std::unique_ptr<torch::optim::AdamW> make_optimizer(
+    const std::vector<std::pair<std::string, torch::Tensor>>& params, const TrainConfig& c) {
   c.validate();
   std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& item : model->named_parameters()) {
-    const bool embedding = item.key() == "model.embed_tokens.weight";
-    (item.value().dim() == 2 && (!embedding || c.decay_embeddings) ? decay : no_decay)
-        .push_back(item.value());
+  for (const auto& [name, p] : params) {
+    const bool embedding = name == "model.embed_tokens.weight";
+    (p.dim() == 2 && (!embedding || c.decay_embeddings) ? decay : no_decay).push_back(p);
   }
   auto options = [&](double weight_decay) {
     return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(c.lr)
@@ -48,6 +56,54 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const Tr
   groups.emplace_back(no_decay, options(0.0));
   if (c.make_adamw) return c.make_adamw(std::move(groups), torch::optim::AdamWOptions(c.lr));
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
+}
+
+MasterWeights::MasterWeights(std::vector<std::pair<std::string, torch::Tensor>> params,
+                             torch::Dtype dtype)
+    : params_(std::move(params)), dtype_(dtype) {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, p] : params_) {
+    masters_.emplace_back(name, p.detach().to(torch::kFloat, /*non_blocking=*/false,
+                                              /*copy=*/true));
+    p.set_data(p.to(dtype));
+  }
+}
+
+void MasterWeights::load_gradients() {
+  for (size_t k = 0; k < params_.size(); ++k) {
+    const auto& p = params_[k].second;
+    auto& master = masters_[k].second;
+    if (p.grad().defined()) {
+      master.mutable_grad() = p.grad().to(torch::kFloat);
+    } else if (master.grad().defined()) {
+      master.mutable_grad().zero_();
+    }
+  }
+}
+
+void MasterWeights::store() {
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < params_.size(); ++k) {
+    auto& p = params_[k].second;
+    auto& master = masters_[k].second;
+    if (p.scalar_type() == dtype_) {
+      p.copy_(master);  // rounded to the parameter's type
+    } else {
+      p.set_data(master.to(dtype_));  // revealed: its own storage again
+    }
+    if (master.grad().defined() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    master.mutable_grad() = torch::Tensor();
+  }
+}
+
+void MasterWeights::reveal() {
+  for (size_t k = 0; k < params_.size(); ++k) params_[k].second.set_data(masters_[k].second);
+}
+
+int64_t MasterWeights::bytes() const {
+  int64_t total = 0;
+  for (const auto& [name, m] : masters_) total += m.numel() * m.element_size();
+  return total;
 }
 
 torch::Tensor loss_of(Transformer& model, const Batch& batch) {
@@ -93,7 +149,7 @@ double clip_gradients(Transformer& model, double max_norm) {
 double clip_gradients(const std::vector<torch::Tensor>& params, double max_norm) {
   double squares = 0;
   for (const auto& p : params) {
-    if (p.grad().defined()) squares += p.grad().pow(2).sum().item<double>();
+    if (p.grad().defined()) squares += at_least_fp32(p.grad()).pow(2).sum().item<double>();
   }
   const double norm = std::sqrt(squares);
   if (max_norm > 0 && norm > max_norm) {
@@ -106,8 +162,13 @@ double clip_gradients(const std::vector<torch::Tensor>& params, double max_norm)
 }
 
 StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainConfig& c,
-                      const std::vector<Batch>& micro_batches, int64_t step) {
+                      const std::vector<Batch>& micro_batches, int64_t step,
+                      MasterWeights* masters) {
   optimizer.zero_grad();
+  if (masters != nullptr) {
+    masters->store();    // the rounding again, if a checkpoint revealed the masters
+    model->zero_grad();  // the optimizer holds the masters, not these
+  }
   StepResult result;
   result.loss = accumulate_gradients(model, micro_batches);
   result.grad_norm = clip_gradients(model, c.grad_clip);
@@ -116,18 +177,42 @@ StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const 
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
   }
+  if (masters != nullptr) masters->load_gradients();
   optimizer.step();
+  if (masters != nullptr) masters->store();
   return result;
 }
 
 SingleProcessStep::SingleProcessStep(Transformer model, const TrainConfig& config)
-    : model_(std::move(model)), config_(config), optimizer_(make_optimizer(model_, config)) {}
-
-StepResult SingleProcessStep::step(const std::vector<Batch>& micro_batches, int64_t step) {
-  return train_step(model_, *optimizer_, config_, micro_batches, step);
+    : model_(std::move(model)), config_(config) {
+  config_.validate();
+  if (config_.param_dtype == torch::kFloat) {
+    optimizer_ = make_optimizer(model_, config_);
+    return;
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& item : model_->named_parameters())
+    if (item.value().requires_grad()) params.emplace_back(item.key(), item.value());
+  masters_ = std::make_unique<MasterWeights>(std::move(params), config_.param_dtype);
+  optimizer_ = make_optimizer(masters_->masters(), config_);
 }
 
-StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer) {
+StepResult SingleProcessStep::step(const std::vector<Batch>& micro_batches, int64_t step) {
+  return train_step(model_, *optimizer_, config_, micro_batches, step, masters_.get());
+}
+
+Transformer& SingleProcessStep::full_model() {
+  if (masters_) masters_->reveal();
+  return model_;
+}
+
+StateBytes SingleProcessStep::state_bytes() {
+  if (masters_) masters_->store();  // between steps the parameters are the rounding
+  return ch03::state_bytes(model_, *optimizer_, masters_.get());
+}
+
+StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer,
+                       const MasterWeights* masters) {
   auto bytes = [](const torch::Tensor& t) {
     return t.defined() ? static_cast<int64_t>(t.numel() * t.element_size()) : int64_t{0};
   };
@@ -140,6 +225,7 @@ StateBytes state_bytes(Transformer& model, torch::optim::AdamW& optimizer) {
     const auto& adam = static_cast<const torch::optim::AdamWParamState&>(*state);
     b.optimizer += bytes(adam.exp_avg()) + bytes(adam.exp_avg_sq());
   }
+  if (masters != nullptr) b.optimizer += masters->bytes();
   return b;
 }
 
@@ -152,11 +238,13 @@ io::TensorMap SingleProcessStep::gradients() {
 }
 
 io::TensorMap SingleProcessStep::optimizer_state() {
+  if (masters_) return ch03::optimizer_state(masters_->masters(), *optimizer_);
   return ch03::optimizer_state(model_, *optimizer_);
 }
 
 void SingleProcessStep::load_optimizer_state(const io::TensorMap& state,
                                              const std::string& source) {
+  if (masters_) return ch03::load_optimizer_state(state, source, masters_->masters(), *optimizer_);
   ch03::load_optimizer_state(state, source, model_, *optimizer_);
 }
 

@@ -123,3 +123,76 @@ TEST(Precision, AModelWithBf16ParametersKeepsAnFp32ResidualStream) {
     }
   }
 }
+
+namespace {
+
+int64_t trainable_numel(ch03::Transformer& model) {
+  int64_t n = 0;
+  for (const auto& p : model->parameters())
+    if (p.requires_grad()) n += p.numel();
+  return n;
+}
+
+}  // namespace
+
+// Master weights on one process (TrainConfig::param_dtype = bf16): the parameters and gradients
+// in bf16, AdamW over fp32 masters: ZeRO's mixed-precision split, 2Ψ + 2Ψ + 12Ψ, measured. A
+// checkpoint reads the masters themselves (full_model), and a step resumed from them and from
+// the optimizer's state takes the same step, bit for bit, as the run never interrupted.
+TEST(Precision, MasterWeightsKeepTheMixedPrecisionSplitAndResumeExactly) {
+  ch14::testing::Fp32Afterwards restore;
+  use_precision(Precision::Bf16, nullptr);
+  const auto config = ch10::testing::tp_config(false);
+  ch03::TrainConfig train;
+  train.param_dtype = torch::kBFloat16;
+  const auto& batches = ch10::testing::tp_batches();
+  auto make = [&] { return ch07::make_model(config); };
+
+  ch03::Transformer model = make();
+  const int64_t psi = trainable_numel(model);
+  ch03::SingleProcessStep step(model, train);
+  for (const auto& p : model->parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+  double losses[3];
+  for (int64_t i = 0; i < 2; ++i) losses[i] = step.step({batches.batch(i, 0, 1)}, i).loss;
+  const ch03::StateBytes state = step.state_bytes();
+  EXPECT_EQ(state.parameters, 2 * psi);
+  EXPECT_EQ(state.gradients, 2 * psi);
+  EXPECT_EQ(state.optimizer, 12 * psi) << "fp32 masters (4) and AdamW's two moments (8)";
+
+  // The checkpoint: the masters themselves, of which the parameters were the rounding.
+  std::map<std::string, Tensor> rounded, saved;
+  for (const auto& item : model->named_parameters()) rounded[item.key()] = item.value().clone();
+  ch03::Transformer& full = step.full_model();
+  int64_t finer = 0;  // elements where the master holds more than its rounding
+  for (const auto& item : full->named_parameters()) {
+    const auto& master = item.value();
+    ASSERT_EQ(master.scalar_type(), torch::kFloat) << item.key();
+    EXPECT_TRUE(master.to(torch::kBFloat16).equal(rounded.at(item.key()))) << item.key();
+    finer += master.ne(rounded.at(item.key()).to(torch::kFloat)).sum().item<int64_t>();
+    saved[item.key()] = master.detach().clone();
+  }
+  EXPECT_GT(finer, psi / 2) << "the masters are only their rounding";
+  io::TensorMap optimizer;  // copies: the state's tensors are AdamW's own, which step 3 changes
+  for (const auto& [name, t] : step.optimizer_state()) optimizer[name] = t.clone();
+  losses[2] = step.step({batches.batch(2, 0, 1)}, 2).loss;
+  const auto after = step.gradients();
+
+  // Resumed from the masters and the optimizer's state.
+  ch03::Transformer resumed = make();
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : resumed->named_parameters()) item.value().copy_(saved.at(item.key()));
+  }
+  ch03::SingleProcessStep again(resumed, train);
+  again.load_optimizer_state(optimizer, "memory");
+  EXPECT_EQ(again.step({batches.batch(2, 0, 1)}, 2).loss, losses[2]);
+  for (const auto& [name, grad] : again.gradients()) EXPECT_TRUE(grad.equal(after.at(name))) << name;
+  auto got = resumed->named_parameters(), want = model->named_parameters();
+  for (const auto& item : want) EXPECT_TRUE(got[item.key()].equal(item.value())) << item.key();
+
+  // The same three steps with fp32 parameters (bf16 products alone): within bf16's rounding.
+  ch03::Transformer plain = make();
+  ch03::SingleProcessStep fp32(plain, ch03::TrainConfig{});
+  for (int64_t i = 0; i < 3; ++i)
+    EXPECT_NEAR(fp32.step({batches.batch(i, 0, 1)}, i).loss, losses[i], 1e-2 * losses[i]) << i;
+}
