@@ -2,7 +2,10 @@
 // Gloo in LibTorch 1.13 has no reduce-scatter and gathers only equal-sized tensors, so:
 // - reduce_scatter = all-reduce, then keep this rank's part (2x the traffic of a real one;
 //   chapter 08 builds the ring version from send/recv that fills the gap properly);
-// - all_gather of unequal parts pads every part to the largest, then drops the padding.
+// - all_gather of unequal parts pads every part to the largest, then drops the padding;
+// - it has no bf16: a collective that only moves data moves a bf16 tensor's bits as fp16 (the
+//   same two bytes, copied, never computed on), and an all-reduce of bf16 sums in fp32 and rounds
+//   once.
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -71,6 +74,11 @@ void finish(const WorkPtr& work) {
   }
 }
 
+// `t` as Gloo can move it: a bf16 tensor viewed as fp16 (its bits, the same storage).
+torch::Tensor movable(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 ? t.view(torch::kHalf) : t;
+}
+
 class GlooCommunicator final : public Communicator {
  public:
   GlooCommunicator(c10::intrusive_ptr<c10d::Store> store, std::string prefix, int rank, int size,
@@ -97,6 +105,12 @@ class GlooCommunicator final : public Communicator {
 
  protected:
   void do_all_reduce(torch::Tensor& tensor, ReduceOp op) override {
+    if (tensor.scalar_type() == torch::kBFloat16) {
+      auto wide = tensor.to(torch::kFloat);
+      do_all_reduce(wide, op);
+      tensor.copy_(wide);
+      return;
+    }
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.reduceOp = gloo_op(op);
@@ -105,6 +119,10 @@ class GlooCommunicator final : public Communicator {
 
   void do_all_gather(const torch::Tensor& in, torch::Tensor& out,
                      const std::vector<int64_t>& dim0_sizes) override {
+    if (in.scalar_type() == torch::kBFloat16) {
+      auto bits = movable(out);
+      return do_all_gather(movable(in), bits, dim0_sizes);
+    }
     const int64_t largest = *std::max_element(dim0_sizes.begin(), dim0_sizes.end());
     if (largest == 0) return;
     auto shape = out.sizes().vec();
@@ -135,31 +153,31 @@ class GlooCommunicator final : public Communicator {
   void do_all_to_all(const torch::Tensor& in, torch::Tensor& out,
                      const std::vector<int64_t>& send_sizes,
                      const std::vector<int64_t>& recv_sizes) override {
-    at::Tensor input = in;
+    at::Tensor input = movable(in), output = movable(out);
     std::vector<int64_t> in_splits = send_sizes, out_splits = recv_sizes;
-    finish(group_->alltoall_base(out, input, out_splits, in_splits));
+    finish(group_->alltoall_base(output, input, out_splits, in_splits));
   }
 
   void do_broadcast(torch::Tensor& tensor, int root) override {
-    std::vector<at::Tensor> tensors{tensor};
+    std::vector<at::Tensor> tensors{movable(tensor)};
     c10d::BroadcastOptions options;
     options.rootRank = root;
     finish(group_->broadcast(tensors, options));
   }
 
   void do_send(const torch::Tensor& tensor, int dst, int tag) override {
-    std::vector<at::Tensor> tensors{tensor};
+    std::vector<at::Tensor> tensors{movable(tensor)};
     finish(group_->send(tensors, dst, tag));
   }
 
   void do_recv(torch::Tensor& tensor, int src, int tag) override {
-    std::vector<at::Tensor> tensors{tensor};
+    std::vector<at::Tensor> tensors{movable(tensor)};
     finish(group_->recv(tensors, src, tag));
   }
 
   void do_send_recv(const torch::Tensor& send_tensor, int dst, torch::Tensor& recv_tensor, int src,
                     int tag) override {
-    std::vector<at::Tensor> outgoing{send_tensor}, incoming{recv_tensor};
+    std::vector<at::Tensor> outgoing{movable(send_tensor)}, incoming{movable(recv_tensor)};
     auto sent = group_->send(outgoing, dst, tag);
     auto received = group_->recv(incoming, src, tag);
     finish(sent);
