@@ -37,6 +37,15 @@ struct Size {
 
 // Median seconds of a whole optimizer step, and of its parts, over `steps` steps after 3 warm-up
 // steps. The parts are timed in separate steps (the same work) so that the whole is not disturbed.
+// The trainer's mixed precision (TrainConfig::param_dtype = bf16): fp32 masters of `model`'s
+// trainable parameters, which become bf16.
+std::unique_ptr<fivefold::ch03::MasterWeights> master_weights(fivefold::ch03::Transformer& model) {
+  std::vector<std::pair<std::string, torch::Tensor>> params;
+  for (const auto& item : model->named_parameters())
+    if (item.value().requires_grad()) params.emplace_back(item.key(), item.value());
+  return std::make_unique<fivefold::ch03::MasterWeights>(std::move(params), torch::kBFloat16);
+}
+
 struct Timing {
   double step, forward, backward, update;  // update: clipping + AdamW
 };
@@ -54,9 +63,12 @@ Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) 
   if (fast) train.make_adamw = fused_adamw;
   // The matmul kernel is process-wide: the lesson's step, timed after a fast one, unsets it.
   if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
-  // Chapter 14: the products in bf16, the rest as it was.
+  // Chapter 14: the products in bf16, and as the trainer keeps them the parameters and gradients
+  // in bf16 beside fp32 master weights.
   if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
-  auto optimizer = make_optimizer(model, train);
+  const auto masters = bf16 ? master_weights(model) : nullptr;
+  auto optimizer =
+      masters ? make_optimizer(masters->masters(), train) : make_optimizer(model, train);
   auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
   const Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
   std::vector<double> whole, forward, backward, update;
@@ -66,18 +78,21 @@ Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) 
   };
   for (int64_t i = 0; i < steps + 3; ++i) {
     fivefold::Timer timer;
-    train_step(model, *optimizer, train, {batch}, i);
+    train_step(model, *optimizer, train, {batch}, i, masters.get());
     if (i >= 3) whole.push_back(timer.seconds());
   }
   for (int64_t i = 0; i < steps + 3; ++i) {
     optimizer->zero_grad();
+    model->zero_grad();
     fivefold::Timer timer;
     auto loss = loss_of(model, batch);
     const double f = timer.seconds();
     loss.backward();
     const double b = timer.seconds();
     clip_gradients(model, train.grad_clip);
+    if (masters) masters->load_gradients();
     optimizer->step();
+    if (masters) masters->store();
     if (i >= 3) {
       forward.push_back(f);
       backward.push_back(b - f);
@@ -125,7 +140,9 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
   if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
   TrainConfig train;
   if (fast) train.make_adamw = fused_adamw;
-  auto optimizer = make_optimizer(model, train);
+  const auto masters = bf16 ? master_weights(model) : nullptr;
+  auto optimizer =
+      masters ? make_optimizer(masters->masters(), train) : make_optimizer(model, train);
   BlockImpl& block = model->block(0);
   const auto positions = position_range(0, s.seq);
   const auto x = torch::randn({s.batch, s.seq, s.d_model}).requires_grad_(true);
@@ -159,7 +176,9 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
   for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
   parts.push_back({"clip + AdamW", median_ms([&] {
                      clip_gradients(model, train.grad_clip);
+                     if (masters) masters->load_gradients();
                      optimizer->step();
+                     if (masters) masters->store();
                    }),
                    0});
   return parts;

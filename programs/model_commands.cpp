@@ -108,7 +108,8 @@ int print_plan(const ch15::Layout& layout, const ch15::Workload& c, ch14::Precis
     }
     std::string memory = "-", parameters = "-", flops = "-";
     if (held.elements > 0) {
-      memory = std::to_string(ch15::predicted_state_bytes(layout, held).total()) + " B";
+      memory = std::to_string(ch15::predicted_state_bytes(layout, held, c.precision).total()) +
+               " B";
       parameters = std::to_string(held.elements);
       try {
         flops = std::to_string(ch15::predicted_flops(layout, c, r, held).total());

@@ -38,7 +38,10 @@ namespace fivefold::ch09 {
 class FullyShardedDataParallel {
  public:
   /// Broadcasts rank 0's parameters, keeps this rank's shard of each unit, frees the rest.
-  /// `groups` as for ZeroOptimizer (partial gradients are summed as each unit is released).
+  /// `groups` as for ZeroOptimizer (partial gradients are summed as each unit is released). With
+  /// config.param_dtype below fp32 (chapter 14) the fp32 shards are master weights: the units
+  /// are gathered from their rounding (kept beside them, 2 bytes a number in bf16), computed in
+  /// that type, their gradients reduce-scattered in fp32 into shards of that type.
   FullyShardedDataParallel(ch03::Transformer model, dist::CommunicatorPtr comm,
                            ch03::TrainConfig config, ModelParallelGroups groups = {});
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
@@ -61,8 +64,11 @@ class FullyShardedDataParallel {
   void zero_grad();
 
   /// Gathers every unit into the model (for a checkpoint, a comparison, generation) until the next
-  /// step.
+  /// step: with master weights, the masters themselves (fp32) until round_parameters().
   void gather_full_parameters();
+  /// After gather_full_parameters with master weights: the parameters in their own type again,
+  /// still gathered (no communication). Otherwise nothing.
+  void round_parameters();
 
   /// Gathers every unit for a forward and backward run outside this wrapper (chapter 11's pipeline
   /// runs its layers micro-batch by micro-batch): the part stays gathered for the whole step, as
@@ -115,6 +121,10 @@ class FullyShardedDataParallel {
   // Frees the root after the head, and gathers it again when backward reaches `output`.
   torch::Tensor finish(const torch::Tensor& output);
   torch::Tensor param_shard(const Unit& unit) { return shards_.narrow(0, unit.offset, unit.shard); }
+  // What a unit is gathered from: its shard in the parameters' type.
+  torch::Tensor gathered_shard(const Unit& unit) {
+    return (rounded_.defined() ? rounded_ : shards_).narrow(0, unit.offset, unit.shard);
+  }
   torch::Tensor grad_shard(const Unit& unit) { return grads_.narrow(0, unit.offset, unit.shard); }
 
   ch03::Transformer model_;
@@ -124,6 +134,9 @@ class FullyShardedDataParallel {
   std::vector<torch::Tensor> params_;                         // all parameters, in the units' order
   std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
   torch::Tensor shards_, grads_;  // this rank's shards of every unit, one after another
+  torch::Tensor rounded_;         // shards_ in the parameters' type; undefined: they are fp32
+  int64_t param_bytes_ = 4;       // bytes of a parameter's number
+  bool revealed_ = false;         // the parameters hold the fp32 masters (gather_full_parameters)
   torch::Tensor has_gradient_;    // [params]: 1 where this rank had a gradient this step
   torch::Tensor had_gradient_;    // [params]: 1 once some rank has had one (ZeroOptimizer's)
   std::unique_ptr<ShardedAdamW> adam_;

@@ -34,7 +34,10 @@ class DataParallelStep : public ch03::TrainingStep {
   /// hold the whole model): partial gradients are summed over their groups before the update, and
   /// the global norm counts every piece once. `forward_backward`: who runs the micro-batches
   /// (default: chapter 03's loop; chapter 11 runs a pipeline schedule); with one given, DDP
-  /// reduces every bucket after it, and ZeRO-3 gathers the whole part for the step. Throws
+  /// reduces every bucket after it, and ZeRO-3 gathers the whole part for the step. With
+  /// config.param_dtype below fp32 (chapter 14) every stage keeps the parameters and gradients
+  /// in that type and fp32 master weights beside AdamW's moments (sharded as those are), reduces
+  /// the gradients in fp32 and gathers the parameters in their own type. Throws
   /// fivefold::Error, before any communication, for a stage outside 0..3.
   DataParallelStep(ch03::Transformer model, dist::CommunicatorPtr comm, int stage,
                    const ch03::TrainConfig& config, ModelParallelGroups groups = {},
@@ -42,7 +45,8 @@ class DataParallelStep : public ch03::TrainingStep {
   /// As ch03::TrainingStep::step; the loss is averaged over the ranks (one all-reduce of a number).
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
   ch03::Transformer& model() override { return model_; }
-  /// Stage 3 gathers every unit (until the next step).
+  /// Stage 3 gathers every unit (until the next step); with master weights the model holds
+  /// them (fp32, gathered by stages 1-3) until the next step.
   ch03::Transformer& full_model() override;
   io::TensorMap optimizer_state() override;
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
@@ -59,7 +63,8 @@ class DataParallelStep : public ch03::TrainingStep {
   ch03::TrainConfig config_;
   ModelParallelGroups groups_;
   ForwardBackward forward_backward_;
-  std::unique_ptr<torch::optim::AdamW> adam_;  // stage 0
+  std::unique_ptr<torch::optim::AdamW> adam_;     // stage 0
+  std::unique_ptr<ch03::MasterWeights> masters_;  // stage 0 with config.param_dtype below fp32
   std::unique_ptr<DistributedDataParallel> ddp_;
   std::unique_ptr<ZeroOptimizer> zero_;             // stages 1 and 2
   std::unique_ptr<FullyShardedDataParallel> fsdp_;  // stage 3

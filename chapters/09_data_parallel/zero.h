@@ -29,9 +29,12 @@ namespace fivefold::ch09 {
 /// training step reports.
 using ZeroMemory = ch03::StateBytes;
 
-/// The ZeRO formulas, fp32 AdamW, per rank, for Ψ trainable numbers over N ranks (s = ⌈Ψ/N⌉):
-/// stage 0 (DDP) 4Ψ + 4Ψ + 8Ψ; 1: 4Ψ + 4Ψ + 8s; 2: 4Ψ + 4s + 8s; 3: 4s + 4s + 8s.
-ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage);
+/// The ZeRO formulas, AdamW, per rank, for Ψ trainable numbers over N ranks (s = ⌈Ψ/N⌉), with
+/// the parameters kept in fp32 (`param_bytes` 4): stage 0 (DDP) 4Ψ + 4Ψ + 8Ψ; 1: 4Ψ + 4Ψ + 8s;
+/// 2: 4Ψ + 4s + 8s; 3: 4s + 4s + 8s. In mixed precision (`param_bytes` 2: bf16 parameters and
+/// gradients, fp32 master weights beside the moments, chapter 14) the paper's 2Ψ + 2Ψ + 12Ψ:
+/// 1: 2Ψ + 2Ψ + 12s; 2: 2Ψ + 2s + 12s; 3: 2s + 2s + 12s.
+ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage, int64_t param_bytes = 4);
 
 /// The part of one parameter that falls in a rank's shard.
 struct ShardSegment {
@@ -166,7 +169,10 @@ class ZeroOptimizer {
  public:
   /// Broadcasts rank 0's parameters, lays out the shards. `stage` is 1 or 2. `groups`: the
   /// model-parallel groups of the parameters (partial gradients summed before the reduce-scatter,
-  /// the norm counted once over them).
+  /// the norm counted once over them). With config.param_dtype below fp32 (chapter 14) this rank
+  /// keeps its shard of fp32 master weights, rounds the parameters to that type, reduce-scatters
+  /// the gradients in fp32 (the shard kept in the parameters' type) and all-gathers the updated
+  /// parameters in their type.
   ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::CommunicatorPtr comm, int stage,
                 ch03::TrainConfig config, ModelParallelGroups groups = {});
 
@@ -181,8 +187,15 @@ class ZeroOptimizer {
   /// last step and none this step: stage 1 steps it with a zero gradient, stage 2 skips it.
   void zero_grad();
 
-  /// The bytes this rank keeps, measured from the tensors it holds.
+  /// The bytes this rank keeps, measured from the tensors it holds (the master weights' shard
+  /// with the optimizer's).
   ZeroMemory memory() const;
+
+  /// With master weights: the parameters become the whole masters (fp32, all-gathered;
+  /// collective) until round_parameters(), for a checkpoint. Otherwise nothing.
+  void reveal_masters();
+  /// With master weights: parameters revealed become their rounding again (no communication).
+  void round_parameters();
 
   /// Ψ (trainable numbers).
   int64_t numel() const { return layout_.numel; }
@@ -211,6 +224,7 @@ class ZeroOptimizer {
   ShardLayout layout_;
   std::unique_ptr<ShardedAdamW> adam_;
   torch::Tensor grad_shard_;  // [shard] (kept in stage 2)
+  torch::Tensor master_;      // [shard] fp32 master weights; undefined: the parameters are fp32
   ModelParallelGroups groups_;
   torch::Tensor norm_mask_;  // undefined: every element counts
   // 1 for each parameter that has had a gradient on some rank: on one device its gradient then

@@ -76,8 +76,11 @@ struct HeldParameters : TrainableCounts {
 /// What chapter 09's ZeRO formulas say the rank keeps between steps for its part `held` (fp32):
 /// parameters 4(P + frozen), or ZeRO-3 4·Σ_u ⌈P_u/N⌉ (each unit sharded on its own); gradients
 /// 4P, ZeRO-2 4⌈P/N⌉, ZeRO-3 4·Σ_u ⌈P_u/N⌉; AdamW's two moments 8P, ZeRO-1 and 2 8⌈P/N⌉, ZeRO-3
-/// 8·Σ_u ⌈P_u/N⌉; N = dp·cp (under ep dp·cp/ep, the ranks holding the same experts).
-ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held);
+/// 8·Σ_u ⌈P_u/N⌉; N = dp·cp (under ep dp·cp/ep, the ranks holding the same experts). In bf16
+/// (chapter 14's master weights) 2 bytes a parameter and a gradient, 12 for masters and moments;
+/// frozen parameters stay fp32.
+ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held,
+                                       ch14::Precision precision = ch14::Precision::Fp32);
 
 /// What world rank `world_rank` of `layout` (resolved) holds in a run of `run`, counted from its
 /// part of the model built here on one process (chapter 07's model, as apply_layout builds it;

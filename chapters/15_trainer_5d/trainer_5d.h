@@ -56,6 +56,9 @@ struct Workload {
   /// runtime::workload_of and by `fivefold plan --search`), as chapter 03's slots take a faster
   /// kernel.
   BlockActivations block_activations;
+  /// Chapter 14's precision: in bf16 the parameters are kept in bf16 beside fp32 master weights
+  /// (predicted_state_bytes) and ZeRO gathers them in bf16 (predicted_traffic).
+  ch14::Precision precision = ch14::Precision::Fp32;
 };
 
 /// How the ranks of the world are laid out and how each dimension runs.

@@ -82,6 +82,7 @@ ch15::Workload workload_of(const RunConfig& run) {
                       recompute_config(run), nullptr};
   if (run.fast)  // fast.h: the fast kernels'
     work.block_activations = [](auto&&... block) { return block_activation_bytes(block...); };
+  work.precision = ch14::parse_precision(run.precision);
   return work;
 }
 
@@ -154,7 +155,8 @@ RankMeasurement measure_against_plan(const ch15::Layout& layout, const ch15::Wor
     mine.matmul_flops = meter.step_flops();
   }
   if (held.elements > 0)
-    mine.predicted_state_bytes = ch15::predicted_state_bytes(layout, held).total();
+    mine.predicted_state_bytes =
+        ch15::predicted_state_bytes(layout, held, work.precision).total();
   try {
     mine.predicted_matmul_flops = ch15::predicted_flops(layout, work, rank, held).total();
   } catch (const Error&) {

@@ -201,6 +201,10 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   // fast.h: the same mathematics, fewer passes; in the model the step trains, which a parallel
   // step builds itself (its tp slice, its stage, its experts).
   if (c.fast) c.train.make_adamw = fused_adamw;
+  // Chapter 14: in bf16 the step keeps the parameters and gradients in bf16 and AdamW fp32
+  // master weights (taken from the model's fp32 weights here, a checkpoint's when resuming).
+  const bool bf16 = ch14::parse_precision(c.precision) == ch14::Precision::Bf16;
+  c.train.param_dtype = bf16 ? torch::kBFloat16 : torch::kFloat;
   std::unique_ptr<TrainingStep> trainer = make_step(model, c.train);
   // The matmul kernel is process-wide: each run starts from none (a run before may have left its
   // oneDNN or bf16 kernel), installs its own, and puts back what it found when it returns.
@@ -208,7 +212,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   if (c.fast) install_fast_paths(trainer->model());
   // Chapter 14: the products in bf16, after a look at whether this CPU computes bf16 faster.
   const std::string precision_change = changed(resume, c.precision, trained_in, "in");
-  if (ch14::parse_precision(c.precision) == ch14::Precision::Bf16) {
+  if (bf16) {
     // The model's own MLP product on one micro-batch of this rank.
     const int64_t rows = std::max<int64_t>(
         1, c.batch * c.seq_len / (place.data_ranks * c.micro_batches));
@@ -217,7 +221,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     log0() << "precision: bf16 products (the MLP's [" << rows << ", " << c.model.d_model
            << "] x [" << c.model.d_model << ", " << c.model.d_ff << "]: "
            << static_cast<int>(speed.bf16) << " GFLOP/s in bf16, " << static_cast<int>(speed.fp32)
-           << " in fp32); weights, gradients and AdamW in fp32"
+           << " in fp32); weights and gradients in bf16, fp32 master weights and AdamW"
            << precision_change;
     if (speed.bf16 < speed.fp32) {
       log0() << "warning: this model's products are " << speed.fp32 / speed.bf16

@@ -123,9 +123,12 @@ namespace {
 thread_local WeightGradientStore* deferred = nullptr;
 std::shared_ptr<const MatmulKernel> g_matmul;  // set before training (set_matmul_kernel)
 
-// a·b for 2-D a and b, through the MatmulKernel set or at::mm.
+// a·b for 2-D a and b, through the MatmulKernel set or at::mm (in the wider of their types when
+// they differ: a weight kept in bf16 against fp32 activations).
 torch::Tensor product(const torch::Tensor& a, const torch::Tensor& b) {
-  return g_matmul ? g_matmul->mm(a, b) : a.mm(b);
+  if (g_matmul) return g_matmul->mm(a, b);
+  const auto type = at::promote_types(a.scalar_type(), b.scalar_type());
+  return a.to(type).mm(b.to(type));
 }
 
 // x [..., in] as rows [tokens, in].

@@ -37,7 +37,7 @@ void unpack_gradients(std::vector<torch::Tensor>& params, const torch::Tensor& f
       if (p.grad().defined()) {
         p.mutable_grad().copy_(average);
       } else {
-        p.mutable_grad() = average.clone();
+        p.mutable_grad() = average.to(p.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
     }
     offset += p.numel();

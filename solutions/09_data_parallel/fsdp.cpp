@@ -69,8 +69,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
     offset += layout.shard;
     local.numel += layout.numel;
   }
+  const bool masters = config_.param_dtype != torch::kFloat;
   shards_ = torch::zeros({offset});
-  grads_ = torch::zeros({offset});
+  grads_ = torch::zeros({offset}, config_.param_dtype);
   has_gradient_ = torch::zeros({static_cast<int64_t>(params_.size())});
   local.shard = offset;
   adam_ = std::make_unique<ShardedAdamW>(local, static_cast<int64_t>(params_.size()), config_);
@@ -80,15 +81,23 @@ FullyShardedDataParallel::FullyShardedDataParallel(ch03::Transformer model,
     for (const auto& p : unit.params) flat.push_back(p.reshape(-1));
     flat.push_back(torch::zeros({unit.shard * n - unit.numel}));
     param_shard(unit).copy_(torch::cat(flat).narrow(0, r * unit.shard, unit.shard));
+    if (masters)  // mixed precision: the parameters are kept in their type from here on
+      for (auto& p : unit.params) p.set_data(p.to(config_.param_dtype));
+  }
+  if (masters) {
+    rounded_ = shards_.to(config_.param_dtype);
+    param_bytes_ = rounded_.element_size();
+  }
+  for (auto& unit : units_) {
     unit.gathered = true;  // the whole model exists now; from here on it lives in shards
-    gathered_bytes_ += unit.numel * 4;
+    gathered_bytes_ += unit.numel * param_bytes_;
     free(unit);
   }
 }
 
 void FullyShardedDataParallel::gather(Unit& unit) {
   if (unit.gathered) return;
-  auto full = comm_->all_gather(param_shard(unit));  // [shard * N]: the unit's padded vector
+  auto full = comm_->all_gather(gathered_shard(unit));  // [shard * N]: the unit's padded vector
   int64_t offset = 0;
   for (auto& p : unit.params) {
     // New memory under the same storage: every tensor that shares it (autograd's saved copies
@@ -102,7 +111,7 @@ void FullyShardedDataParallel::gather(Unit& unit) {
     offset += p.numel();
   }
   unit.gathered = true;
-  gathered_bytes_ += unit.numel * 4;
+  gathered_bytes_ += unit.numel * param_bytes_;
   peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
 }
 
@@ -110,7 +119,7 @@ void FullyShardedDataParallel::free(Unit& unit) {
   if (!unit.gathered) return;
   for (auto& p : unit.params) p.storage().unsafeGetStorageImpl()->reset();  // 0 bytes
   unit.gathered = false;
-  gathered_bytes_ -= unit.numel * 4;
+  gathered_bytes_ -= unit.numel * param_bytes_;
 }
 
 void FullyShardedDataParallel::release(Unit& unit) {
@@ -186,7 +195,9 @@ double FullyShardedDataParallel::step(int64_t step) {
   had_gradient_ = torch::maximum(had_gradient_, has_gradient.gt(0).to(torch::kFloat));
   has_gradient = had_gradient_.clone();
   const double norm = clip_sharded_gradient(grads_, *comm_, config_.grad_clip, norm_mask_, groups_);
-  if (std::isfinite(norm)) adam_->step(shards_, grads_, has_gradient, step);  // global: all agree
+  if (!std::isfinite(norm)) return norm;  // no update (the norm is global: every rank agrees)
+  adam_->step(shards_, ch03::at_least_fp32(grads_), has_gradient, step);
+  if (rounded_.defined()) rounded_.copy_(shards_);  // what the next forward gathers
   return norm;
 }
 
@@ -197,7 +208,35 @@ void FullyShardedDataParallel::zero_grad() {
 
 void FullyShardedDataParallel::gather_full_parameters() {
   torch::NoGradGuard no_grad;
-  for (auto& unit : units_) gather(unit);
+  if (!rounded_.defined()) {
+    for (auto& unit : units_) gather(unit);
+    return;
+  }
+  // Mixed precision: the masters themselves, whole, in fp32 tensors of their own.
+  round_parameters();
+  for (auto& unit : units_) {
+    free(unit);
+    const auto full = comm_->all_gather(param_shard(unit));
+    int64_t offset = 0;
+    for (auto& p : unit.params) {
+      p.set_data(full.narrow(0, offset, p.numel()).view_as(p).clone());
+      offset += p.numel();
+    }
+  }
+  revealed_ = true;
+}
+
+void FullyShardedDataParallel::round_parameters() {
+  if (!revealed_) return;
+  torch::NoGradGuard no_grad;
+  // Gathered, in the parameters' type, as gather_full_parameters leaves them in fp32: the next
+  // forward needs no gather, the same as without master weights.
+  for (auto& unit : units_) {
+    for (auto& p : unit.params) p.set_data(p.to(config_.param_dtype));
+    unit.gathered = true;
+    gathered_bytes_ += unit.numel * param_bytes_;
+  }
+  revealed_ = false;
 }
 
 void FullyShardedDataParallel::gather_for_step() {
@@ -210,13 +249,16 @@ void FullyShardedDataParallel::gather_for_step() {
 
 ZeroMemory FullyShardedDataParallel::memory() const {
   ZeroMemory m;
-  m.parameters = shards_.numel() * 4;
-  m.gradients = grads_.numel() * 4;
+  // With master weights the fp32 shards are the optimizer's, the parameters their rounding.
+  const auto& own = rounded_.defined() ? rounded_ : shards_;
+  m.parameters = own.numel() * own.element_size();
+  m.gradients = grads_.numel() * grads_.element_size();
   for (const auto& p : params_) {
     m.parameters += static_cast<int64_t>(p.storage().nbytes());
     if (p.grad().defined()) m.gradients += p.grad().numel() * p.grad().element_size();
   }
   m.optimizer = adam_->state_bytes();
+  if (rounded_.defined()) m.optimizer += shards_.numel() * shards_.element_size();
   return m;
 }
 

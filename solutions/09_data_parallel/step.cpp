@@ -21,7 +21,21 @@ DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPt
       forward_backward_(std::move(forward_backward)) {
   FIVEFOLD_CHECK(stage_ >= 0 && stage_ <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage_);
   config_.validate();
-  if (stage_ == 0) {
+  if (stage_ == 0 && config_.param_dtype != torch::kFloat) {
+    // Master weights from rank 0's fp32 parameters, then the parameters rounded (DDP's hooks go
+    // on the rounded ones).
+    std::vector<std::pair<std::string, torch::Tensor>> trainable;
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : model_->named_parameters()) {
+        comm_->broadcast(item.value(), 0);
+        if (item.value().requires_grad()) trainable.emplace_back(item.key(), item.value());
+      }
+    }
+    masters_ = std::make_unique<ch03::MasterWeights>(std::move(trainable), config_.param_dtype);
+    adam_ = ch03::make_optimizer(masters_->masters(), config_);
+    ddp_ = std::make_unique<DistributedDataParallel>(model_.ptr(), comm_);
+  } else if (stage_ == 0) {
     adam_ = ch03::make_optimizer(model_, config_);
     ddp_ = std::make_unique<DistributedDataParallel>(model_.ptr(), comm_);
   } else if (stage_ < 3) {
@@ -35,7 +49,13 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
                                         int64_t step) {
   FIVEFOLD_CHECK(!micro_batches.empty(), "DataParallelStep: no micro-batches");
   if (adam_) adam_->zero_grad();
+  if (masters_) {
+    masters_->store();    // the rounding again, if a checkpoint revealed the masters
+    model_->zero_grad();  // AdamW holds the masters, not these
+  }
+  if (zero_) zero_->round_parameters();  // likewise for the sharded masters
   if (zero_) zero_->zero_grad();
+  if (fsdp_) fsdp_->round_parameters();
   if (fsdp_) fsdp_->zero_grad();
   int64_t rows = 0;
   for (const auto& b : micro_batches) rows += b.inputs.size(0);
@@ -72,7 +92,11 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
     result.grad_norm = clip_gradients(named, config_.grad_clip, groups_);
     for (auto& group : adam_->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
-    if (std::isfinite(result.grad_norm)) adam_->step();  // the norm is global: all ranks agree
+    if (std::isfinite(result.grad_norm)) {  // the norm is global: all ranks agree
+      if (masters_) masters_->load_gradients();
+      adam_->step();
+      if (masters_) masters_->store();
+    }
   } else if (zero_) {
     result.grad_norm = zero_->step(step);
   } else {
@@ -87,23 +111,30 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
 
 ch03::Transformer& DataParallelStep::full_model() {
   if (fsdp_) fsdp_->gather_full_parameters();
+  if (zero_) zero_->reveal_masters();
+  if (masters_) masters_->reveal();
   return model_;
 }
 
 io::TensorMap DataParallelStep::optimizer_state() {
   if (zero_) return zero_->optimizer_state();
   if (fsdp_) return fsdp_->optimizer_state();
+  if (masters_) return ch03::optimizer_state(masters_->masters(), *adam_);
   return ch03::optimizer_state(model_, *adam_);
 }
 
 void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const std::string& source) {
   if (zero_) return zero_->load_optimizer_state(state, source);
   if (fsdp_) return fsdp_->load_optimizer_state(state, source);
+  if (masters_) return ch03::load_optimizer_state(state, source, masters_->masters(), *adam_);
   ch03::load_optimizer_state(state, source, model_, *adam_);
 }
 
 ch03::StateBytes DataParallelStep::state_bytes() {
-  if (adam_) return ch03::state_bytes(model_, *adam_);
+  if (masters_) masters_->store();  // between steps the parameters are the rounding
+  if (adam_) return ch03::state_bytes(model_, *adam_, masters_.get());
+  if (zero_) zero_->round_parameters();
+  if (fsdp_) fsdp_->round_parameters();
   return zero_ ? zero_->memory() : fsdp_->memory();
 }
 
@@ -125,7 +156,7 @@ double clip_gradients(const std::vector<std::pair<std::string, torch::Tensor>>& 
     if (!p.grad().defined()) continue;
     grads.push_back(p.grad());
     if (groups.counted_elsewhere.count(name) == 0)
-      squares += p.grad().pow(2).sum().to(torch::kDouble);
+      squares += ch03::at_least_fp32(p.grad()).pow(2).sum().to(torch::kDouble);
   }
   const double norm = global_norm(squares, nullptr, groups);
   if (max_norm > 0 && norm > max_norm)

@@ -12,12 +12,16 @@
 
 namespace fivefold::ch09 {
 
-ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage) {
+ZeroMemory zero_memory_formula(int64_t psi, int64_t ranks, int stage, int64_t param_bytes) {
   FIVEFOLD_CHECK(psi >= 0 && ranks >= 1 && stage >= 0 && stage <= 3,
                  "zero_memory_formula: need psi >= 0, ranks >= 1, stage 0..3");
+  FIVEFOLD_CHECK(param_bytes == 2 || param_bytes == 4,
+                 "zero_memory_formula: parameters of 2 (bf16) or 4 (fp32) bytes, got ",
+                 param_bytes);
   const int64_t shard = (psi + ranks - 1) / ranks;
-  return {4 * (stage >= 3 ? shard : psi), 4 * (stage >= 2 ? shard : psi),
-          8 * (stage >= 1 ? shard : psi)};
+  const int64_t optimizer = param_bytes < 4 ? 12 : 8;  // fp32 master weights beside the moments
+  return {param_bytes * (stage >= 3 ? shard : psi), param_bytes * (stage >= 2 ? shard : psi),
+          optimizer * (stage >= 1 ? shard : psi)};
 }
 
 ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>>& params,
@@ -84,8 +88,10 @@ void reduce_partial_gradients(const std::vector<std::pair<std::string, torch::Te
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
       flat.push_back(p.grad().reshape(-1));
     }
-    auto packed = torch::cat(flat);
-    comm->all_reduce(packed);  // one all-reduce for all of this group's partial gradients
+    // One all-reduce for all of this group's partial gradients, summed in fp32 even where they
+    // are kept in bf16 (chapter 14's master weights).
+    auto packed = ch03::at_least_fp32(torch::cat(flat));
+    comm->all_reduce(packed);
     int64_t offset = 0;
     for (auto& p : members) {
       p.mutable_grad().copy_(packed.narrow(0, offset, p.numel()).view_as(p));
@@ -116,7 +122,8 @@ double global_norm(torch::Tensor squares, dist::Communicator* comm,
 
 double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm, double max_norm,
                              const torch::Tensor& mask, const ModelParallelGroups& groups) {
-  auto squares = (mask.defined() ? grad_shard.pow(2) * mask : grad_shard.pow(2));
+  const auto wide = ch03::at_least_fp32(grad_shard);
+  auto squares = (mask.defined() ? wide.pow(2) * mask : wide.pow(2));
   const double norm = global_norm(squares.sum().to(torch::kDouble).reshape({1}), &comm, groups);
   if (max_norm > 0 && norm > max_norm) grad_shard.mul_(max_norm / norm);
   return norm;
@@ -232,6 +239,30 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::Com
   layout_ = shard_layout(named_, 0, comm_->size(), comm_->rank(), config_);
   adam_ = std::make_unique<ShardedAdamW>(layout_, static_cast<int64_t>(params_.size()), config_);
   norm_mask_ = norm_mask(layout_, named_, groups_);
+  if (config_.param_dtype != torch::kFloat) {  // mixed precision: this rank's fp32 masters
+    master_ = torch::zeros({layout_.shard});
+    for (const auto& s : layout_.segments) {
+      master_.narrow(0, s.begin, s.length)
+          .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
+    }
+    for (auto& p : params_) p.set_data(p.to(config_.param_dtype));
+  }
+}
+
+void ZeroOptimizer::reveal_masters() {
+  if (!master_.defined()) return;
+  const auto whole = comm_->all_gather(master_);  // [shard * N]
+  int64_t offset = 0;
+  for (auto& p : params_) {
+    p.set_data(whole.narrow(0, offset, p.numel()).view_as(p).clone());
+    offset += p.numel();
+  }
+}
+
+void ZeroOptimizer::round_parameters() {
+  if (!master_.defined()) return;
+  for (auto& p : params_)
+    if (p.scalar_type() != config_.param_dtype) p.set_data(p.to(config_.param_dtype));
 }
 
 void ZeroOptimizer::zero_grad() {
@@ -258,22 +289,27 @@ double ZeroOptimizer::step(int64_t step) {
   had_gradient_ = torch::maximum(had_gradient_, has_gradient.gt(0).to(torch::kFloat));
   has_gradient = had_gradient_.clone();       // a gradient once: zeros now, as on one device
   if (stage_ == 2) zero_grad();               // the full gradients go as soon as they are packed
-  grad_shard_ = comm_->reduce_scatter(flat);  // [shard]
+  grad_shard_ = comm_->reduce_scatter(flat);  // [shard], reduced in fp32
   flat = torch::Tensor();
+  // With master weights the shard is kept as the gradients are (bf16): ZeRO's 2Ψ/N in stage 2.
+  if (master_.defined()) grad_shard_ = grad_shard_.to(config_.param_dtype);
 
-  // 2. Global-norm clipping, then 3. AdamW on this rank's shard of the parameters.
+  // 2. Global-norm clipping, then 3. AdamW on this rank's shard of the parameters (the masters).
   const double norm =
       clip_sharded_gradient(grad_shard_, *comm_, config_.grad_clip, norm_mask_, groups_);
   if (!std::isfinite(norm)) return norm;  // no update (the norm is global: every rank returns)
-  auto mine = torch::zeros({layout_.shard});
-  for (const auto& s : layout_.segments) {
-    mine.narrow(0, s.begin, s.length)
-        .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
+  torch::Tensor mine = master_;
+  if (!mine.defined()) {
+    mine = torch::zeros({layout_.shard});
+    for (const auto& s : layout_.segments) {
+      mine.narrow(0, s.begin, s.length)
+          .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
+    }
   }
-  adam_->step(mine, grad_shard_, has_gradient, step);
+  adam_->step(mine, ch03::at_least_fp32(grad_shard_), has_gradient, step);
 
-  // 4. Everyone's updated shards, back into the model.
-  auto gathered = comm_->all_gather(mine);  // [shard * N]
+  // 4. Everyone's updated shards, back into the model (in the parameters' type).
+  auto gathered = comm_->all_gather(mine.to(config_.param_dtype));  // [shard * N]
   int64_t offset = 0;
   for (auto& p : params_) {
     p.copy_(gathered.narrow(0, offset, p.numel()).view_as(p));
@@ -288,8 +324,10 @@ ZeroMemory ZeroOptimizer::memory() const {
   for (const auto& p : params_) {
     if (p.grad().defined()) m.gradients += p.grad().numel() * p.grad().element_size();
   }
-  if (stage_ == 2 && grad_shard_.defined()) m.gradients += grad_shard_.numel() * 4;
+  if (stage_ == 2 && grad_shard_.defined())
+    m.gradients += grad_shard_.numel() * grad_shard_.element_size();
   m.optimizer = adam_->state_bytes();
+  if (master_.defined()) m.optimizer += master_.numel() * master_.element_size();
   return m;
 }
 

@@ -436,8 +436,9 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   const int64_t replicas = d * c / layout.ep;
   const auto [held, held_experts, frozen] =
       busiest_holding(work, layout, stages, block, rank_blocks);
-  ch03::StateBytes state = ch09::zero_memory_formula(held + held_experts, replicas, layout.zero);
-  if (bf16) state = {state.parameters / 2, state.gradients / 2, state.optimizer * 3 / 2};
+  // In bf16 chapter 14's master weights: 2 + 2 bytes a number, 12 for masters and moments.
+  ch03::StateBytes state =
+      ch09::zero_memory_formula(held + held_experts, replicas, layout.zero, bf16 ? 2 : 4);
   state.parameters += 4 * frozen;  // kept whole, with no gradient or moments
   e.state_bytes = state.total();
 

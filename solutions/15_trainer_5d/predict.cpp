@@ -69,20 +69,22 @@ int64_t reduced_elements(const std::vector<int64_t>& by_unit, const Layout& layo
 
 }  // namespace
 
-ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held) {
+ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held,
+                                       ch14::Precision precision) {
   const int64_t n = layout.dp * layout.cp / layout.ep;
+  const int64_t bytes = precision == ch14::Precision::Bf16 ? 2 : 4;  // a parameter's number
   if (layout.zero == 3) {  // FSDP shards each unit on its own: the formula unit by unit
     ch03::StateBytes b;
     for (const int64_t unit : held.by_unit) {
-      const auto u = ch09::zero_memory_formula(unit, n, 3);
+      const auto u = ch09::zero_memory_formula(unit, n, 3, bytes);
       b.parameters += u.parameters;
       b.gradients += u.gradients;
       b.optimizer += u.optimizer;
     }
     return b;
   }
-  auto b = ch09::zero_memory_formula(held.elements, n, layout.zero);
-  b.parameters += 4 * held.frozen;  // stored whole, with no gradient or moments
+  auto b = ch09::zero_memory_formula(held.elements, n, layout.zero, bytes);
+  b.parameters += 4 * held.frozen;  // stored whole (fp32), with no gradient or moments
   return b;
 }
 
@@ -326,12 +328,15 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   const std::string data = experts ? "edp" : "dp+cp";
   const int64_t n = layout.dp * layout.cp / layout.ep;
   auto padded = [n](int64_t numel) { return n * ((numel + n - 1) / n); };  // a multiple of n
+  // Gradients are reduced in fp32; the parameters gathered in their own type (bf16 under
+  // chapter 14's master weights).
+  const int64_t gathered = run.precision == ch14::Precision::Bf16 ? 2 : 4;
   if (held.elements > 0 && !one_process && layout.zero <= 2) {
     const int64_t p = held.elements, tensors = held.tensors;
     if (layout.zero == 0) {
       bytes[data] = 4 * (p + tensors) + 8;  // DDP's buckets: gradients and one flag each
-    } else {
-      bytes[data] = 4 * tensors + 2 * 4 * padded(p) + 8 + 8;  // flags, scatter, gather, norm, loss
+    } else {  // flags, scatter, gather, norm, loss
+      bytes[data] = 4 * tensors + (4 + gathered) * padded(p) + 8 + 8;
     }
   }
   // ZeRO-3: each unit gathered (all-gather output) and its gradient reduce-scattered (input).
@@ -340,10 +345,14 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
     const int64_t root = padded(held.by_unit[0]);
     const int64_t first_block = held.by_unit.size() > 1 ? padded(held.by_unit[1]) : 0;
     const int64_t later = total - root - first_block;
-    const int64_t units = layout.pp > 1
-                              ? 2 * total  // gathered for the whole step, then scattered once
-                              : 3 * total + (m - 1) * (root + first_block + 3 * later);
-    bytes[data] = 4 * units + 4 * held.tensors + 8 + 8;  // with the flags, the norm, the loss
+    // Gathered for the whole step, then scattered once; or, without pp, gathered for each
+    // micro-batch's forward and backward (the root and the first block stay gathered between the
+    // backward of one and the forward of the next) and each later unit scattered each time.
+    const int64_t gathers =
+        layout.pp > 1 ? total : 2 * total + (m - 1) * (root + first_block + 2 * later);
+    const int64_t scatters = layout.pp > 1 ? total : total + (m - 1) * later;
+    // With the flags, the norm and the loss.
+    bytes[data] = gathered * gathers + 4 * scatters + 4 * held.tensors + 8 + 8;
   }
   return bytes;
 }
@@ -414,7 +423,8 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
   const std::string data = bytes.count("edp") ? "edp" : "dp+cp";
   if (bytes.count(data) && layout.zero == 3) {
     const int64_t n = layout.dp * layout.cp / layout.ep;
-    bytes[data] -= after_whole_model * 4 * padded_units(held, n);  // found gathered already
+    const int64_t gathered = run.precision == ch14::Precision::Bf16 ? 2 : 4;
+    bytes[data] -= after_whole_model * gathered * padded_units(held, n);  // found gathered
   }
   return bytes;
 }

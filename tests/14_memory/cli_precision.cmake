@@ -4,7 +4,8 @@
 # rounded to bf16, everything else fp32): the held-out loss at every evaluation within 1% of
 # fp32's (measured 2026-12-05: 0.12% at step 200, at most 1.9% between training losses), and
 # the checkpoint fp32; resumed in bf16, the fp32 run says so. A bad --precision is refused on
-# every rank.
+# every rank. With master weights (notes/14_memory.md §5) a bf16 checkpoint holds the fp32
+# masters: a run resumed from it takes the same steps, bit for bit, as the run never stopped.
 
 file(REMOVE_RECURSE ${WORK})
 file(MAKE_DIRECTORY ${WORK})
@@ -57,3 +58,24 @@ train(1 ${WORK}/fp32 --resume --steps 202 --precision bf16 --no-progress --peak-
 if(NOT train_output MATCHES "precision: bf16 products[^\n]*\\(the run trained in fp32 until now\\)")
   message(FATAL_ERROR "the run resumed in bf16 did not say that its precision changed")
 endif()
+
+# A bf16 run with ZeRO-2 over 2 ranks (its masters sharded), saved at step 2 and resumed from that
+# checkpoint in a fresh folder: every step equal, digit for digit, to the uninterrupted run's.
+# Resumed from the parameters' bf16 rounding instead of the masters, the steps after differ.
+set(mixed --precision bf16 --zero 2 --batch 8 --seq 16 --d-model 32 --n-layers 2 --n-heads 4
+    --n-kv-heads 2 --d-ff 64 --synthetic-examples 300 --warmup 1 --grad-clip 0.5 --eval-every 0
+    --exact-match 0 --eval-batches 1 --peak-gflops 100 --no-progress)
+train(2 ${WORK}/mixed ${mixed} --steps 4 --save-every 2)
+curve(${WORK}/mixed whole)
+file(MAKE_DIRECTORY ${WORK}/mixed-resumed)
+file(COPY ${WORK}/mixed/step-00000002 DESTINATION ${WORK}/mixed-resumed)
+file(COPY ${WORK}/mixed/metrics.jsonl DESTINATION ${WORK}/mixed-resumed)
+file(WRITE ${WORK}/mixed-resumed/latest "step-00000002\n")
+train(2 ${WORK}/mixed-resumed ${mixed} --resume --steps 4 --save-every 0)
+curve(${WORK}/mixed-resumed resumed)
+list(LENGTH whole n)
+if(NOT n EQUAL 4 OR NOT "${resumed}" STREQUAL "${whole}")
+  message(FATAL_ERROR "the bf16 run resumed at step 2 differs from the uninterrupted one:\n"
+                      "resumed: ${resumed}\nwhole:   ${whole}")
+endif()
+message("bf16 with master weights, resumed at step 2: 4 steps equal to the uninterrupted run's")

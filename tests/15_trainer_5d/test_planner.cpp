@@ -213,14 +213,18 @@ TEST(Planner, KeepsChapter09sState) {
   const Workload w = small(8, 2);
   for (int zero = 0; zero <= 3; ++zero) {
     const Layout layout = resolve_layout(sizes(2, 1, 2, 1, 1, zero), 4, w);
-    int64_t most = 0, psi = 0;
+    int64_t most = 0, most_bf16 = 0, psi = 0;
     for (int64_t rank = 0; rank < 4; ++rank) {
       const HeldParameters held = rank_parameters(layout, w, rank);
       most = std::max(most, predicted_state_bytes(layout, held).total());
+      most_bf16 = std::max(
+          most_bf16, predicted_state_bytes(layout, held, ch14::Precision::Bf16).total());
       psi = std::max(psi, held.elements);
     }
     if (zero < 3) {  // ZeRO-3's exact count pads each unit to the ranks; the planner does not
       EXPECT_EQ(estimate(w, layout, cluster(4)).state_bytes, most) << "ZeRO-" << zero;
+      EXPECT_EQ(estimate(w, layout, cluster(4), ch14::Precision::Bf16).state_bytes, most_bf16)
+          << "ZeRO-" << zero << " with master weights";
     }
     const auto fp32 = ch09::zero_memory_formula(psi, 2, zero);
     EXPECT_EQ(estimate(w, layout, cluster(4)).state_bytes, fp32.total()) << "ZeRO-" << zero;
