@@ -97,16 +97,18 @@ int64_t available_memory() {
 }
 
 void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& layout,
-                          int local_ranks) {
+                          int local_ranks, ch14::Precision precision) {
   const int64_t available = available_memory();
   if (available <= 0) return;
   const int64_t psi = ch07::count_parameters(model).total;
   const int64_t dp = layout.dp * layout.cp;
-  const auto m = ch09::zero_memory_formula(psi, dp, layout.zero);
+  const bool bf16 = precision == ch14::Precision::Bf16;
+  const auto m = ch09::zero_memory_formula(psi, dp, layout.zero, bf16 ? 2 : 4);
   const double per_rank = static_cast<double>(m.parameters + m.gradients + m.optimizer);
   const double need = per_rank * local_ranks;
   FIVEFOLD_CHECK(need <= static_cast<double>(available), "the model has ", psi,
-                 " parameters: its fp32 weights, gradients and AdamW state take ", per_rank / 1e9,
+                 " parameters: its weights, gradients and AdamW state (",
+                 bf16 ? "bf16, with fp32 master weights" : "fp32", ") take ", per_rank / 1e9,
                  " GB per rank (ZeRO-", layout.zero, " over ", dp, " ranks) x ", local_ranks,
                  " ranks on this machine = ", need / 1e9, " GB, more than the ",
                  static_cast<double>(available) / 1e9,

@@ -88,6 +88,9 @@ refused("is a folder, not a file" train --out ${WORK}/never --data ${WORK})
 refused("GB available \\(activations not counted\\)" train --out ${WORK}/never
         --n-layers 1000000000)
 refused("GB available" train --out ${WORK}/never --vocab 1000000000000)
+# In bf16 the state it prices is chapter 14's: bf16 weights and gradients, fp32 master weights.
+refused("bf16, with fp32 master weights\\) take" train --out ${WORK}/never --n-layers 1000000000
+        --precision bf16)
 refused("already holds a training run" train --out ${out} --steps 8 ${model})
 if(EXISTS ${WORK}/never)
   message(FATAL_ERROR "a refused run created its output folder")

@@ -30,12 +30,13 @@ ch15::Workload workload_of(const RunConfig& run);
 /// Bytes of memory the system can still give (MemAvailable in /proc/meminfo); 0 when unknown.
 int64_t available_memory();
 
-/// Refuses, before anything is allocated, a model whose fp32 weights, gradients and AdamW state
-/// (chapter 09's ZeRO formula over the layout's dp x cp ranks) for `local_ranks` processes on this
-/// machine do not fit in its available memory (MemAvailable in /proc/meminfo; unknown: no check).
-/// Activations come on top: passing is necessary, not sufficient.
+/// Refuses, before anything is allocated, a model whose weights, gradients and AdamW state
+/// (chapter 09's ZeRO formula over the layout's dp x cp ranks; in bf16 with chapter 14's master
+/// weights) for `local_ranks` processes on this machine do not fit in its available memory
+/// (MemAvailable in /proc/meminfo; unknown: no check). Activations come on top: passing is
+/// necessary, not sufficient.
 void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& layout,
-                          int local_ranks);
+                          int local_ranks, ch14::Precision precision = ch14::Precision::Fp32);
 
 /// Makes `run` train this rank's part of `layout` (from ch15::resolve_layout) on `world`:
 /// ch15::apply_layout's model builder, step, balancing update and placement. Collective over
