@@ -109,24 +109,33 @@ TEST(Fsdp, KeepsExactlyTheBytesOfTheFormula) {
   const int64_t n = world()->size();
   Transformer probe(small_config(false));
   const int64_t psi = psi_of(probe);
-  FullyShardedDataParallel fsdp(Transformer(small_config(false)), world(), train_config());
-  const auto units = fsdp.unit_numels();
-  // Each unit is padded to a multiple of N on its own; in this model every unit divides by 1, 2
-  // and 4, so the shards add up to exactly Ψ/N and the formula holds with no padding term.
-  for (int64_t numel : units) ASSERT_EQ(numel % n, 0);
-  ASSERT_EQ(std::accumulate(units.begin(), units.end(), int64_t{0}), psi);
-  fsdp.zero_grad();
-  const auto batch = global_batches().batch(0, world()->rank(), world()->size());
-  loss(fsdp.forward(batch.inputs), batch).backward();
-  fsdp.step(0);
-  // Between steps: shards only. fp32 (notes/09_data_parallel.md): 4Ψ/N + 4Ψ/N + 8Ψ/N.
-  const ZeroMemory measured = fsdp.memory(), formula = zero_memory_formula(psi, n, 3);
-  EXPECT_EQ(measured.parameters, formula.parameters);
-  EXPECT_EQ(measured.gradients, formula.gradients);
-  EXPECT_EQ(measured.optimizer, formula.optimizer);
-  // During the step at most the root and one block were whole at once.
-  EXPECT_EQ(fsdp.peak_gathered_bytes(), 4 * (units[0] + units[1]));
-  EXPECT_LT(fsdp.peak_gathered_bytes(), 4 * psi);
+  // fp32, then mixed precision (chapter 14's master weights: bf16 parameters and gradients, the
+  // fp32 shards the masters).
+  for (const torch::Dtype dtype : {torch::kFloat, torch::kBFloat16}) {
+    SCOPED_TRACE(dtype == torch::kFloat ? "fp32" : "bf16 with master weights");
+    TrainConfig config = train_config();
+    config.param_dtype = dtype;
+    const int64_t bytes = dtype == torch::kFloat ? 4 : 2;
+    FullyShardedDataParallel fsdp(Transformer(small_config(false)), world(), config);
+    const auto units = fsdp.unit_numels();
+    // Each unit is padded to a multiple of N on its own; in this model every unit divides by 1,
+    // 2 and 4, so the shards add up to exactly Ψ/N and the formula holds with no padding term.
+    for (int64_t numel : units) ASSERT_EQ(numel % n, 0);
+    ASSERT_EQ(std::accumulate(units.begin(), units.end(), int64_t{0}), psi);
+    fsdp.zero_grad();
+    const auto batch = global_batches().batch(0, world()->rank(), world()->size());
+    loss(fsdp.forward(batch.inputs), batch).backward();
+    fsdp.step(0);
+    // Between steps: shards only. fp32 (notes/09_data_parallel.md): 4Ψ/N + 4Ψ/N + 8Ψ/N; mixed
+    // precision 2Ψ/N + 2Ψ/N + 12Ψ/N.
+    const ZeroMemory measured = fsdp.memory(), formula = zero_memory_formula(psi, n, 3, bytes);
+    EXPECT_EQ(measured.parameters, formula.parameters);
+    EXPECT_EQ(measured.gradients, formula.gradients);
+    EXPECT_EQ(measured.optimizer, formula.optimizer);
+    // During the step at most the root and one block were whole at once.
+    EXPECT_EQ(fsdp.peak_gathered_bytes(), bytes * (units[0] + units[1]));
+    EXPECT_LT(fsdp.peak_gathered_bytes(), bytes * psi);
+  }
 }
 
 TEST(Fsdp, SendsOneAndAHalfTimesWhatDdpSends) {
