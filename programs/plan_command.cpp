@@ -53,7 +53,10 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
                        {"flops", flops},
                        {"days", flops / (peak * mfu * static_cast<double>(devices)) / 86400}};
   }
-  if (dp > 0) out["zero"] = zero_memory(p.total, dp);
+  if (dp > 0) {
+    out["zero"] = zero_memory(p.total, dp);
+    out["zero_bf16"] = zero_memory(p.total, dp, 2);  // chapter 14's master weights
+  }
   out["activations"] = deepseek_activations(config, rows, seq);
   if (ep > 0) {
     const auto e = ch13::expert_parallel_plan(config, ep, micro_tokens);
@@ -83,7 +86,10 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
       "memory/device   %s (fp32 weights 4 + gradients 4 + Adam 8 bytes for every "
       "parameter, all experts; activations not included)\n",
       si(16.0 * static_cast<double>(p.total), "B").c_str());
-  if (dp > 0) print_zero_memory(out["zero"], dp);
+  if (dp > 0) {
+    print_zero_memory(out["zero"], dp, "fp32 AdamW (weights + gradients + Adam)");
+    print_zero_memory(out["zero_bf16"], dp, "bf16 weights + gradients, fp32 masters + Adam");
+  }
   print_deepseek_activations(out["activations"]);
   if (ep > 0) {
     const auto& e = out["expert_parallel"];
@@ -321,7 +327,10 @@ int plan(int argc, char** argv) {
   FIVEFOLD_CHECK(dp >= 0, "--dp must be >= 0");
   const int64_t psi = tp > 0 ? ch10::parameters_per_rank(shape, static_cast<int>(tp))
                              : ch02::count_parameters(shape).total;
-  if (dp > 0) result["zero"] = zero_memory(psi, dp);
+  if (dp > 0) {
+    result["zero"] = zero_memory(psi, dp);
+    result["zero_bf16"] = zero_memory(psi, dp, 2);  // chapter 14's master weights
+  }
   if (tp > 0) result["tensor_parallel"] = tensor_parallel_section(shape, tp, psi, b, context);
   FIVEFOLD_CHECK(pp >= 0, "--pp must be >= 0");
   if (pp > 0)
@@ -353,7 +362,10 @@ int plan(int argc, char** argv) {
   if (tp > 0) print_tensor_parallel(result["tensor_parallel"], context);
   if (pp > 0) print_pipeline(result["pipeline"], context);
   if (cp > 0) print_context_parallel(result["context_parallel"], context);
-  if (dp > 0) print_zero_memory(result["zero"], dp);
+  if (dp > 0) {
+    print_zero_memory(result["zero"], dp, "fp32 AdamW (weights + gradients + Adam)");
+    print_zero_memory(result["zero_bf16"], dp, "bf16 weights + gradients, fp32 masters + Adam");
+  }
   print_training(out);
   return 0;
 }

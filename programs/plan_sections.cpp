@@ -32,11 +32,12 @@ std::string si(double value, const char* unit) {
 }
 
 // Chapter 09: what each of `dp` data-parallel ranks keeps per ZeRO stage (0: DDP) for psi
-// parameters in fp32 AdamW, as plan's JSON writes it.
-nlohmann::json zero_memory(int64_t psi, int64_t dp) {
+// parameters with AdamW, parameters of `param_bytes` (4: fp32; 2: bf16 beside fp32 master
+// weights, chapter 14), as plan's JSON writes it.
+nlohmann::json zero_memory(int64_t psi, int64_t dp, int64_t param_bytes) {
   nlohmann::json zero;
   for (int stage = 0; stage <= 3; ++stage) {
-    const auto m = ch09::zero_memory_formula(psi, dp, stage);
+    const auto m = ch09::zero_memory_formula(psi, dp, stage, param_bytes);
     zero[std::to_string(stage)] = {{"parameters", m.parameters},
                                    {"gradients", m.gradients},
                                    {"optimizer", m.optimizer},
@@ -45,10 +46,9 @@ nlohmann::json zero_memory(int64_t psi, int64_t dp) {
   return zero;
 }
 
-// The table's line for zero_memory's figures.
-void print_zero_memory(const nlohmann::json& zero, int64_t dp) {
-  std::printf("memory/rank     dp %lld, fp32 AdamW (weights + gradients + Adam):",
-              static_cast<long long>(dp));
+// The table's line for zero_memory's figures (`what`: the precision, in words).
+void print_zero_memory(const nlohmann::json& zero, int64_t dp, const char* what) {
+  std::printf("memory/rank     dp %lld, %s:", static_cast<long long>(dp), what);
   const char* names[] = {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"};
   for (int stage = 0; stage <= 3; ++stage)
     std::printf("  %s %s", names[stage], si(zero[std::to_string(stage)]["total"], "B").c_str());

@@ -32,10 +32,10 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
 std::string si(double value, const char* unit = "");
 
 /// Chapter 09: what each of `dp` data-parallel ranks keeps per ZeRO stage (0: DDP) for psi
-/// parameters in fp32 AdamW.
-nlohmann::json zero_memory(int64_t psi, int64_t dp);
-/// The table's line for zero_memory's figures.
-void print_zero_memory(const nlohmann::json& zero, int64_t dp);
+/// parameters with AdamW: `param_bytes` 4 in fp32, 2 in bf16 beside fp32 master weights.
+nlohmann::json zero_memory(int64_t psi, int64_t dp, int64_t param_bytes = 4);
+/// The table's line for zero_memory's figures; `what` names the precision.
+void print_zero_memory(const nlohmann::json& zero, int64_t dp, const char* what);
 
 /// Chapter 10: each tp rank's parameters and memory, and the communication of one micro-batch of
 /// b sequences, with and without sequence parallelism.

@@ -46,3 +46,19 @@ foreach(bad "--ep;2;no routed experts to distribute" "--tp;3;does not divide" "-
   list(GET bad 2 expect)
   refused_on_every_rank(2 ${WORK}/bad "${expect}" ${common} ${flag} ${value})
 endforeach()
+
+# `fivefold plan --dp` prints ZeRO's memory both ways: fp32, and mixed precision as `--precision
+# bf16` trains (bf16 weights and gradients, fp32 master weights and moments). Llama-2-7B over 64
+# ranks, ZeRO-1: 2 x 2 x 6,738,415,616 + 12 x ceil(6,738,415,616 / 64) = 28,217,115,392 bytes.
+execute_process(COMMAND ${FIVEFOLD} plan --config ${CMAKE_CURRENT_LIST_DIR}/../02_flops_6np/configs/llama2-7b.json
+                        --dp 64 --json
+                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+if(NOT status EQUAL 0)
+  message(FATAL_ERROR "fivefold plan failed: ${plan}")
+endif()
+string(JSON mixed GET "${plan}" zero_bf16 1 total)
+string(JSON fp32 GET "${plan}" zero 1 total)
+if(NOT mixed EQUAL 28217115392 OR NOT fp32 EQUAL 54749626880)
+  message(FATAL_ERROR "plan's ZeRO-1 per rank: ${mixed} in bf16 (want 28217115392), ${fp32} in fp32 (want 54749626880)")
+endif()
+message("plan --dp 64, Llama-2-7B, ZeRO-1 per rank: ${fp32} bytes in fp32, ${mixed} with master weights")
