@@ -55,7 +55,7 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
   }
   if (dp > 0) {
     out["zero"] = zero_memory(p.total, dp);
-    out["zero_bf16"] = zero_memory(p.total, dp, 2);  // chapter 14's master weights
+    out["zero_bf16"] = zero_memory(p.total, dp, ch14::bytes_per_number(ch14::Precision::Bf16));
   }
   out["activations"] = deepseek_activations(config, rows, seq);
   if (ep > 0) {
@@ -329,7 +329,7 @@ int plan(int argc, char** argv) {
                              : ch02::count_parameters(shape).total;
   if (dp > 0) {
     result["zero"] = zero_memory(psi, dp);
-    result["zero_bf16"] = zero_memory(psi, dp, 2);  // chapter 14's master weights
+    result["zero_bf16"] = zero_memory(psi, dp, ch14::bytes_per_number(ch14::Precision::Bf16));
   }
   if (tp > 0) result["tensor_parallel"] = tensor_parallel_section(shape, tp, psi, b, context);
   FIVEFOLD_CHECK(pp >= 0, "--pp must be >= 0");

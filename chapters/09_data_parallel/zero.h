@@ -227,6 +227,8 @@ class ZeroOptimizer {
   torch::Tensor master_;      // [shard] fp32 master weights; undefined: the parameters are fp32
   ModelParallelGroups groups_;
   torch::Tensor norm_mask_;  // undefined: every element counts
+  // This rank's shard of the parameters as they are now, a new fp32 [shard] (padding zero).
+  torch::Tensor shard_of_parameters() const;
   // 1 for each parameter that has had a gradient on some rank: on one device its gradient then
   // stays (zeroed, not freed), so AdamW keeps stepping it even in a step that gives it none (an
   // expert no token chose). Stage 2 frees the full gradients, so it remembers here.

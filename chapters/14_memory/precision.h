@@ -29,6 +29,11 @@ enum class Precision {
 Precision parse_precision(const std::string& name);
 /// The name parse_precision reads.
 std::string to_string(Precision precision);
+/// Bytes a number takes in `precision`: 2 in bf16, 4 in fp32 (a parameter kept in it, a rounded
+/// operand, an element on the wire).
+inline int64_t bytes_per_number(Precision precision) {
+  return precision == Precision::Bf16 ? 2 : 4;
+}
 
 /// `linear`'s products (x·Wᵀ forward; ∂L/∂y·W and (∂L/∂y)ᵀ·x backward) and the tiled attention's
 /// batched ones in bf16: a and b rounded to bf16, multiplied (oneDNN, fp32 accumulation), the

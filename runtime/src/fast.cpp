@@ -338,7 +338,7 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
   const int64_t own = tp.own(s_r);
   const int64_t d = shape.d_model, f = shape.d_ff, h = shape.n_heads, hd = shape.head_dim;
   const int64_t kv = shape.n_kv_heads;
-  const int64_t rounded = precision == ch14::Precision::Bf16 ? 2 : 4;  // bytes a kept operand
+  const int64_t rounded = ch14::bytes_per_number(precision);  // bytes a kept operand
   const int64_t tokens = batch * s_r;
   // Per token: the norms' inputs and 1/rms, for the rank's own tokens (2d + 2); the attention's
   // output and log-sum-exp over all its tokens; the linear maps' inputs rounded, and SwiGLU's

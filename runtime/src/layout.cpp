@@ -103,7 +103,8 @@ void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& la
   const int64_t psi = ch07::count_parameters(model).total;
   const int64_t dp = layout.dp * layout.cp;
   const bool bf16 = precision == ch14::Precision::Bf16;
-  const auto m = ch09::zero_memory_formula(psi, dp, layout.zero, bf16 ? 2 : 4);
+  const auto m =
+      ch09::zero_memory_formula(psi, dp, layout.zero, ch14::bytes_per_number(precision));
   const double per_rank = static_cast<double>(m.parameters + m.gradients + m.optimizer);
   const double need = per_rank * local_ranks;
   FIVEFOLD_CHECK(need <= static_cast<double>(available), "the model has ", psi,

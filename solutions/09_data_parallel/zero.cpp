@@ -240,13 +240,18 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::Com
   adam_ = std::make_unique<ShardedAdamW>(layout_, static_cast<int64_t>(params_.size()), config_);
   norm_mask_ = norm_mask(layout_, named_, groups_);
   if (config_.param_dtype != torch::kFloat) {  // mixed precision: this rank's fp32 masters
-    master_ = torch::zeros({layout_.shard});
-    for (const auto& s : layout_.segments) {
-      master_.narrow(0, s.begin, s.length)
-          .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
-    }
+    master_ = shard_of_parameters();
     for (auto& p : params_) p.set_data(p.to(config_.param_dtype));
   }
+}
+
+torch::Tensor ZeroOptimizer::shard_of_parameters() const {
+  auto shard = torch::zeros({layout_.shard});
+  for (const auto& s : layout_.segments) {
+    shard.narrow(0, s.begin, s.length)
+        .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
+  }
+  return shard;
 }
 
 void ZeroOptimizer::reveal_masters() {
@@ -298,14 +303,7 @@ double ZeroOptimizer::step(int64_t step) {
   const double norm =
       clip_sharded_gradient(grad_shard_, *comm_, config_.grad_clip, norm_mask_, groups_);
   if (!std::isfinite(norm)) return norm;  // no update (the norm is global: every rank returns)
-  torch::Tensor mine = master_;
-  if (!mine.defined()) {
-    mine = torch::zeros({layout_.shard});
-    for (const auto& s : layout_.segments) {
-      mine.narrow(0, s.begin, s.length)
-          .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
-    }
-  }
+  torch::Tensor mine = master_.defined() ? master_ : shard_of_parameters();
   adam_->step(mine, ch03::at_least_fp32(grad_shard_), has_gradient, step);
 
   // 4. Everyone's updated shards, back into the model (in the parameters' type).

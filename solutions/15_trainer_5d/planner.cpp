@@ -183,7 +183,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   const int64_t rows = work.batch / (d * m), seq = work.seq_len;
   const double tokens = static_cast<double>(rows * seq) / c;  // a micro-batch's, on this rank
   const bool bf16 = precision == ch14::Precision::Bf16;
-  const int64_t element = bf16 ? 2 : 4;
+  const int64_t element = ch14::bytes_per_number(precision);
   const double flops_per_s = bf16 ? cluster.matmul_flops_bf16 : cluster.matmul_flops_fp32;
   const ch14::Recompute mode = work.recompute.mode;
 
@@ -438,7 +438,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
       busiest_holding(work, layout, stages, block, rank_blocks);
   // In bf16 chapter 14's master weights: 2 + 2 bytes a number, 12 for masters and moments.
   ch03::StateBytes state =
-      ch09::zero_memory_formula(held + held_experts, replicas, layout.zero, bf16 ? 2 : 4);
+      ch09::zero_memory_formula(held + held_experts, replicas, layout.zero, element);
   state.parameters += 4 * frozen;  // kept whole, with no gradient or moments
   e.state_bytes = state.total();
 

@@ -72,7 +72,7 @@ int64_t reduced_elements(const std::vector<int64_t>& by_unit, const Layout& layo
 ch03::StateBytes predicted_state_bytes(const Layout& layout, const HeldParameters& held,
                                        ch14::Precision precision) {
   const int64_t n = layout.dp * layout.cp / layout.ep;
-  const int64_t bytes = precision == ch14::Precision::Bf16 ? 2 : 4;  // a parameter's number
+  const int64_t bytes = ch14::bytes_per_number(precision);  // a parameter's number
   if (layout.zero == 3) {  // FSDP shards each unit on its own: the formula unit by unit
     ch03::StateBytes b;
     for (const int64_t unit : held.by_unit) {
@@ -330,7 +330,7 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   auto padded = [n](int64_t numel) { return n * ((numel + n - 1) / n); };  // a multiple of n
   // Gradients are reduced in fp32; the parameters gathered in their own type (bf16 under
   // chapter 14's master weights).
-  const int64_t gathered = run.precision == ch14::Precision::Bf16 ? 2 : 4;
+  const int64_t gathered = ch14::bytes_per_number(run.precision);
   if (held.elements > 0 && !one_process && layout.zero <= 2) {
     const int64_t p = held.elements, tensors = held.tensors;
     if (layout.zero == 0) {
@@ -423,7 +423,7 @@ std::map<std::string, int64_t> predicted_run_traffic(const Layout& layout,
   const std::string data = bytes.count("edp") ? "edp" : "dp+cp";
   if (bytes.count(data) && layout.zero == 3) {
     const int64_t n = layout.dp * layout.cp / layout.ep;
-    const int64_t gathered = run.precision == ch14::Precision::Bf16 ? 2 : 4;
+    const int64_t gathered = ch14::bytes_per_number(run.precision);
     bytes[data] -= after_whole_model * gathered * padded_units(held, n);  // found gathered
   }
   return bytes;

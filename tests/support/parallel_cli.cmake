@@ -34,9 +34,14 @@ function(curve out var)
   set(${var} "${result}" PARENT_SCOPE)
 endfunction()
 
-# |a - b| <= tol * |b| for every step's loss and norm. fp32: per-rank means averaged in another
-# order than one mean change the last bits; over 4 AdamW steps 1e-4 relative holds with margin.
+# |a - b| <= tol * |b| for every step's loss and norm; tol is the optional fourth argument, 1e-4
+# when absent (fp32: per-rank means averaged in another order than one mean change the last bits;
+# over 4 AdamW steps 1e-4 relative holds with margin). 0: equal.
 function(expect_same_curve got want label)
+  set(tol 1e-4)
+  if(ARGC GREATER 3)
+    set(tol ${ARGV3})
+  endif()
   list(LENGTH got n)
   list(LENGTH want m)
   if(NOT n EQUAL m OR n EQUAL 0)
@@ -52,14 +57,14 @@ function(expect_same_curve got want label)
       list(GET g ${k} a)
       list(GET w ${k} b)
       # CMake has no floating-point arithmetic: awk compares.
-      execute_process(COMMAND awk "BEGIN { d = ${a} - ${b}; if (d < 0) d = -d; t = ${b}; if (t < 0) t = -t; exit !(d <= 1e-4 * t) }"
+      execute_process(COMMAND awk "BEGIN { d = ${a} - ${b}; if (d < 0) d = -d; t = ${b}; if (t < 0) t = -t; exit !(d <= ${tol} * t) }"
                       RESULT_VARIABLE far)
       if(NOT far EQUAL 0)
         message(FATAL_ERROR "${label}: row ${i} field ${k}: ${a} vs the single process's ${b}")
       endif()
     endforeach()
   endforeach()
-  message("${label}: ${n} steps equal the single process's (loss and gradient norm, 1e-4)")
+  message("${label}: ${n} steps equal the single process's (loss and gradient norm, ${tol})")
 endfunction()
 
 # Runs `np` ranks of `fivefold train --out <out> ARGN` and fails the test unless the job exits
@@ -81,14 +86,20 @@ endfunction()
 # Resumes the run in `saved` from its step-2 checkpoint in a fresh folder `out` (the checkpoint
 # and the metrics so far copied there) on `np` ranks with the layout flags that follow, trains to
 # step 4, and expects every step's loss and norm to be those of the curve in the variable named
-# `expected` (a name, not a value: the caller's list).
+# `expected` (a name, not a value: the caller's list), within expect_same_curve's tolerance or the
+# one given as `TOLERANCE t` among the flags.
 function(expect_resumed np saved out expected label)
+  cmake_parse_arguments(PARSE_ARGV 5 resumed "" "TOLERANCE" "")
+  if(NOT DEFINED resumed_TOLERANCE)
+    set(resumed_TOLERANCE 1e-4)
+  endif()
   file(MAKE_DIRECTORY ${out})
   file(COPY ${saved}/step-00000002 DESTINATION ${out})
   file(COPY ${saved}/metrics.jsonl DESTINATION ${out})
   file(WRITE ${out}/latest "step-00000002\n")
-  train(${np} ${out} --resume --steps 4 --peak-gflops 100 --no-progress ${ARGN})
+  train(${np} ${out} --resume --steps 4 --peak-gflops 100 --no-progress
+        ${resumed_UNPARSED_ARGUMENTS})
   set(train_output "${train_output}" PARENT_SCOPE)
   curve(${out} got)
-  expect_same_curve("${got}" "${${expected}}" "${label}")
+  expect_same_curve("${got}" "${${expected}}" "${label}" ${resumed_TOLERANCE})
 endfunction()
