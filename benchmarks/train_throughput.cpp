@@ -37,15 +37,6 @@ struct Size {
 
 // Median seconds of a whole optimizer step, and of its parts, over `steps` steps after 3 warm-up
 // steps. The parts are timed in separate steps (the same work) so that the whole is not disturbed.
-// The trainer's mixed precision (TrainConfig::param_dtype = bf16): fp32 masters of `model`'s
-// trainable parameters, which become bf16.
-std::unique_ptr<fivefold::ch03::MasterWeights> master_weights(fivefold::ch03::Transformer& model) {
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  for (const auto& item : model->named_parameters())
-    if (item.value().requires_grad()) params.emplace_back(item.key(), item.value());
-  return std::make_unique<fivefold::ch03::MasterWeights>(std::move(params), torch::kBFloat16);
-}
-
 struct Timing {
   double step, forward, backward, update;  // update: clipping + AdamW
 };
@@ -66,7 +57,8 @@ Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) 
   // Chapter 14: the products in bf16, and as the trainer keeps them the parameters and gradients
   // in bf16 beside fp32 master weights.
   if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
-  const auto masters = bf16 ? master_weights(model) : nullptr;
+  const auto masters =
+      bf16 ? std::make_unique<MasterWeights>(model, torch::kBFloat16) : nullptr;
   auto optimizer =
       masters ? make_optimizer(masters->masters(), train) : make_optimizer(model, train);
   auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
@@ -140,7 +132,8 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
   if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
   TrainConfig train;
   if (fast) train.make_adamw = fused_adamw;
-  const auto masters = bf16 ? master_weights(model) : nullptr;
+  const auto masters =
+      bf16 ? std::make_unique<MasterWeights>(model, torch::kBFloat16) : nullptr;
   auto optimizer =
       masters ? make_optimizer(masters->masters(), train) : make_optimizer(model, train);
   BlockImpl& block = model->block(0);

@@ -65,9 +65,9 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(
 /// with, and back-propagates into, the parameters' rounding.
 class MasterWeights {
  public:
-  /// Copies `params` (name, parameter, fp32) as the masters, then rounds every parameter to
-  /// `dtype` in place (the same tensors: modules and hooks keep them).
-  MasterWeights(std::vector<std::pair<std::string, torch::Tensor>> params, torch::Dtype dtype);
+  /// Copies `model`'s trainable parameters (fp32) as the masters, then rounds each to `dtype` in
+  /// place (the same tensors: modules and hooks keep them).
+  MasterWeights(Transformer& model, torch::Dtype dtype);
   /// The masters under the parameters' names: what the optimizer steps.
   const std::vector<std::pair<std::string, torch::Tensor>>& masters() const { return masters_; }
   /// Before the update: each parameter's gradient, widened to fp32, becomes its master's. A

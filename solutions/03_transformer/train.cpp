@@ -58,10 +58,10 @@ std::unique_ptr<torch::optim::AdamW> make_optimizer(
   return std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(c.lr));
 }
 
-MasterWeights::MasterWeights(std::vector<std::pair<std::string, torch::Tensor>> params,
-                             torch::Dtype dtype)
-    : params_(std::move(params)), dtype_(dtype) {
+MasterWeights::MasterWeights(Transformer& model, torch::Dtype dtype) : dtype_(dtype) {
   torch::NoGradGuard no_grad;
+  for (const auto& item : model->named_parameters())
+    if (item.value().requires_grad()) params_.emplace_back(item.key(), item.value());
   for (auto& [name, p] : params_) {
     masters_.emplace_back(name, p.detach().to(torch::kFloat, /*non_blocking=*/false,
                                               /*copy=*/true));
@@ -190,10 +190,7 @@ SingleProcessStep::SingleProcessStep(Transformer model, const TrainConfig& confi
     optimizer_ = make_optimizer(model_, config_);
     return;
   }
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  for (const auto& item : model_->named_parameters())
-    if (item.value().requires_grad()) params.emplace_back(item.key(), item.value());
-  masters_ = std::make_unique<MasterWeights>(std::move(params), config_.param_dtype);
+  masters_ = std::make_unique<MasterWeights>(model_, config_.param_dtype);
   optimizer_ = make_optimizer(masters_->masters(), config_);
 }
 

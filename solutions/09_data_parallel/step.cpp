@@ -21,22 +21,19 @@ DataParallelStep::DataParallelStep(ch03::Transformer model, dist::CommunicatorPt
       forward_backward_(std::move(forward_backward)) {
   FIVEFOLD_CHECK(stage_ >= 0 && stage_ <= 3, "ZeRO stage must be 0, 1, 2 or 3, got ", stage_);
   config_.validate();
-  if (stage_ == 0 && config_.param_dtype != torch::kFloat) {
-    // Master weights from rank 0's fp32 parameters, then the parameters rounded (DDP's hooks go
-    // on the rounded ones).
-    std::vector<std::pair<std::string, torch::Tensor>> trainable;
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& item : model_->named_parameters()) {
-        comm_->broadcast(item.value(), 0);
-        if (item.value().requires_grad()) trainable.emplace_back(item.key(), item.value());
+  if (stage_ == 0) {
+    if (config_.param_dtype != torch::kFloat) {
+      // Master weights from rank 0's fp32 parameters, then the parameters rounded (DDP's hooks
+      // go on the rounded ones).
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : model_->parameters()) comm_->broadcast(p, 0);
       }
+      masters_ = std::make_unique<ch03::MasterWeights>(model_, config_.param_dtype);
+      adam_ = ch03::make_optimizer(masters_->masters(), config_);
+    } else {
+      adam_ = ch03::make_optimizer(model_, config_);
     }
-    masters_ = std::make_unique<ch03::MasterWeights>(std::move(trainable), config_.param_dtype);
-    adam_ = ch03::make_optimizer(masters_->masters(), config_);
-    ddp_ = std::make_unique<DistributedDataParallel>(model_.ptr(), comm_);
-  } else if (stage_ == 0) {
-    adam_ = ch03::make_optimizer(model_, config_);
     ddp_ = std::make_unique<DistributedDataParallel>(model_.ptr(), comm_);
   } else if (stage_ < 3) {
     zero_ = std::make_unique<ZeroOptimizer>(model_.ptr(), comm_, stage_, config_, groups_);
