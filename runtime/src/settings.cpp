@@ -177,9 +177,9 @@ std::vector<Setting> make_table() {
                              stages),
                        stages, 0));
   t.push_back(one_of(field("precision", "precision", kept,
-                           "what the matrix products compute in (chapter 14): fp32, or bf16 "
-                           "(operands rounded to bf16; weights, activations, gradients and "
-                           "AdamW stay fp32)",
+                           "what the model computes in (chapter 14): fp32, or bf16 (bf16 weights, "
+                           "gradients and products beside fp32 master weights and AdamW; "
+                           "norms, residuals and reductions in fp32)",
                            [](auto& c) -> auto& { return c.precision; }),
                      [](const std::string& v) { return ch14::to_string(ch14::parse_precision(v)); }));
   t.push_back(field("lr", "train.lr", fixed, "peak learning rate",

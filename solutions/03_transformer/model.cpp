@@ -1,4 +1,5 @@
-// Chapter 03 plumbing: the modules around attention, and the model's initialisation.
+// Chapter 03 plumbing: the modules around attention, and the model's initialisation (the linear map
+// every weight matrix goes through is in linear.cpp).
 
 #include "03_transformer/model.h"
 
@@ -6,7 +7,6 @@
 #include <tuple>
 
 #include "01_weight_init/weight_init.h"
-#include "fivefold/blas.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -117,115 +117,6 @@ torch::Tensor RMSNormImpl::forward(const torch::Tensor& input) {
   if (kernel) return kernel->normalize(x, weight, eps_);
   return x * torch::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps_) * weight;
 }
-
-namespace {
-
-thread_local WeightGradientStore* deferred = nullptr;
-std::shared_ptr<const MatmulKernel> g_matmul;  // set before training (set_matmul_kernel)
-
-// a·b for 2-D a and b, through the MatmulKernel set or at::mm (in the wider of their types when
-// they differ: a weight kept in bf16 against fp32 activations).
-torch::Tensor product(const torch::Tensor& a, const torch::Tensor& b) {
-  if (g_matmul) return g_matmul->mm(a, b);
-  const auto type = at::promote_types(a.scalar_type(), b.scalar_type());
-  return a.to(type).mm(b.to(type));
-}
-
-// x [..., in] as rows [tokens, in].
-torch::Tensor rows(const torch::Tensor& x) { return x.reshape({-1, x.size(-1)}); }
-
-// [tokens, n] back to x's leading dimensions [..., n].
-torch::Tensor unrows(const torch::Tensor& y, const torch::Tensor& like) {
-  auto sizes = like.sizes().vec();
-  sizes.back() = y.size(-1);
-  return y.view(sizes);
-}
-
-// y = x·Wᵀ; backward: ∂L/∂x = ∂L/∂y·W, and ∂L/∂W = (∂L/∂y)ᵀ·x now or, deferred, later. x is kept
-// in the kernel's operand form, converted once.
-class LinearFunction : public torch::autograd::Function<LinearFunction> {
- public:
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight) {
-    const auto x_kept = matmul_operand(x);
-    ctx->save_for_backward({x_kept, weight});
-    ctx->saved_data["input_type"] = static_cast<int64_t>(x.scalar_type());
-    const auto type = g_matmul ? g_matmul->result_type(x.scalar_type()) : x.scalar_type();
-    return unrows(product(rows(x_kept), weight.t()), x).to(type);
-  }
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
-                                               torch::autograd::tensor_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &weight = saved[1];
-    const auto grad_y = matmul_operand(grads[0]);
-    const auto input_type = static_cast<at::ScalarType>(ctx->saved_data["input_type"].toInt());
-    auto grad_x = unrows(product(rows(grad_y), weight), x).to(input_type);
-    if (deferred != nullptr) {
-      deferred->keep(weight, x, grad_y);
-      return {grad_x, torch::Tensor()};
-    }
-    return {grad_x, product(rows(grad_y).t(), rows(x)).to(weight.scalar_type())};
-  }
-};
-
-}  // namespace
-
-void WeightGradientStore::keep(torch::Tensor weight, torch::Tensor x, torch::Tensor grad_y) {
-  pending_.push_back({std::move(weight), std::move(x), std::move(grad_y)});
-}
-
-void WeightGradientStore::flush() {
-  torch::NoGradGuard no_grad;
-  for (auto& p : pending_) {
-    auto grad = product(rows(p.grad_y).t(), rows(p.x)).to(p.weight.scalar_type());
-    auto& slot = p.weight.mutable_grad();
-    if (slot.defined()) {
-      slot.add_(grad);
-    } else {
-      slot = grad;
-    }
-  }
-  pending_.clear();
-}
-
-DeferWeightGradients::DeferWeightGradients(WeightGradientStore& store) {
-  FIVEFOLD_CHECK(deferred == nullptr, "DeferWeightGradients: scopes do not nest");
-  deferred = &store;
-}
-
-DeferWeightGradients::~DeferWeightGradients() { deferred = nullptr; }
-
-std::shared_ptr<const MatmulKernel> set_matmul_kernel(std::shared_ptr<const MatmulKernel> kernel) {
-  std::swap(g_matmul, kernel);
-  return kernel;
-}
-
-const MatmulKernel* matmul_kernel() { return g_matmul.get(); }
-
-torch::Tensor matmul_operand(const torch::Tensor& t) { return g_matmul ? g_matmul->operand(t) : t; }
-
-torch::Tensor at_least_fp32(const torch::Tensor& t) {
-  return t.to(at::promote_types(t.scalar_type(), torch::kFloat));
-}
-
-double matmul_peak_gflops(int n) {
-  const auto kernel = g_matmul;
-  if (!kernel) return measure_matmul_gflops(n);
-  return measure_matmul_gflops(
-      n, [&kernel](const torch::Tensor& a, const torch::Tensor& b) { return kernel->mm(a, b); });
-}
-
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
-  return LinearFunction::apply(x, weight);
-}
-
-LinearImpl::LinearImpl(int64_t in, int64_t out)
-    : weight(register_parameter("weight", torch::empty({out, in}))) {
-  // torch::nn::Linear's default draw (the same random numbers), for a module used on its own.
-  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
-}
-
-torch::Tensor LinearImpl::forward(const torch::Tensor& x) { return ch03::linear(x, weight); }
 
 AttentionImpl::AttentionImpl(const ModelConfig& c)
     : n_heads_(c.n_heads), n_kv_heads_(c.n_kv_heads), head_dim_(c.resolved_head_dim()) {

@@ -15,7 +15,6 @@
 #include "11_pipeline_parallel/pipeline.h"
 #include "11_pipeline_parallel/schedule.h"
 #include "12_context_parallel/plan.h"
-#include "13_expert_parallel/expert_parallel.h"
 #include "14_memory/plan.h"
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
@@ -23,18 +22,6 @@
 namespace fivefold::ch15 {
 
 namespace {
-
-// The link a group's messages cross. The mesh puts tp fastest, then cp, dp, pp (trainer_5d.h):
-// a group of `size` ranks `stride` apart spans stride·size consecutive ranks, one node's link
-// when that span fits in a node, the nodes' link otherwise (its slowest hop sets a ring's pace).
-const Link& group_link(const Cluster& cluster, int64_t stride, int64_t size) {
-  return stride * size <= cluster.devices_per_node ? cluster.intra_node : cluster.inter_node;
-}
-
-// Ring collectives over n ranks: the wire bytes one rank sends for an all-reduce of `bytes`, and
-// for an all-gather or reduce-scatter whose whole tensor is `bytes` (notes/08).
-double all_reduce_wire(double bytes, int64_t n) { return 2.0 * (n - 1) / n * bytes; }
-double gather_wire(double bytes, int64_t n) { return static_cast<double>(n - 1) / n * bytes; }
 
 // What the rank that holds the most keeps of the model, in numbers: `held` trained and every
 // rank's of dp·cp alike, `experts` trained and its 1/ep of the routed experts (chapter 13),
@@ -168,6 +155,37 @@ double block_overhead(const Cluster& cluster, bool bf16, const ch10::RankBlock& 
 
 }  // namespace
 
+BusiestStage busiest_stage(const Layout& layout, const ModelTerms& terms,
+                           const std::vector<double>& rank_products,
+                           const std::vector<ch10::RankBlock>& rank_blocks) {
+  const int64_t p = layout.pp, v = layout.virtual_stages;
+  BusiestStage b;
+  b.stages = ch11::stage_layers(static_cast<int64_t>(terms.block.size()), p * v);
+  for (const auto& [first, last] : b.stages) {
+    double work_of = 0;
+    for (int64_t i = first; i < last; ++i)
+      work_of += 3 * rank_products[i] + terms.attention_training[i];
+    b.work.push_back(work_of);
+  }
+  b.largest = static_cast<size_t>(std::max_element(b.work.begin(), b.work.end()) - b.work.begin());
+  std::tie(b.first, b.last) = b.stages[b.largest];
+  for (int64_t i = b.first; i < b.last; ++i) {
+    b.products += rank_products[i];
+    b.attention += terms.attention[i];
+    b.attention_training += terms.attention_training[i];
+  }
+  // ep's all-to-alls run in every MoE block the rank holds: a stage's share is the mean over the
+  // stages of the rank that holds the largest (whose dense blocks may leave it none of its own).
+  // Under tp, that rank's blocks' partial gradients are summed once a step.
+  for (size_t s = b.largest % static_cast<size_t>(p); s < b.stages.size();
+       s += static_cast<size_t>(p))
+    for (int64_t i = b.stages[s].first; i < b.stages[s].second; ++i) {
+      b.moe_layers += terms.block[static_cast<size_t>(i)].experts > 0 ? 1.0 / v : 0.0;
+      if (!rank_blocks.empty()) b.partial += rank_blocks[static_cast<size_t>(i)].partial;
+    }
+  return b;
+}
+
 StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& terms,
                                       const Layout& layout, const Cluster& cluster,
                                       ch14::Precision precision, int64_t in_flight,
@@ -178,12 +196,14 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
                  "estimate_step: experts without MLA are not priced (chapter 14's activations "
                  "are derived for DeepSeek-V3's block, MLA and experts together)");
   const ch02::TransformerShape shape = config.shape();
-  const int64_t t = layout.tp, c = layout.cp, p = layout.pp, v = layout.virtual_stages;
-  const int64_t d = layout.dp, m = work.micro_batches, L = shape.n_layers;
-  const int64_t rows = work.batch / (d * m), seq = work.seq_len;
-  const double tokens = static_cast<double>(rows * seq) / c;  // a micro-batch's, on this rank
+  const int64_t t = layout.tp, c = layout.cp, p = layout.pp;
+  const int64_t m = work.micro_batches, L = shape.n_layers, seq = work.seq_len;
   const bool bf16 = precision == ch14::Precision::Bf16;
-  const int64_t element = ch14::bytes_per_number(precision);
+  MicroBatchShare share;
+  share.rows = work.batch / (layout.dp * m);
+  share.tokens = static_cast<double>(share.rows * seq) / c;
+  share.element = ch14::bytes_per_number(precision);
+  const double tokens = share.tokens;
   const double flops_per_s = bf16 ? cluster.matmul_flops_bf16 : cluster.matmul_flops_fp32;
   const ch14::Recompute mode = work.recompute.mode;
 
@@ -193,9 +213,6 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // forward, 6·d_k + 4·d_v backward (which computes q·kᵀ again instead of keeping the
   // probabilities). A MoE block's products are its k experts', the router's and the shared ones'.
   const ch02::FlopBreakdown f = ch02::forward_flops_per_token(shape, seq);  // the head's
-  const std::vector<double>&block_products = terms.products, &block_attention = terms.attention,
-        &block_attention_training = terms.attention_training;
-  const std::vector<ch07::BlockParameters>& block = terms.block;
   const double seconds = tokens / t / flops_per_s;  // per FLOP of one token, for this rank
   // MLA's blocks split as chapter 10 splits them (rank_block, for tp rank 0: the most): the heads
   // split, the down-projections, the router and the routed experts whole, the router and the
@@ -204,19 +221,19 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // evenly.
   const int64_t s_r = ch14::ContextParallelShare{c, 0, layout.cp_layout, layout.cp_attention}
                           .tokens(seq);
-  const double routes =
+  share.routes =
       static_cast<double>(ch14::TensorParallelShare{t, 0, layout.sequence_parallel}.own(s_r)) /
-      static_cast<double>(s_r);  // of the rank's tokens, those it routes
+      static_cast<double>(s_r);
   std::vector<ch10::RankBlock> rank_blocks;
-  std::vector<double> rank_products = block_products;
+  std::vector<double> rank_products = terms.products;
   if (deepseek) {
     const auto& [dense, routed] = terms.split.at({t, layout.sequence_parallel});
     for (int64_t i = 0; i < L; ++i) {
-      const ch10::RankBlock& mine = block[static_cast<size_t>(i)].experts > 0 ? routed : dense;
+      const ch10::RankBlock& mine = terms.block[static_cast<size_t>(i)].experts > 0 ? routed : dense;
       rank_blocks.push_back(mine);
       rank_products[static_cast<size_t>(i)] =
           2.0 * t *
-          (mine.products + (mine.router + terms.per_token * mine.per_assignment) * routes);
+          (mine.products + (mine.router + terms.per_token * mine.per_assignment) * share.routes);
     }
   }
   const double attention_rate = bf16 ? cluster.attention_flops_bf16 : cluster.attention_flops_fp32;
@@ -224,34 +241,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   // Chapter 11 splits the blocks over the p·v virtual stages; the last also runs the head. The
   // costs below are those of the stage with the most work in its blocks (and the head without a
   // pipeline); costs.scale weighs each stage against it.
-  const auto stages = ch11::stage_layers(L, p * v);
-  std::vector<double> stage_work;  // a token's training FLOPs in each stage's blocks
-  for (const auto& [first, last] : stages) {
-    double work_of = 0;
-    for (int64_t i = first; i < last; ++i)
-      work_of += 3 * rank_products[i] + block_attention_training[i];
-    stage_work.push_back(work_of);
-  }
-  const size_t largest = static_cast<size_t>(
-      std::max_element(stage_work.begin(), stage_work.end()) - stage_work.begin());
-  const auto [first_layer, last_layer] = stages[largest];
-  const int64_t layers = last_layer - first_layer;
-  double stage_products = 0, stage_attention = 0, stage_attention_training = 0;
-  for (int64_t i = first_layer; i < last_layer; ++i) {
-    stage_products += rank_products[i];
-    stage_attention += block_attention[i];
-    stage_attention_training += block_attention_training[i];
-  }
-  // ep's all-to-alls run in every MoE block the rank holds: a stage's share is the mean over the
-  // stages of the rank that holds the largest (whose dense blocks may leave it none of its own).
-  // Under tp, that rank's blocks' partial gradients are summed once a step.
-  double stage_moe_layers = 0;
-  int64_t partial = 0;
-  for (size_t s = largest % static_cast<size_t>(p); s < stages.size(); s += static_cast<size_t>(p))
-    for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
-      stage_moe_layers += block[static_cast<size_t>(i)].experts > 0 ? 1.0 / v : 0.0;
-      if (deepseek) partial += rank_blocks[static_cast<size_t>(i)].partial;
-    }
+  const BusiestStage stage = busiest_stage(layout, terms, rank_products, rank_blocks);
   // The head: tp rank 0's vocabulary rows (chapter 10 gives the first V mod t ranks one more).
   const int64_t head_rows = split_sizes(shape.vocab_size, t)[0];
   const double head_share =
@@ -268,31 +258,32 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
       cluster.memory_bandwidth > 0) {
     const auto& [dense, moe] = terms.split.at({t, layout.sequence_parallel});
     const double experts = static_cast<double>(terms.experts) / layout.ep;
-    const double per_expert =
-        terms.experts == 0 ? 0 : tokens * routes * terms.per_token * layout.ep / terms.experts;
+    const double per_expert = terms.experts == 0 ? 0
+                                                 : tokens * share.routes * terms.per_token *
+                                                       layout.ep / terms.experts;
     double dense_overhead = -1, moe_overhead = -1;  // each kind's once
-    for (int64_t i = first_layer; i < last_layer; ++i) {
-      const bool routed = block[static_cast<size_t>(i)].experts > 0;
+    for (int64_t i = stage.first; i < stage.last; ++i) {
+      const bool routed = terms.block[static_cast<size_t>(i)].experts > 0;
       double& each = routed ? moe_overhead : dense_overhead;
       if (each < 0)
-        each = block_overhead(cluster, bf16, routed ? moe : dense, tokens, tokens * routes, experts,
-                              per_expert);
+        each = block_overhead(cluster, bf16, routed ? moe : dense, tokens, tokens * share.routes,
+                              experts, per_expert);
       overhead += each;
     }
   }
-  const double products = stage_products * seconds + overhead + head;
-  const double attention = stage_attention * attention_seconds;
-  const double attention_backward =
-      (stage_attention_training - stage_attention) * attention_seconds;
+  const double products = stage.products * seconds + overhead + head;
+  const double attention = stage.attention * attention_seconds;
+  const double attention_backward = (stage.attention_training - stage.attention) * attention_seconds;
   if (p > 1) {
     costs.scale.clear();
-    for (size_t s = 0; s < stages.size(); ++s)
-      costs.scale.push_back((stage_work[s] + (s + 1 == stages.size() ? 3 * f.lm_head : 0)) /
-                            stage_work[largest]);
+    for (size_t s = 0; s < stage.stages.size(); ++s)
+      costs.scale.push_back(
+          (stage.work[s] + (s + 1 == stage.stages.size() ? 3 * f.lm_head : 0)) /
+          stage.work[stage.largest]);
   }
   // The busiest rank's share of the step's work, in stages of the largest (rank r runs stages
   // r, r + p, ...).
-  double busiest = v;
+  double busiest = static_cast<double>(layout.virtual_stages);
   if (p > 1) {
     std::vector<double> work_of(static_cast<size_t>(p), 0.0);
     for (size_t s = 0; s < costs.scale.size(); ++s)
@@ -303,182 +294,67 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   if (mode == ch14::Recompute::Full) recomputed = products - head + attention;
   if (mode == ch14::Recompute::Selective) recomputed = attention;
 
-  // Tensor parallelism (chapter 10): its all-reduces, or all-gathers and reduce-scatters, of one
-  // micro-batch through a stage's blocks, half forward and half backward; none of it hidden.
-  double tp_forward = 0;
-  if (t > 1) {
-    int64_t crossings = 4 * layers + 2;  // f and g of each split layer, the embedding's, the head's
-    if (deepseek) {
-      crossings = 2;
-      for (int64_t i = first_layer; i < last_layer; ++i)
-        crossings += rank_blocks[static_cast<size_t>(i)].crossings;
-    }
-    const auto traffic =
-        ch10::tensor_parallel_traffic(crossings, shape.d_model, static_cast<int>(t), rows, seq / c,
-                                      layout.sequence_parallel, element);
-    const Link& link = group_link(cluster, 1, t);
-    using dist::Op;
-    tp_forward = (link.seconds(Op::AllReduce, static_cast<double>(traffic.all_reduce.calls),
-                               traffic.all_reduce.wire_bytes) +
-                  link.seconds(Op::AllGather, static_cast<double>(traffic.all_gather.calls),
-                               traffic.all_gather.wire_bytes) +
-                  link.seconds(Op::ReduceScatter, static_cast<double>(traffic.reduce_scatter.calls),
-                               traffic.reduce_scatter.wire_bytes)) /
-                 2;
-  }
-  const double tp_recomputed = mode == ch14::Recompute::Full ? tp_forward : 0;
-
-  // Context parallelism (chapter 12), per block: the ring's sends run beside the attention they
-  // feed, so only what outlasts the block's attention shows; the all-gather kernel waits for its
-  // keys and values. Chapter 12 counts 4-byte elements.
-  double cp_forward = 0, cp_backward = 0;
-  if (c > 1) {
-    // Each rank's keys and values: its key/value heads (MLA: its heads, at their own widths).
-    const ch07::BlockParameters& first = block.front();
-    const int64_t heads = deepseek ? shape.n_heads / t : std::max<int64_t>(1, shape.n_kv_heads / t);
-    const auto traffic =
-        ch12::context_parallel_traffic(c, 0, rows, seq, heads, first.query_key, first.value,
-                                       layout.cp_layout, layout.cp_attention);
-    const Link& link = group_link(cluster, t, c);
-    const double scale = element / 4.0;
-    const double payload =
-        static_cast<double>(traffic.send_recv.payload_bytes + traffic.all_gather.payload_bytes +
-                            traffic.all_to_all.payload_bytes);
-    const double forward_share = traffic.forward_payload_bytes / payload;
-    const double block_attention_time = attention / layers;  // forward; backward twice that
-    if (layout.cp_attention == ch12::CpAttention::Ring) {
-      const double sends =
-          link.seconds(dist::Op::SendRecv, static_cast<double>(traffic.send_recv.calls),
-                       traffic.send_recv.payload_bytes * scale);
-      cp_forward = std::max(0.0, sends * forward_share - block_attention_time);
-      cp_backward = std::max(0.0, sends * (1 - forward_share) - 2 * block_attention_time);
-    } else {
-      cp_forward = link.seconds(dist::Op::AllGather, static_cast<double>(traffic.all_gather.calls),
-                                gather_wire(traffic.all_gather.payload_bytes * scale, c));
-      cp_backward = link.seconds(dist::Op::AllToAll, static_cast<double>(traffic.all_to_all.calls),
-                                 gather_wire(traffic.all_to_all.payload_bytes * scale, c));
-    }
-    cp_forward *= layers;
-    cp_backward *= layers;
-  }
-
-  // Expert parallelism (chapter 13): each MoE block's all-to-alls (the counts, the dispatch and
-  // the combine forward, their mirror backward) when the router spreads the tokens evenly over
-  // the ep ranks; chapter 13 waits for each, so none of it hides.
-  double ep_forward = 0, ep_backward = 0;
-  if (layout.ep > 1 && stage_moe_layers > 0) {
-    const int64_t routed =
-        static_cast<int64_t>(tokens * routes) * terms.per_token / layout.ep;  // its routed rows
-    const std::vector<int64_t> sent(static_cast<size_t>(layout.ep), routed);
-    const auto traffic =
-        ch13::expert_parallel_traffic(sent, sent, 0, terms.experts, shape.d_model, element);
-    const double all = group_link(cluster, t, layout.ep)
-                           .seconds(dist::Op::AllToAll, static_cast<double>(traffic.calls),
-                                    static_cast<double>(traffic.wire_bytes)) *
-                       stage_moe_layers;
-    const double forward_share =
-        static_cast<double>(traffic.forward_payload_bytes) / traffic.payload_bytes;
-    ep_forward = all * forward_share;
-    ep_backward = all - ep_forward;
-  }
-
-  // The pipeline (chapter 11): each stage sends its output forward and its input's gradient back,
-  // one micro-batch at a time (split over tp under sequence parallelism).
-  double pp_send = 0;
-  if (p > 1) {
-    const double bytes = tokens * shape.d_model * element / (layout.sequence_parallel ? t : 1);
-    pp_send = group_link(cluster, t * c * d, p).seconds(dist::Op::SendRecv, 1, bytes);
-  }
-
-  // One micro-batch through the largest stage, as chapter 11's simulator takes it.
-  StageTimes stage;
-  stage.products = products;
-  stage.attention_forward = attention;
-  stage.attention_backward = attention_backward;
-  stage.recomputed = recomputed;
-  stage.tp = tp_forward;
-  stage.tp_recomputed = tp_recomputed;
-  stage.cp_forward = cp_forward;
-  stage.cp_backward = cp_backward;
-  stage.ep_forward = ep_forward;
-  stage.ep_backward = ep_backward;
-  stage.ep_recomputed = mode == ch14::Recompute::Full ? ep_forward : 0;
-  stage.pp_send = pp_send;
+  // One micro-batch through the largest stage, as chapter 11's simulator takes it, with each
+  // parallelism's communication (communication.cpp).
+  const bool full = mode == ch14::Recompute::Full, again = mode != ch14::Recompute::None;
+  StageTimes times;
+  times.products = products;
+  times.attention_forward = attention;
+  times.attention_backward = attention_backward;
+  times.recomputed = recomputed;
+  times.tp = tp_forward_seconds(work, layout, cluster, share, stage, rank_blocks);
+  times.tp_recomputed = full ? times.tp : 0;
+  std::tie(times.cp_forward, times.cp_backward) =
+      cp_seconds(work, terms, layout, cluster, share, stage, attention);
+  std::tie(times.ep_forward, times.ep_backward) =
+      ep_seconds(work, terms, layout, cluster, share, stage);
+  times.ep_recomputed = full ? times.ep_forward : 0;
+  times.pp_send = pp_send_seconds(work, layout, cluster, share);
   const std::vector<double> scale = costs.scale;
-  costs = micro_batch_costs(stage);
+  costs = micro_batch_costs(times);
   costs.scale = scale;
   const double per_micro_batch = costs.forward + costs.backward_input + costs.backward_weight;
   const double makespan = m * busiest * per_micro_batch;
 
   StepEstimate e;
   double last_products = 0, last_attention = 0, last_attention_training = 0;  // the last rank's
-  for (size_t s = static_cast<size_t>(p) - 1; s < stages.size(); s += static_cast<size_t>(p))
-    for (int64_t i = stages[s].first; i < stages[s].second; ++i) {
+  for (size_t s = static_cast<size_t>(p) - 1; s < stage.stages.size(); s += static_cast<size_t>(p))
+    for (int64_t i = stage.stages[s].first; i < stage.stages[s].second; ++i) {
       last_products += rank_products[i];
-      last_attention += block_attention[i];
-      last_attention_training += block_attention_training[i];
+      last_attention += terms.attention[i];
+      last_attention_training += terms.attention_training[i];
     }
   const double rank_tokens = m * tokens / t;  // a step's, times the products' share
-  const bool full = mode == ch14::Recompute::Full, again = mode != ch14::Recompute::None;
   e.flops.matrices = std::llround(rank_tokens * last_products * (full ? 4 : 3));
   e.flops.attention =
       std::llround(rank_tokens * (last_attention_training + (again ? last_attention : 0)));
   e.flops.head = std::llround(rank_tokens * f.lm_head * head_share * 3);
   e.compute = m * busiest * (3 * products + attention + attention_backward + recomputed);
-  e.exposed["tp"] = m * busiest * (2 * tp_forward + tp_recomputed);
-  e.exposed["cp"] = m * busiest * (cp_forward + cp_backward);
+  e.exposed["tp"] = m * busiest * (2 * times.tp + times.tp_recomputed);
+  e.exposed["cp"] = m * busiest * (times.cp_forward + times.cp_backward);
   if (layout.ep > 1)
-    e.exposed["ep"] = m * busiest * (ep_forward + ep_backward + stage.ep_recomputed);
-  e.exposed["pp"] = m * busiest * 2 * pp_send;
+    e.exposed["ep"] = m * busiest * (times.ep_forward + times.ep_backward + times.ep_recomputed);
+  e.exposed["pp"] = m * busiest * 2 * times.pp_send;
 
   // State (chapter 09's ZeRO formulas) for the rank that holds the most; ZeRO runs over the
   // dp·cp/ep ranks that hold the same experts (chapter 15's compose_step), for every parameter.
-  const int64_t replicas = d * c / layout.ep;
+  const int64_t replicas = layout.dp * c / layout.ep;
   const auto [held, held_experts, frozen] =
-      busiest_holding(work, layout, stages, block, rank_blocks);
+      busiest_holding(work, layout, stage.stages, terms.block, rank_blocks);
   // In bf16 chapter 14's master weights: 2 + 2 bytes a number, 12 for masters and moments.
   ch03::StateBytes state =
-      ch09::zero_memory_formula(held + held_experts, replicas, layout.zero, element);
+      ch09::zero_memory_formula(held + held_experts, replicas, layout.zero, share.element);
   state.parameters += 4 * frozen;  // kept whole, with no gradient or moments
   e.state_bytes = state.total();
+  e.activation_bytes = kept_activations(work, layout, stage.stages, precision, in_flight);
 
-  e.activation_bytes = kept_activations(work, layout, stages, precision, in_flight);
-
-  // The data-parallel reduction of the step's gradients (fp32) runs beside the last micro-batch's
-  // backward (chapter 09's buckets); ZeRO-1 and 2 also gather the updated parameters; ZeRO-3
-  // gathers them for every micro-batch's forward and backward and reduces each micro-batch's
-  // gradients, each unit when it is needed: chapter 09 does not prefetch, so none of it hides.
-  // With ep, chapter 09's step runs over the ranks that hold the same experts (tp·ep apart), and
-  // chapter 13 first all-reduces the other parameters' gradients over the ep group.
+  // The gradients' reductions: over dp (beside the last backward) and tp's partial sums.
   const double backward = busiest * (costs.backward_input + costs.backward_weight);
-  using dist::Op;
-  auto reduction = [&](int64_t parameters, int64_t n, const Link& link, int zero) {
-    if (n == 1 || parameters == 0) return 0.0;
-    const double grads = 4.0 * parameters, params = static_cast<double>(element) * parameters;
-    const double messages = std::ceil(grads / 25e6) * 2 * (n - 1);  // 25 MB buckets
-    if (zero == 0)
-      return std::max(0.0,
-                      link.seconds(Op::AllReduce, messages, all_reduce_wire(grads, n)) - backward);
-    const double gather = link.seconds(Op::AllGather, messages / 2, gather_wire(params, n));
-    const double scatter = link.seconds(Op::ReduceScatter, messages / 2, gather_wire(grads, n));
-    if (zero < 3) return std::max(0.0, scatter - backward) + gather;
-    return m * (2 * gather + scatter);  // gathered for forward and backward
-  };
-  const double dp_time = reduction(held + held_experts, replicas,
-                                   group_link(cluster, t * layout.ep, replicas), layout.zero) +
-                         reduction(held, layout.ep, group_link(cluster, t, layout.ep), 0);
+  const double dp_time =
+      dp_seconds(layout, cluster, held, held_experts, share.element, m, backward);
   e.exposed["dp"] = dp_time;
-  // Chapter 10's partial gradients (MLA's down-projections and their norms; under sequence
-  // parallelism every whole parameter, the routed experts included): summed over tp once a step,
-  // in fp32, after the last backward, waited for.
-  double tp_sums = 0;
-  if (partial > 0) {
-    const double grads = 4.0 * static_cast<double>(partial);
-    tp_sums = group_link(cluster, 1, t)
-                  .seconds(Op::AllReduce, std::ceil(grads / 25e6) * 2 * (t - 1),
-                           all_reduce_wire(grads, t));
-    e.exposed["tp"] += tp_sums;
-  }
+  const double tp_sums = tp_partial_seconds(layout, cluster, stage.partial);
+  if (stage.partial > 0) e.exposed["tp"] += tp_sums;
   e.reductions = dp_time + tp_sums;
   // The optimizer updates what the rank keeps: its parameters, or under ZeRO its 1/N shard.
   const int64_t updated = held + held_experts;
@@ -489,7 +365,8 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
   e.step = makespan + e.reductions + e.optimizer;
   const double step_tokens = static_cast<double>(work.batch) * seq;
   double model_flops_per_token = f.lm_head;  // forward, causal attention
-  for (int64_t i = 0; i < L; ++i) model_flops_per_token += block_products[i] + block_attention[i];
+  for (int64_t i = 0; i < L; ++i)
+    model_flops_per_token += terms.products[i] + terms.attention[i];
   e.model_flops = step_tokens * 3 * model_flops_per_token;
   const double peak = bf16 ? cluster.peak_flops_bf16 : cluster.peak_flops_fp32;
   e.mfu = e.model_flops / (e.step * cluster.devices * peak);
