@@ -151,8 +151,10 @@ class PositionEncoding {
 /// y = x·Wᵀ for x [..., in] and W [out, in], as torch's linear without bias, with a backward that
 /// can put the weight's gradient off (DeferWeightGradients). Every weight matrix of the model's
 /// blocks goes through it (LinearImpl, chapter 10's split linears); its products go through the
-/// MatmulKernel set, if any.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight);
+/// MatmulKernel set, if any. With `remade` (chapter 10's sequence parallelism), x is not kept for
+/// backward: the weight's gradient asks `remade` for it again (RemadeInput).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::intrusive_ptr<RemadeInput>& remade = {});
 
 /// A linear map without bias, y = x·Wᵀ through `linear`; W [out, in] is its parameter "weight",
 /// drawn as torch::nn::Linear draws it (the model then initialises it, chapter 01).

@@ -38,6 +38,17 @@ class WeightGradientStore {
   std::vector<Pending> pending_;
 };
 
+/// An input that `linear` does not keep for backward, because it can be made again when the
+/// weight's gradient needs it (the input's gradient does not). Chapter 10's sequence parallelism
+/// gathers each norm's output over the sequence before the split products: they keep this rank's
+/// part instead, and gather it again in backward (Korthikanti et al. 2022).
+class RemadeInput : public torch::CustomClassHolder {
+ public:
+  /// The input whole again, as forward read it. May communicate: every rank's backward asks in
+  /// the same order.
+  virtual torch::Tensor remake() = 0;
+};
+
 /// While alive, backward through `linear` on this thread computes the input's gradient only and
 /// keeps what the weight's gradient needs in `store` (its weight gets no gradient until
 /// store.flush()). Scopes do not nest.

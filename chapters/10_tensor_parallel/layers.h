@@ -32,6 +32,20 @@
 
 namespace fivefold::ch10 {
 
+/// What TensorParallel::enter hands the split layers: their input, whole on every rank, and how
+/// the products that read it keep it for backward.
+struct Entered {
+  torch::Tensor whole;  ///< [batch, seq, d] on every rank
+  /// Under sequence parallelism, what the products keep instead of `whole`: this rank's part,
+  /// gathered again in backward; null without (they keep `whole`).
+  c10::intrusive_ptr<GatheredSequence> kept;
+  /// Under sequence parallelism, `whole` in the matmul kernel's operand form, held while the
+  /// layer's products read it so that the kernel rounds it once (none of them keeps it).
+  torch::Tensor operand;
+  /// whole·Wᵀ through ch03::linear for W [out, in], keeping `kept` instead of whole.
+  torch::Tensor product(const torch::Tensor& weight) const;
+};
+
 /// The tensor-parallel group of a model, shared by its layers.
 struct TensorParallel {
   /// The group `comm`, with or without sequence parallelism.
@@ -56,8 +70,9 @@ struct TensorParallel {
   /// than ranks). Made on first use, collective over `comm`: every rank asks in the same order.
   dist::CommunicatorPtr replica_group(int parts);
   /// Into the split layers: f (copy_to_tensor_parallel), or under sequence parallelism the
-  /// all-gather of the sequence. x [batch, seq or seq_r, d] -> [batch, seq, d].
-  torch::Tensor enter(const torch::Tensor& x) const;
+  /// all-gather of the sequence, whose products keep only this rank's part (Entered::kept).
+  /// x [batch, seq or seq_r, d] -> [batch, seq, d].
+  Entered enter(const torch::Tensor& x) const;
   /// Out of them: g (reduce_from_tensor_parallel), or the reduce-scatter along the sequence; a
   /// partial sum narrower than fp32 (a bf16 product's result, chapter 14) is summed in fp32.
   torch::Tensor leave(const torch::Tensor& partial) const;

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "03_transformer/seams.h"
 #include "fivefold/dist.h"
 
 namespace fivefold::ch10 {
@@ -55,6 +56,28 @@ torch::Tensor reduce_scatter_to_sequence_parallel(const torch::Tensor& x,
 /// communication); in backward, the parts' gradients are gathered (all-gather). Used to enter the
 /// sequence-parallel region from a replicated tensor.
 torch::Tensor scatter_to_sequence_parallel(const torch::Tensor& x, const dist::CommunicatorPtr& tp);
+
+/// Sequence parallelism's gathered input as the split products after the gather keep it for their
+/// weights' gradients (ch03::RemadeInput): this rank's part of the sequence, in the matmul
+/// kernel's operand form (bf16 under chapter 14's kernel), gathered again the first time backward
+/// asks for the whole, and let go once every product that reads it has asked (Korthikanti et al.
+/// 2022: the norms' outputs kept 1/t on each rank, at the price of one more all-gather each in
+/// backward).
+class GatheredSequence : public ch03::RemadeInput {
+ public:
+  /// `part` [batch, seq_r, ...], this rank's part of a sequence of `seq` positions split over `tp`.
+  GatheredSequence(const torch::Tensor& part, int64_t seq, dist::CommunicatorPtr tp);
+  /// One more product reads the whole (each asks remake() once in backward).
+  void add_reader() { ++readers_; }
+  /// The whole [batch, seq, ...]: all-gathered on the first call, kept for the other readers.
+  torch::Tensor remake() override;
+
+ private:
+  torch::Tensor part_, whole_;
+  int64_t seq_;
+  dist::CommunicatorPtr tp_;
+  int readers_ = 0;
+};
 
 /// This rank's part of a sequence of `seq` positions: [first, first + length).
 struct SequencePart {

@@ -77,10 +77,13 @@ struct Traffic {
 /// `element_bytes`-byte activations (4: fp32, as this course trains).
 struct TensorParallelTraffic {
   Traffic all_reduce;      ///< f and g, and the loss's three per-token sums
-  Traffic all_gather;      ///< sequence parallelism: entering a split layer (forward)
+  /// sequence parallelism: entering a split layer (forward), leaving it (backward), and each
+  /// block's entry again in backward (its products kept the rank's part)
+  Traffic all_gather;
   Traffic reduce_scatter;  ///< sequence parallelism: leaving a split layer (forward)
-  /// Wire bytes of all three: the same with and without sequence parallelism (a reduce-scatter
-  /// and an all-gather move what one all-reduce moves).
+  /// Wire bytes of all three. Sequence parallelism moves what the all-reduces move (a
+  /// reduce-scatter and an all-gather move what one all-reduce moves) and the blocks' second
+  /// gathers: 2L more all-gathers, about 1.25 times the wire bytes.
   double wire_bytes() const;
 };
 
@@ -88,15 +91,18 @@ struct TensorParallelTraffic {
 /// attention and after the MLP (forward) and f's two (backward): 4L; plus the embedding's g, the
 /// head's f and the loss's three all-reduces of one number per token (max, Σ exp, target
 /// logit). With it: per layer 4 all-gathers and 4 reduce-scatters of [b, s, h] (each all-reduce
-/// becomes a pair); the embedding reduce-scatters forward and all-gathers backward, the head
-/// all-gathers forward and reduce-scatters backward; the loss is unchanged.
+/// becomes a pair) and 2 all-gathers more in backward (attention's and the MLP's inputs, which
+/// their products kept as the rank's part of the sequence); the embedding reduce-scatters forward
+/// and all-gathers backward, the head all-gathers forward and reduce-scatters backward; the loss
+/// is unchanged.
 TensorParallelTraffic tensor_parallel_traffic(const ch02::TransformerShape& shape, int t, int64_t b,
                                               int64_t s, bool sequence_parallel,
                                               int64_t element_bytes = 4);
 
 /// The same for blocks that cross into and out of split layers `crossings` times in all (forward
 /// and backward; RankBlock::crossings each), the embedding's and the head's 2 included, with a
-/// residual stream of `d_model`.
+/// residual stream of `d_model`; under sequence parallelism each block's entries, half its
+/// crossings, gather again in backward.
 TensorParallelTraffic tensor_parallel_traffic(int64_t crossings, int64_t d_model, int t, int64_t b,
                                               int64_t s, bool sequence_parallel,
                                               int64_t element_bytes = 4);
@@ -105,9 +111,11 @@ TensorParallelTraffic tensor_parallel_traffic(int64_t crossings, int64_t d_model
 /// sequences of s tokens: what a forward pass keeps for backward outside the split layers
 /// scales with the tokens the rank holds, n_r = b·(its part of s) under SP against b·s without.
 /// Per norm and token: its input, x² (which the mean keeps), x·rms⁻¹ and rms⁻¹: 3h + 1 numbers;
-/// 2L + 1 norms. The split layers' inputs (the gathered sequence, or the replicated one) and
-/// everything inside them are the same size with or without SP, so the difference is exactly
-///   (b·s − n_r)·(2L + 1)·(3h + 1)·element_bytes.
+/// 2L + 1 norms. And each block norm's output, h numbers: the split products read it gathered
+/// but keep only the rank's part, gathering it again in backward (GatheredSequence; the head
+/// keeps the final norm's gathered). Everything inside the split layers is the same size with or
+/// without SP, so the difference is exactly
+///   (b·s − n_r)·((2L + 1)·(3h + 1) + 2L·h)·element_bytes.
 int64_t sequence_parallel_activation_savings(const ch02::TransformerShape& shape, int t, int rank,
                                              int64_t b, int64_t s, int64_t element_bytes = 4);
 

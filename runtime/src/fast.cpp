@@ -340,11 +340,12 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
   const int64_t kv = shape.n_kv_heads;
   const int64_t rounded = ch14::bytes_per_number(precision);  // bytes a kept operand
   const int64_t tokens = batch * s_r;
-  // Per token: the norms' inputs and 1/rms, for the rank's own tokens (2d + 2); the attention's
-  // output and log-sum-exp over all its tokens; the linear maps' inputs rounded, and SwiGLU's
-  // gate, SiLU and up, which the products hand on in their own type.
-  const int64_t residual = 2 * d + 2;
-  int64_t fp32 = h * hd + h, operands = 2 * d + h * hd + 4 * f;
+  // Per token: the norms' inputs and 1/rms, for the rank's own tokens (2d + 2), and their
+  // outputs as the linear maps keep them (rounded; under sequence parallelism the rank's part,
+  // 2d); the attention's output and log-sum-exp over all its tokens; the other linear maps'
+  // inputs rounded, and SwiGLU's gate, SiLU and up, which the products hand on in their own type.
+  const int64_t residual = 2 * d + 2, norm_outputs = 2 * d;
+  int64_t fp32 = h * hd + h, operands = h * hd + 4 * f;
   int64_t bytes = 4 * s_r * hd;  // RoPE's cos and sin rows for its positions
   if (cp.ranks == 1) {
     operands += 3 * h * hd;  // the tiled kernel's q, k and v, rounded, at every query head
@@ -358,8 +359,8 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
       bytes += 4 * batch * seq * kv * 2 * hd;
     bytes += 8 * seq;  // every rank's key positions
   }
-  const int64_t none =
-      bytes + tokens * (4 * fp32 + rounded * operands) + 4 * batch * own * residual;
+  const int64_t none = bytes + tokens * (4 * fp32 + rounded * operands) +
+                       batch * own * (4 * residual + rounded * norm_outputs);
   if (mode == ch14::Recompute::Full) return 4 * batch * own * d;  // the block's input
   if (mode == ch14::Recompute::None) return none;
   // Selective: the checkpointed core keeps its inputs, q and k, v at their own heads, in fp32,

@@ -36,29 +36,42 @@ torch::Tensor unrows(const torch::Tensor& y, const torch::Tensor& like) {
 }
 
 // y = x·Wᵀ; backward: ∂L/∂x = ∂L/∂y·W, and ∂L/∂W = (∂L/∂y)ᵀ·x now or, deferred, later. x is kept
-// in the kernel's operand form, converted once.
+// in the kernel's operand form, converted once; or, with `remade`, not kept but made again.
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight) {
-    const auto x_kept = matmul_operand(x);
-    ctx->save_for_backward({x_kept, weight});
+                               const torch::Tensor& weight,
+                               const c10::intrusive_ptr<RemadeInput>& remade) {
+    const auto x_operand = matmul_operand(x);
+    if (remade) {
+      ctx->save_for_backward({weight});
+      ctx->saved_data["remade"] = c10::IValue::make_capsule(remade);
+    } else {
+      ctx->save_for_backward({weight, x_operand});
+    }
     ctx->saved_data["input_type"] = static_cast<int64_t>(x.scalar_type());
     const auto type = g_matmul ? g_matmul->result_type(x.scalar_type()) : x.scalar_type();
-    return unrows(product(rows(x_kept), weight.t()), x).to(type);
+    return unrows(product(rows(x_operand), weight.t()), x).to(type);
   }
   static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
                                                torch::autograd::tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &weight = saved[1];
+    const auto& weight = saved[0];
     const auto grad_y = matmul_operand(grads[0]);
     const auto input_type = static_cast<at::ScalarType>(ctx->saved_data["input_type"].toInt());
-    auto grad_x = unrows(product(rows(grad_y), weight), x).to(input_type);
+    auto grad_x = unrows(product(rows(grad_y), weight), grad_y).to(input_type);
+    torch::Tensor x;
+    if (saved.size() > 1) {
+      x = saved[1];
+    } else {
+      auto remade = ctx->saved_data["remade"].toCapsule();
+      x = matmul_operand(static_cast<RemadeInput*>(remade.get())->remake());
+    }
     if (deferred != nullptr) {
       deferred->keep(weight, x, grad_y);
-      return {grad_x, torch::Tensor()};
+      return {grad_x, torch::Tensor(), torch::Tensor()};
     }
-    return {grad_x, product(rows(grad_y).t(), rows(x)).to(weight.scalar_type())};
+    return {grad_x, product(rows(grad_y).t(), rows(x)).to(weight.scalar_type()), torch::Tensor()};
   }
 };
 
@@ -109,8 +122,9 @@ double matmul_peak_gflops(int n) {
       n, [&kernel](const torch::Tensor& a, const torch::Tensor& b) { return kernel->mm(a, b); });
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight) {
-  return LinearFunction::apply(x, weight);
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
+                     const c10::intrusive_ptr<RemadeInput>& remade) {
+  return LinearFunction::apply(x, weight, remade);
 }
 
 LinearImpl::LinearImpl(int64_t in, int64_t out)

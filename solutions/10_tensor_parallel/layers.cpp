@@ -49,10 +49,17 @@ class GatherVocabulary : public torch::autograd::Function<GatherVocabulary> {
 
 }  // namespace
 
-torch::Tensor TensorParallel::enter(const torch::Tensor& x) const {
-  if (!sequence_parallel) return copy_to_tensor_parallel(x, comm);
+torch::Tensor Entered::product(const torch::Tensor& weight) const {
+  if (kept) kept->add_reader();
+  return ch03::linear(whole, weight, kept);
+}
+
+Entered TensorParallel::enter(const torch::Tensor& x) const {
+  if (!sequence_parallel) return {copy_to_tensor_parallel(x, comm), {}, {}};
   FIVEFOLD_CHECK(sequence > 0, "TensorParallel: the sequence length of this forward is unknown");
-  return gather_from_sequence_parallel(x, sequence, comm);
+  auto whole = gather_from_sequence_parallel(x, sequence, comm);
+  auto operand = ch03::matmul_operand(whole);
+  return {whole, c10::make_intrusive<GatheredSequence>(x, sequence, comm), operand};
 }
 
 dist::CommunicatorPtr TensorParallel::replica_group(int parts) {
@@ -108,9 +115,9 @@ TensorParallelMlpImpl::TensorParallelMlpImpl(int64_t d_model, int64_t d_ff, Tens
 }
 
 torch::Tensor TensorParallelMlpImpl::forward(const torch::Tensor& x) {
-  auto h = tp_->enter(x);  // f: the same input on every rank, its gradient summed backward
+  const Entered h = tp_->enter(x);  // f: the same input on every rank, its gradient summed backward
   // SiLU acts on each hidden feature alone, so it runs on this rank's features without talking.
-  auto partial = down_proj(torch::silu(gate_proj(h)) * up_proj(h));
+  auto partial = down_proj(torch::silu(h.product(gate_proj->weight)) * h.product(up_proj->weight));
   return tp_->leave(partial);  // g: the ranks' partial sums added
 }
 
@@ -145,10 +152,11 @@ torch::Tensor TensorParallelAttentionImpl::forward(const torch::Tensor& x,
                                                    const torch::Tensor& positions,
                                                    ch03::LayerCache* cache) {
   tp_->sequence = positions.size(0);  // the whole sequence, for the gathers of this forward
-  auto h = tp_->enter(x);             // [batch, seq, d_model] on every rank
+  const Entered h = tp_->enter(x);    // [batch, seq, d_model] on every rank
   // Chapter 03's attention on this rank's heads: no head attends to another's.
-  auto partial = o_proj(attend_heads(q_proj(h), k_proj(h), v_proj(h), n_heads_, n_kv_heads_,
-                                     head_dim_, positions, cache));
+  auto partial = o_proj(attend_heads(h.product(q_proj->weight), h.product(k_proj->weight),
+                                     h.product(v_proj->weight), n_heads_, n_kv_heads_, head_dim_,
+                                     positions, cache));
   return tp_->leave(partial);
 }
 
@@ -186,15 +194,16 @@ torch::Tensor TensorParallelMlaImpl::forward(const torch::Tensor& x, const torch
                  "tensor-parallel MLA runs the training path only: generate with the gathered "
                  "model (TrainingStep::full_model)");
   tp_->sequence = positions.size(0);
-  auto h = tp_->enter(x);  // [batch, seq, d_model] on every rank
-  const int64_t batch = h.size(0), seq = h.size(1), heads = n_heads_;
+  const Entered h = tp_->enter(x);  // [batch, seq, d_model] on every rank
+  const int64_t batch = h.whole.size(0), seq = h.whole.size(1), heads = n_heads_;
   const int64_t nope = mla_.qk_nope_head_dim, rope = mla_.qk_rope_head_dim, dv = mla_.v_head_dim;
   // Chapter 06's forward_naive on this rank's heads.
-  auto q = (mla_.q_lora_rank > 0 ? q_b_proj(q_a_layernorm(q_a_proj(h))) : q_proj(h))
+  auto q = (mla_.q_lora_rank > 0 ? q_b_proj(q_a_layernorm(h.product(q_a_proj->weight)))
+                                 : h.product(q_proj->weight))
                .view({batch, seq, heads, nope + rope})
                .transpose(1, 2);
   auto q_nope = q.narrow(-1, 0, nope), q_rope = q.narrow(-1, nope, rope);
-  auto down = kv_a_proj_with_mqa(h);  // whole on every rank: [b, s, d_c + rope]
+  auto down = h.product(kv_a_proj_with_mqa->weight);  // whole on every rank: [b, s, d_c + rope]
   auto latent = kv_a_layernorm(down.narrow(-1, 0, mla_.kv_lora_rank));
   auto k_rope = down.narrow(-1, mla_.kv_lora_rank, rope).unsqueeze(1);
   if (encoding) std::tie(q_rope, k_rope) = encoding->encode(q_rope, k_rope, positions);
@@ -278,7 +287,8 @@ torch::Tensor VocabParallelHeadImpl::local_logits(const torch::Tensor& hidden, i
   tp_->sequence = seq;
   // enter: f (the hidden state feeds every rank's rows; its gradient is their sum), or the
   // sequence all-gather whose backward reduce-scatters that sum.
-  const auto x = tp_->enter(hidden);
+  // (The head keeps the gathered x, not this rank's part: its product is torch's matmul.)
+  const auto x = tp_->enter(hidden).whole;
   return torch::matmul(x, weight.t().to(x.scalar_type()));  // [batch, seq, rows]
 }
 

@@ -72,6 +72,16 @@ dist::CommunicatorPtr saved_communicator(AutogradContext* ctx) {
   return static_cast<CommunicatorHolder*>(capsule.get())->comm;
 }
 
+GatheredSequence::GatheredSequence(const torch::Tensor& part, int64_t seq, dist::CommunicatorPtr tp)
+    : part_(ch03::matmul_operand(part).detach()), seq_(seq), tp_(std::move(tp)) {}
+
+torch::Tensor GatheredSequence::remake() {
+  if (!whole_.defined()) whole_ = all_gather_sequence(part_, seq_, *tp_);
+  auto whole = whole_;
+  if (--readers_ <= 0) whole_ = torch::Tensor();  // the last reader: let it go
+  return whole;
+}
+
 SequencePart sequence_part(int64_t seq, int rank, int size) {
   FIVEFOLD_CHECK(rank >= 0 && rank < size, "sequence_part: rank ", rank, " of ", size);
   return {split_offset(seq, rank, size), split_sizes(seq, size)[static_cast<size_t>(rank)]};

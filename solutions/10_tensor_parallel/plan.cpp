@@ -130,7 +130,9 @@ TensorParallelTraffic tensor_parallel_traffic(int64_t crossings, int64_t d_model
     // Each all-reduce becomes an all-gather and a reduce-scatter: entering a split layer
     // gathers (backward: reduce-scatters), leaving it reduce-scatters (backward: gathers).
     // + the head's gather (forward) and the embedding's reduce-scatter's gather (backward).
-    add(traffic.all_gather, crossings, activation, ring);
+    // Each block's entry gathers once more in backward: its products kept the rank's part of
+    // the norm's output (GatheredSequence), half of the blocks' crossings.
+    add(traffic.all_gather, crossings + (crossings - 2) / 2, activation, ring);
     // + the embedding's reduce-scatter (forward) and the head's gather's (backward).
     add(traffic.reduce_scatter, crossings, activation, ring);
   }
@@ -145,8 +147,9 @@ int64_t sequence_parallel_activation_savings(const ch02::TransformerShape& shape
   const int64_t tokens = b * s, held = b * split_sizes(s, t)[static_cast<size_t>(rank)];
   // Kept per token outside the split layers, per norm: its input, x² (the mean keeps it), x·rms⁻¹
   // and rms⁻¹: 3h + 1. Two norms a layer (the second's input is the residual after attention),
-  // and the final one.
-  const int64_t per_token = (2 * shape.n_layers + 1) * (3 * h + 1);
+  // and the final one. And the two block norms' outputs (h each), which the split products keep
+  // as the rank's part and gather again in backward (the head keeps the final norm's gathered).
+  const int64_t per_token = (2 * shape.n_layers + 1) * (3 * h + 1) + 2 * shape.n_layers * h;
   return (tokens - held) * per_token * element_bytes;
 }
 

@@ -45,11 +45,12 @@ namespace {
 // In bf16, 2 bytes an element instead of 4: the linear maps keep their inputs rounded (the norms'
 // outputs, the heads' merged output, SwiGLU's product), and SwiGLU's gate, its SiLU and up are
 // the products' bf16 results; for `tokens` tokens of `shape` (a rank's share of heads and d_ff
-// under tp).
-int64_t linear_inputs_saving(const ch02::TransformerShape& shape, int64_t tokens,
+// under tp), of which the norms' outputs are kept for `own` (the rank's part under sequence
+// parallelism).
+int64_t linear_inputs_saving(const ch02::TransformerShape& shape, int64_t tokens, int64_t own,
                              Precision precision) {
   if (precision != Precision::Bf16) return 0;
-  return 2 * tokens * (2 * shape.d_model + shape.n_heads * shape.head_dim + 4 * shape.d_ff);
+  return 2 * (own * 2 * shape.d_model + tokens * (shape.n_heads * shape.head_dim + 4 * shape.d_ff));
 }
 
 }  // namespace
@@ -69,9 +70,10 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
       ch10::rank_shape(shape, static_cast<int>(t), static_cast<int>(r));
   // Under sequence parallelism the residual stream's part (each norm's x², 1/rms and x/rms, the
   // residual after attention, the block's output: 6d + 2 a token) is kept for this rank's tokens
-  // only; the norms' outputs are kept all-gathered, over the whole sequence (of this cp rank).
+  // only, and so are the norms' outputs (2d): the split products read them gathered over the
+  // sequence (of this cp rank) but keep the rank's part and gather it again in backward.
   auto sequence_parallel_saving = [&](int64_t tokens) {
-    return 4 * batch * (tokens - tp.own(tokens)) * (6 * d + 2);
+    return 4 * batch * (tokens - tp.own(tokens)) * (8 * d + 2);
   };
   if (cp.ranks > 1) {  // chapter 12's block term, or this rank's tokens under recomputation
     const int64_t s_r = cp.tokens(seq);
@@ -80,12 +82,13 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
     // With tp, chapter 12's term for this rank's heads and d_ff over its cp tokens.
     return ch12::cp_block_activation_bytes(mine, cp.ranks, cp.rank, batch, seq, cp.layout,
                                            cp.attention) -
-           linear_inputs_saving(mine, batch * s_r, precision) - sequence_parallel_saving(s_r);
+           linear_inputs_saving(mine, batch * s_r, batch * tp.own(s_r), precision) -
+           sequence_parallel_saving(s_r);
   }
   const int64_t h = mine.n_heads, kv = mine.n_kv_heads;
   const int64_t own = tp.own(seq);
   int64_t none = ch11::block_activation_bytes(mine, batch, seq) - sequence_parallel_saving(seq);
-  none -= linear_inputs_saving(mine, batch * seq, precision);
+  none -= linear_inputs_saving(mine, batch * seq, batch * own, precision);
   switch (mode) {
     case Recompute::Full:  // the block's output, which the next block keeps as its input
       return 4 * batch * own * d;
@@ -130,7 +133,10 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
   // which the layer keeps outside the graph (ch07::MoeImpl::last_routing).
   if (mode == Recompute::Full)
     return 4 * own * d + (routed ? own * moe.num_experts_per_tok * (8 + 4) : 0);
-  int64_t floats = 2 * d;                                      // the norms' outputs
+  // The norms' outputs (2d): over the sequence, or under sequence parallelism the rank's own
+  // tokens (the split products keep its part and gather it again in backward).
+  const bool sp = tp.sequence_parallel;
+  int64_t floats = sp ? 0 : 2 * d;
   if (mla.q_lora_rank > 0) floats += 4 * mla.q_lora_rank + 1;  // query latent, its norm
   floats += 4 * d_c + r + 1;                                   // key/value latent, norm
   if (mode == Recompute::Selective) {
@@ -146,7 +152,8 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
     floats += h * ((n + r) + 2 * dv + 1);
     if (cp.attention == ch12::CpAttention::Ring) floats += h * ((n + r) + (n + dv));
   }
-  int64_t own_floats = 6 * d + 2, own_int64s = 0;  // the norms' other terms, residual stream
+  // The norms' other terms, the residual stream (and the norms' outputs under sp).
+  int64_t own_floats = 6 * d + 2 + (sp ? 2 * d : 0), own_int64s = 0;
   if (!routed) {
     floats += 4 * share(config.d_ff);
   } else {
@@ -154,12 +161,8 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
     floats += 4 * share(f_e * moe.n_shared_experts);                     // shared experts
     own_floats += moe.n_routed_experts + 1 + k * (3 * d + 4 * f_e + 3);  // router, assignments
     own_int64s += 4 * k;
-    // Sequence parallelism routes the rank's own tokens: their rows are kept once more; without
-    // shared experts nothing gathers the norm's output over the sequence.
-    if (tp.sequence_parallel) {
-      own_floats += d;
-      if (moe.n_shared_experts == 0) floats -= d;
-    }
+    // (Under sequence parallelism the router reads the rank's own rows of the norm's output: the
+    // part the shared experts keep, the same storage in fp32.)
   }
   int64_t bytes = 4 * tokens * floats + own * (4 * own_floats + 8 * own_int64s);
   if (precision == Precision::Bf16) {
@@ -171,22 +174,27 @@ int64_t deepseek_block_activation_bytes(const ch03::ModelConfig& config, int64_t
     // (the kernel widens v into a copy: h·n fewer where the core's inputs, the ring's own keys
     // and values or one row's kept it), and kv_a_proj's, whose latent the norm now widens (the
     // key's rotary part, r: 4 bytes, 2r here).
-    int64_t rounded = d + mla.q_lora_rank + d_c + h * dv + 2 * r, routed_rounded = 0;
+    int64_t rounded = mla.q_lora_rank + d_c + h * dv + 2 * r, routed_rounded = 0;
+    int64_t own_rounded = 0;            // for the rank's own tokens
+    (sp ? own_rounded : rounded) += d;  // the attention norm's output
     const bool v_view_kept = mode == Recompute::Selective || (cp.ranks == 1 && batch == 1) ||
                              (cp.ranks > 1 && cp.attention == ch12::CpAttention::Ring);
     if (v_view_kept) rounded += 2 * h * n;
     if (!routed) {
-      rounded += d + 4 * share(config.d_ff);
+      (sp ? own_rounded : rounded) += d;  // the MLP norm's output
+      rounded += 4 * share(config.d_ff);
     } else {
       const int64_t f_s = moe.moe_intermediate_size * moe.n_shared_experts;
       routed_rounded = moe.num_experts_per_tok * (2 * d + 4 * moe.moe_intermediate_size);
-      // The shared experts' product; and the norm's output: under sequence parallelism the
-      // router reads the rank's own rows and the shared experts the gathered output, rounded once
-      // (d); else the router keeps the fp32 output and the experts' roundings in between cost
-      // the shared experts a second rounded copy of it (-d).
-      if (f_s > 0) rounded += 4 * share(f_s) + (tp.sequence_parallel ? d : -d);
+      // The shared experts' product; and the norm's output, which the router keeps in fp32: the
+      // shared experts keep a rounded copy of it besides (-d), of the rank's own rows under
+      // sequence parallelism (else the experts' roundings in between evict the one rounding).
+      if (f_s > 0) {
+        rounded += 4 * share(f_s);
+        (sp ? own_rounded : rounded) -= d;
+      }
     }
-    bytes -= 2 * (tokens * rounded + own * routed_rounded);
+    bytes -= 2 * (tokens * rounded + own * (routed_rounded + own_rounded));
   }
   if (routed && ep.ranks > 1) {
     // Chapter 13: the experts compute the R rows they receive (2d + 4f_e floats and the

@@ -279,16 +279,24 @@ std::map<std::string, int64_t> predicted_traffic(const Layout& layout, const Wor
   if (layout.tp > 1 && !held.tp_partial_by_unit.empty()) {
     const int64_t tokens = rows / m * cp_positions;
     int64_t crossings = (first_stage ? 1 : 0) + (last_stage ? 1 : 0);  // embedding, head
+    int64_t entries = 0;  // into the blocks' split layers
     for (const int64_t layer : layers) {
       const bool experts_only = routed && moe.is_moe_layer(layer) && moe.n_shared_experts == 0;
       const int64_t block = 2 + (experts_only ? 0 : 2);  // attention, the MLP (shared experts)
       // A recomputed block's forward half once more: g's all-reduce out of each split layer
       // (under sequence parallelism, the all-gather in and the reduce-scatter out).
       crossings += block + (ch14::recomputes_block(again, layer) ? block / 2 : 0);
+      entries += block / 2;
     }
     const int64_t activation = tokens * model.d_model * 4 * (layout.sequence_parallel ? 2 : 1);
+    // Under sequence parallelism each entry's products kept the rank's part of their input (in
+    // the products' operand type) and gather it again in backward.
+    const int64_t regathered =
+        layout.sequence_parallel
+            ? entries * tokens * model.d_model * ch14::bytes_per_number(run.precision)
+            : 0;
     const int64_t loss = last_stage ? 3 * tokens * 4 : 0;  // max, Σ exp, target logit
-    bytes["tp"] = m * (crossings * activation + loss) +
+    bytes["tp"] = m * (crossings * activation + regathered + loss) +
                   4 * reduced_elements(held.tp_partial_by_unit, layout, m) +
                   (layout.pp == 1 ? 8 : 0);
     const int64_t replicas = reduced_elements(held.tp_replica_partial_by_unit, layout, m);

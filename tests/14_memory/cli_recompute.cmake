@@ -81,21 +81,22 @@ if(NOT status EQUAL 0 OR NOT cp_none EQUAL 399155200 OR NOT cp_selective EQUAL 3
 endif()
 # tp 8 inside cp 4, rank 0 (notes §1, "Under tensor and context parallelism together"): chapter
 # 12's term for 4 heads and d_ff 1376 over 1024 tokens, 40,838 floats a token + RoPE's rows + the
-# key positions; with sequence parallelism the residual stream's 6d + 2 for 128 of the 1024.
+# key positions; with sequence parallelism the residual stream's 6d + 2 and the norms' outputs' 2d
+# for 128 of the 1024.
 execute_process(COMMAND ${FIVEFOLD} plan --config ${configs}/llama2-7b.json --seq 4096 --cp 4 --tp 8
                 --json OUTPUT_VARIABLE plan RESULT_VARIABLE status)
 string(JSON both_none GET "${plan}" activations context_parallel with_tensor_parallel plain none)
 string(JSON both_sp GET "${plan}" activations context_parallel with_tensor_parallel
        sequence_parallel none)
 # With the fast kernels and SP (notes §1): per token 6,180 floats in fp32 (SwiGLU, the output and
-# log-sum-exp, q, the ring's own keys and values) and 10,080 linear inputs over 1024 tokens, the
-# norms' 8,194 over 128, RoPE's rows and the key positions: 71,353,344.
+# log-sum-exp, q, the ring's own keys and values) and 1,888 linear inputs over 1024 tokens, the
+# norms' 8,194 and their outputs' 8,192 over 128, RoPE's rows and the key positions: 41,993,216.
 string(JSON both_fast GET "${plan}" activations context_parallel with_tensor_parallel fast_paths
        sequence_parallel none)
 message("plan --cp 4 --tp 8: rank 0 keeps ${both_none} bytes a block, ${both_sp} with SP, "
         "${both_fast} with SP on the fast kernels")
-if(NOT status EQUAL 0 OR NOT both_none EQUAL 167829504 OR NOT both_sp EQUAL 79741952
-   OR NOT both_fast EQUAL 71353344)
+if(NOT status EQUAL 0 OR NOT both_none EQUAL 167829504 OR NOT both_sp EQUAL 50381824
+   OR NOT both_fast EQUAL 41993216)
   message(FATAL_ERROR "fivefold plan --cp 4 --tp 8's activation figures are not the formulas'")
 endif()
 # DeepSeek-V3 (MLA, MoE): a dense and a MoE block at 4096 tokens (notes §1, "MLA and MoE").
@@ -152,8 +153,9 @@ endif()
 
 # notes/14 §4: recomputation runs a region's collectives again. tp 2 with sequence parallelism
 # on the MLA + MoE preset (the reduced parity matrix's first layout, its flags): the tp group
-# carries 4,216,584 bytes a step without recomputation, what chapter 15 predicts, and 5,789,448
-# with full recomputation, the blocks' forward all-gathers and reduce-scatters once more.
+# carries 5,003,016 bytes a step without recomputation, what chapter 15 predicts, and 6,575,880
+# with full recomputation, the blocks' forward all-gathers and reduce-scatters once more (not
+# their second gathers in backward: each block's products are recomputed once).
 set(matrix_row --model-config ${CMAKE_CURRENT_LIST_DIR}/../../chapters/15_trainer_5d/presets/moe-mla.json
     --seq 16 --steps 2 --batch 24 --synthetic-examples 300 --warmup 1 --grad-clip 0.5
     --eval-every 0 --eval-batches 1 --exact-match 0 --save-every 0 --peak-gflops 100 --no-progress
@@ -166,10 +168,10 @@ foreach(mode none full)
 endforeach()
 message("tp bytes a step: ${tp_bytes_none} without recomputation (predicted ${tp_predicted_none}), "
         "${tp_bytes_full} with full recomputation")
-if(NOT tp_bytes_none EQUAL 4216584 OR NOT tp_predicted_none EQUAL 4216584 OR
-   NOT tp_bytes_full EQUAL 5789448)
-  message(FATAL_ERROR "the tp group's bytes a step are not notes/14 §4's 4,216,584 (none, as "
-                      "predicted) and 5,789,448 (full)")
+if(NOT tp_bytes_none EQUAL 5003016 OR NOT tp_predicted_none EQUAL 5003016 OR
+   NOT tp_bytes_full EQUAL 6575880)
+  message(FATAL_ERROR "the tp group's bytes a step are not notes/14 §4's 5,003,016 (none, as "
+                      "predicted) and 6,575,880 (full)")
 endif()
 
 # Recomputation on the first pipeline stage only (--recompute-stages 1, pp 2): the curve of the

@@ -30,17 +30,19 @@ set(one_process --tp 1 --pp 1 --cp 1 --ep 1 --zero 0 --sequence-parallel=false)
 # here over offline communicators (its tp slice of stage 1 with 4 of each layer's 8 experts:
 # 85,504 parameters) with the formulas' bytes, which the 16-rank run below then measures (pp
 # 4096 and cp 82,496 bytes a step, notes §3; its model state 1,026,112 bytes with the 16
-# frozen numbers of two layers' balancing bias; what its blocks keep for backward, ~134,720 bytes
+# frozen numbers of two layers' balancing bias; what its blocks keep for backward, ~122,432 bytes
 # (the fast kernels' MLA and MoE formula for its tp and cp share, the routing's balanced
-# expectation under ep: 126,272 and, for each of its 2 MoE blocks, chapter 14's ep term of its
+# expectation under ep: 113,984 and, for each of its 2 MoE blocks, chapter 14's ep term of its
 # 2 rows x 4 own tokens x k 2 assignments at 4d + 8 = 264 bytes; 1F1B's last stage holds one
-# micro-batch; ~168,512 with --lesson-kernels, chapter 14's formula for the lesson's kernels); its matmul FLOPs ~9,523,200 a step, the
+# micro-batch; ~156,224 with --lesson-kernels, chapter 14's formula for the lesson's kernels); tp
+# 419,968 bytes, of which 32,768 the blocks' second gathers in backward (2 a block, 2 blocks, 2
+# micro-batches of 16 tokens x d 64 x 4 bytes); its matmul FLOPs ~9,523,200 a step, the
 # balanced-routing expectation, which the run's sum over the ranks equals); a layout the world
 # cannot hold is refused as the run would be.
 include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
-run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\| 85504 \\| 1026112 B \\| ~134720 x 1 = 134720 B \\| ~9523200 \\| cp 82496, edp 684256, ep 211216, pp 8, pp\\+tp 8, pp-activations 4096, pp-gradients 4096, tp 387200 \\|"
+run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\| 85504 \\| 1026112 B \\| ~122432 x 1 = 122432 B \\| ~9523200 \\| cp 82496, edp 684256, ep 211216, pp 8, pp\\+tp 8, pp-activations 4096, pp-gradients 4096, tp 419968 \\|"
     train --config ${preset} ${short} --plan 16)
-run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\| 85504 \\| 1026112 B \\| ~168512 x 1 = 168512 B \\|"
+run("\\| 15 \\| 1, 1, 1, 1 \\| 2,3 \\| 85504 \\| 1026112 B \\| ~156224 x 1 = 156224 B \\|"
     train --config ${preset} ${short} --plan 16 --lesson-kernels)
 # Without tp the plan counts the parameters and predicts edp and ep too: each rank of the second
 # stage holds 111,232 of them (its 4 of each layer's 8 experts); a run of this layout measured

@@ -181,8 +181,9 @@ TEST(Report, PredictedExpertParallelBytesFollowChapter13) {
 // (rank_parameters): per layer attention's and the MLP's crossings in and out (f and g: four
 // all-reduces of [16, 64, 32]), the embedding's and the head's one each, the loss's three of
 // one number per token, and the norm's 8 bytes; under sequence parallelism each all-reduce is an
-// all-gather and a reduce-scatter (both counted at the full size) and the norms' 2L + 1 = 5
-// partial gradients of 32 numbers are all-reduced once.
+// all-gather and a reduce-scatter (both counted at the full size), each block's two entries
+// gather their input again in backward (their products kept the rank's part), and the norms'
+// 2L + 1 = 5 partial gradients of 32 numbers are all-reduced once.
 TEST(Report, PredictedTensorParallelBytesFollowChapter10) {
   const auto run = run_with(ch10::testing::tp_config(false));
   const int64_t activation = 16 * 64 * 32 * 4, per_token = 16 * 64 * 4;
@@ -193,7 +194,8 @@ TEST(Report, PredictedTensorParallelBytesFollowChapter10) {
   EXPECT_EQ(tp_bytes(sizes(0, 2, 1, 1), 2, run, 0), (4 * 2 + 2) * activation + 3 * per_token + 8);
   Layout sp = sizes(0, 2, 1, 1);
   sp.sequence_parallel = true;
-  const int64_t sp_bytes = 2 * (4 * 2 + 2) * activation + 3 * per_token + 8;
+  const int64_t sp_bytes =
+      2 * (4 * 2 + 2) * activation + 2 * 2 * activation + 3 * per_token + 8;
   EXPECT_EQ(tp_bytes(sp, 2, run, 1), sp_bytes + 4 * 5 * 32);
   // ZeRO-3 reduces the partial gradients as it releases each unit: blocks 1 .. L-1 every
   // micro-batch (here block 1's 2 norms, twice), block 0's 2 and the final norm at the step.
