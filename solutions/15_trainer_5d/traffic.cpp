@@ -20,6 +20,12 @@ namespace {
 
 using Bytes = std::map<std::string, int64_t>;
 
+// The model's routed experts' settings (the defaults without any).
+ch07::MoeConfig moe_of(const ch03::ModelConfig& model) {
+  return ch07::has_routed_experts(model) ? ch07::MoeConfig::from_json(model.extensions)
+                                         : ch07::MoeConfig{};
+}
+
 // Partial gradients' elements (by ZeRO-3 unit) as the step hands them to their group: once a
 // step, but ZeRO-3 without pp sums each unit's as it releases it, which for blocks 1 .. L-1
 // happens every one of the m micro-batches (the root and block 0 at the step).
@@ -82,7 +88,7 @@ void tp_traffic(Bytes& bytes, const Layout& layout, const Workload& run, const R
   const ch03::ModelConfig& model = run.model;
   const int64_t m = run.micro_batches, rows = work.rows;
   const bool routed = ch07::has_routed_experts(model);
-  const auto moe = routed ? ch07::MoeConfig::from_json(model.extensions) : ch07::MoeConfig{};
+  const ch07::MoeConfig moe = moe_of(model);
   if (layout.tp > 1 && !held.tp_partial_by_unit.empty()) {
     const int64_t tokens = rows / m * work.cp_positions;
     int64_t crossings = (work.first_stage ? 1 : 0) + (work.last_stage ? 1 : 0);  // embedding, head
@@ -117,8 +123,7 @@ bool ep_traffic(Bytes& bytes, const Layout& layout, const Workload& run, const R
                 const HeldParameters& held, const ch14::RecomputeConfig& again) {
   const ch03::ModelConfig& model = run.model;
   const int64_t m = run.micro_batches, rows = work.rows;
-  const bool routed = ch07::has_routed_experts(model);
-  const auto moe = routed ? ch07::MoeConfig::from_json(model.extensions) : ch07::MoeConfig{};
+  const ch07::MoeConfig moe = moe_of(model);
   const bool experts = layout.ep > 1 && held.elements > 0;
   if (experts) {
     int64_t moe_layers = 0, moe_layers_again = 0;
