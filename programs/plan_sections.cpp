@@ -297,7 +297,7 @@ void print_tensor_parallel(const nlohmann::json& t, int64_t context) {
   }
   std::printf(
       "  sequence parallelism keeps %s fewer activation bytes per micro-batch on rank 0 "
-      "(fp32: what the norms keep for the tokens other ranks hold)\n",
+      "(fp32: what the norms keep, and their outputs, for the tokens other ranks hold)\n",
       si(t["sequence_parallel_activation_savings_bytes"].get<double>(), "B").c_str());
 }
 
