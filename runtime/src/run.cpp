@@ -134,12 +134,22 @@ struct RestoreMatmulKernel {
 
 }  // namespace
 
-RunResult run_training(const RunConfig& requested, bool resume) {
-  RunConfig c = requested;
-  RunResult result;
-  std::string start;  // the checkpoint folder resumed from
+namespace {
+
+// Where a run starts: the settings it trains with (a resumed run's own, and from `requested` only
+// what does not change what it computes: settings.h) and, when it resumes, from where.
+struct Start {
+  RunConfig settings;
+  int64_t first_step = 0;
+  std::string checkpoint;    // the checkpoint folder resumed from
   std::string trained_with;  // the resumed run's recomputation so far
   std::string trained_in;    // and its precision
+};
+
+Start resolve_start(const RunConfig& requested, bool resume) {
+  Start from;
+  from.settings = requested;
+  RunConfig& c = from.settings;
   if (!c.out_dir.empty()) {
     // A run's folder holds checkpoint folders; it must not be one (a later pruning of the
     // enclosing run would delete this one with it).
@@ -151,21 +161,97 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   }
   if (resume) {
     FIVEFOLD_CHECK(!requested.out_dir.empty(), "resume: no output folder given");
-    start = resolve_checkpoint(requested.out_dir);
-    const RunState state = load_run_state(start);
-    trained_with = recompute_text(state.run);
-    trained_in = state.run.precision;
+    from.checkpoint = resolve_checkpoint(requested.out_dir);
+    const RunState state = load_run_state(from.checkpoint);
+    from.trained_with = recompute_text(state.run);
+    from.trained_in = state.run.precision;
     // The run's own settings; only those that do not change what it computes come from
     // `requested` (how long, how often to evaluate and save, how it is laid out): settings.h.
     c = resume_with(state.run, requested);
-    result.first_step = state.step;
-    FIVEFOLD_CHECK(result.first_step < c.steps, "resume: '", start, "' is at step ",
-                   result.first_step, ", nothing to do for --steps ", c.steps);
+    from.first_step = state.step;
+    FIVEFOLD_CHECK(from.first_step < c.steps, "resume: '", from.checkpoint, "' is at step ",
+                   from.first_step, ", nothing to do for --steps ", c.steps);
   } else if (!c.out_dir.empty()) {
     FIVEFOLD_CHECK(!fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
                    "' already holds a training run: resume it or choose another output folder");
   }
   c.validate();
+  return from;
+}
+
+// Chapter 14's precision and recomputation for the model `trainer` trains, saying what changed
+// since the run resumed (`from`).
+void set_precision_and_recompute(const RunConfig& c, TrainingStep& trainer, bool resume,
+                                 const Start& from, bool bf16) {
+  // Chapter 14: the products in bf16, after a look at whether this CPU computes bf16 faster.
+  const std::string precision_change = changed(resume, c.precision, from.trained_in, "in");
+  if (bf16) {
+    // The model's own MLP product on one micro-batch of this rank.
+    const int64_t rows =
+        std::max<int64_t>(1, c.batch * c.seq_len / (c.placement.data_ranks * c.micro_batches));
+    const ch14::ProductSpeed speed =
+        ch14::measure_product_speed(rows, c.model.d_model, c.model.d_ff);
+    log0() << "precision: bf16 products (the MLP's [" << rows << ", " << c.model.d_model << "] x ["
+           << c.model.d_model << ", " << c.model.d_ff << "]: " << static_cast<int>(speed.bf16)
+           << " GFLOP/s in bf16, " << static_cast<int>(speed.fp32)
+           << " in fp32); weights and gradients in bf16, fp32 master weights and AdamW"
+           << precision_change;
+    if (speed.bf16 < speed.fp32) {
+      log0() << "warning: this model's products are " << speed.fp32 / speed.bf16
+             << "x slower in bf16 than in fp32 here (too small to pay for the roundings, or no "
+                "AVX-512 BF16 or AMX on this CPU): --precision fp32 trains faster";
+    }
+    ch14::use_precision(ch14::Precision::Bf16, nullptr);
+  } else if (!precision_change.empty()) {
+    log0() << "precision: fp32" << precision_change;
+  }
+  // Chapter 14, after every kernel is in place: selective recomputation wraps the one installed.
+  ch14::apply_recompute(trainer.model(), recompute_config(c).for_stage(c.placement.pipeline_stage));
+  const std::string recompute_change =
+      changed(resume, recompute_text(c), from.trained_with, "with");
+  if (c.recompute != "none" || !recompute_change.empty())
+    log0() << "activation recomputation: " << recompute_text(c) << recompute_change;
+}
+
+// The output folder, which the writer owns while the run lasts: checked, locked (`lock`), its
+// metrics file opened (`metrics`, cut after `first_step` when resuming) and the settings written.
+// Only the writer can see its file system: every process refuses with its verdict, together.
+void open_run_folder(const RunConfig& c, bool resume, int64_t first_step, std::ofstream& metrics,
+                     std::unique_ptr<io::DirectoryLock>& lock) {
+  const Placement& place = c.placement;
+  std::string refused;  // what the writer found wrong with the folder
+  if (!c.out_dir.empty() && place.writer) {
+    try {
+      std::error_code error;
+      FIVEFOLD_CHECK(!fs::exists(c.out_dir, error) || fs::is_directory(c.out_dir, error), "'",
+                     c.out_dir, "' is a file, not a folder: give --out a folder");
+      fs::create_directories(c.out_dir, error);
+      FIVEFOLD_CHECK(!error, "cannot make the output folder '", c.out_dir, "': ", error.message());
+      lock = std::make_unique<io::DirectoryLock>(c.out_dir);
+      FIVEFOLD_CHECK(resume || !fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
+                     "' already holds a training run: resume it or choose another output folder");
+      const std::string path = c.out_dir + "/metrics.jsonl";
+      if (resume) truncate_metrics(path, first_step);
+      metrics.open(path, resume ? std::ios::app : std::ios::trunc);
+      FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
+      if (!c.settings_toml.empty())
+        io::write_file_atomic(c.out_dir + "/settings.toml", c.settings_toml);
+    } catch (const std::exception& e) {
+      refused = e.what();
+    }
+  }
+  if (place.agree) refused = place.agree(refused);
+  FIVEFOLD_CHECK(refused.empty(), refused);
+}
+
+}  // namespace
+
+RunResult run_training(const RunConfig& requested, bool resume) {
+  const Start from = resolve_start(requested, resume);
+  RunConfig c = from.settings;
+  const std::string& start = from.checkpoint;
+  RunResult result;
+  result.first_step = from.first_step;
   auto [train_data, val_data] = load_datasets(c.data, c.seq_len);
   const int64_t vocab = resume ? config_from_json(io::read_json(start + "/config.json")).vocab_size
                                : c.model.vocab_size;
@@ -210,34 +296,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   // oneDNN or bf16 kernel), installs its own, and puts back what it found when it returns.
   const RestoreMatmulKernel restore{set_matmul_kernel(nullptr)};
   if (c.fast) install_fast_paths(trainer->model());
-  // Chapter 14: the products in bf16, after a look at whether this CPU computes bf16 faster.
-  const std::string precision_change = changed(resume, c.precision, trained_in, "in");
-  if (bf16) {
-    // The model's own MLP product on one micro-batch of this rank.
-    const int64_t rows = std::max<int64_t>(
-        1, c.batch * c.seq_len / (place.data_ranks * c.micro_batches));
-    const ch14::ProductSpeed speed = ch14::measure_product_speed(rows, c.model.d_model,
-                                                                 c.model.d_ff);
-    log0() << "precision: bf16 products (the MLP's [" << rows << ", " << c.model.d_model
-           << "] x [" << c.model.d_model << ", " << c.model.d_ff << "]: "
-           << static_cast<int>(speed.bf16) << " GFLOP/s in bf16, " << static_cast<int>(speed.fp32)
-           << " in fp32); weights and gradients in bf16, fp32 master weights and AdamW"
-           << precision_change;
-    if (speed.bf16 < speed.fp32) {
-      log0() << "warning: this model's products are " << speed.fp32 / speed.bf16
-             << "x slower in bf16 than in fp32 here (too small to pay for the roundings, or no "
-                "AVX-512 BF16 or AMX on this CPU): --precision fp32 trains faster";
-    }
-    ch14::use_precision(ch14::Precision::Bf16, nullptr);
-  } else if (!precision_change.empty()) {
-    log0() << "precision: fp32" << precision_change;
-  }
-  // Chapter 14, after every kernel is in place: selective recomputation wraps the one installed.
-  ch14::apply_recompute(trainer->model(),
-                        recompute_config(c).for_stage(c.placement.pipeline_stage));
-  const std::string recompute_change = changed(resume, recompute_text(c), trained_with, "with");
-  if (c.recompute != "none" || !recompute_change.empty())
-    log0() << "activation recomputation: " << recompute_text(c) << recompute_change;
+  set_precision_and_recompute(c, *trainer, resume, from, bf16);
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";
     trainer->load_optimizer_state(io::load_safetensors(path), path);
@@ -251,30 +310,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
 
   std::ofstream metrics;
   std::unique_ptr<io::DirectoryLock> lock;  // the run owns its folder until it ends
-  std::string refused;                      // what the writer found wrong with the folder
-  if (!c.out_dir.empty() && place.writer) {
-    try {
-      std::error_code error;
-      FIVEFOLD_CHECK(!fs::exists(c.out_dir, error) || fs::is_directory(c.out_dir, error), "'",
-                     c.out_dir, "' is a file, not a folder: give --out a folder");
-      fs::create_directories(c.out_dir, error);
-      FIVEFOLD_CHECK(!error, "cannot make the output folder '", c.out_dir, "': ", error.message());
-      lock = std::make_unique<io::DirectoryLock>(c.out_dir);
-      FIVEFOLD_CHECK(resume || !fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
-                     "' already holds a training run: resume it or choose another output folder");
-      const std::string path = c.out_dir + "/metrics.jsonl";
-      if (resume) truncate_metrics(path, result.first_step);
-      metrics.open(path, resume ? std::ios::app : std::ios::trunc);
-      FIVEFOLD_CHECK(metrics.good(), "cannot write '", path, "'");
-      if (!c.settings_toml.empty())
-        io::write_file_atomic(c.out_dir + "/settings.toml", c.settings_toml);
-    } catch (const std::exception& e) {
-      refused = e.what();
-    }
-  }
-  // Only the writer can see its file system: every process refuses with its verdict, together.
-  if (place.agree) refused = place.agree(refused);
-  FIVEFOLD_CHECK(refused.empty(), refused);
+  open_run_folder(c, resume, result.first_step, metrics, lock);
   for (RunObserver* o : c.observers) o->started(*trainer, result.first_step);
   // MFU: the model's FLOPs against the peak of every process doing the work.
   // The peak is the product the step multiplies with (oneDNN's with the fast paths).
@@ -360,9 +396,9 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                   " and the gradient norm " + std::to_string(r.grad_norm) +
                   ": not finite, so the run stops" +
                   (std::isfinite(r.grad_norm) ? "" : " without applying the update") +
-                  (c.out_dir.empty() ? std::string()
-                                     : "; the last checkpoint is '" +
-                                           latest_checkpoint(c.out_dir) + "'") +
+                  (c.out_dir.empty()
+                       ? std::string()
+                       : "; the last checkpoint is '" + latest_checkpoint(c.out_dir) + "'") +
                   " (a lower --lr may help)");
     }
     char status[160];
