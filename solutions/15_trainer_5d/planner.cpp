@@ -153,6 +153,50 @@ double block_overhead(const Cluster& cluster, bool bf16, const ch10::RankBlock& 
   return seconds;
 }
 
+// MLA's blocks as chapter 10 splits them for tp rank 0 (`rank_blocks`, one a block), and a token's
+// forward FLOPs of each block's products: t times the rank's, the router and the routed experts
+// on the share of the tokens the rank routes.
+std::vector<double> split_products(const ModelTerms& terms, const Layout& layout,
+                                   const MicroBatchShare& share,
+                                   std::vector<ch10::RankBlock>& rank_blocks) {
+  const auto& [dense, routed] = terms.split.at({layout.tp, layout.sequence_parallel});
+  std::vector<double> products;
+  for (const ch07::BlockParameters& block : terms.block) {
+    const ch10::RankBlock& mine = block.experts > 0 ? routed : dense;
+    rank_blocks.push_back(mine);
+    products.push_back(
+        2.0 * layout.tp *
+        (mine.products + (mine.router + terms.per_token * mine.per_assignment) * share.routes));
+  }
+  return products;
+}
+
+// Each product's cost besides its FLOPs (Cluster: a latency, the bytes of a thin product): every
+// matrix of the stage's blocks, a routed expert's for each of the rank's E/ep experts, each
+// receiving its share of the ep group's routed tokens.
+double stage_overhead(const Cluster& cluster, bool bf16, const ModelTerms& terms,
+                      const Layout& layout, const BusiestStage& stage,
+                      const MicroBatchShare& share) {
+  if (cluster.product_latency_fp32 <= 0 && cluster.product_latency_bf16 <= 0 &&
+      cluster.memory_bandwidth <= 0)
+    return 0;
+  const double tokens = share.tokens;
+  const auto& [dense, moe] = terms.split.at({layout.tp, layout.sequence_parallel});
+  const double experts = static_cast<double>(terms.experts) / layout.ep;
+  const double per_expert =
+      terms.experts == 0 ? 0 : tokens * share.routes * terms.per_token * layout.ep / terms.experts;
+  double overhead = 0, dense_overhead = -1, moe_overhead = -1;  // each kind's once
+  for (int64_t i = stage.first; i < stage.last; ++i) {
+    const bool routed = terms.block[static_cast<size_t>(i)].experts > 0;
+    double& each = routed ? moe_overhead : dense_overhead;
+    if (each < 0)
+      each = block_overhead(cluster, bf16, routed ? moe : dense, tokens, tokens * share.routes,
+                            experts, per_expert);
+    overhead += each;
+  }
+  return overhead;
+}
+
 }  // namespace
 
 BusiestStage busiest_stage(const Layout& layout, const ModelTerms& terms,
@@ -225,17 +269,8 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
       static_cast<double>(ch14::TensorParallelShare{t, 0, layout.sequence_parallel}.own(s_r)) /
       static_cast<double>(s_r);
   std::vector<ch10::RankBlock> rank_blocks;
-  std::vector<double> rank_products = terms.products;
-  if (deepseek) {
-    const auto& [dense, routed] = terms.split.at({t, layout.sequence_parallel});
-    for (int64_t i = 0; i < L; ++i) {
-      const ch10::RankBlock& mine = terms.block[static_cast<size_t>(i)].experts > 0 ? routed : dense;
-      rank_blocks.push_back(mine);
-      rank_products[static_cast<size_t>(i)] =
-          2.0 * t *
-          (mine.products + (mine.router + terms.per_token * mine.per_assignment) * share.routes);
-    }
-  }
+  const std::vector<double> rank_products =
+      deepseek ? split_products(terms, layout, share, rank_blocks) : terms.products;
   const double attention_rate = bf16 ? cluster.attention_flops_bf16 : cluster.attention_flops_fp32;
   const double attention_seconds = attention_rate > 0 ? tokens / t / attention_rate : seconds;
   // Chapter 11 splits the blocks over the p·v virtual stages; the last also runs the head. The
@@ -250,27 +285,7 @@ StepEstimate estimate_before_pipeline(const Workload& work, const ModelTerms& te
       p == 1 ? f.lm_head * head_share * seconds +
                    cluster.product_overhead(bf16, tokens, shape.d_model, head_rows)
              : 0;
-  // Each product's cost besides its FLOPs (Cluster: a latency, the bytes of a thin product):
-  // every matrix of the stage's blocks, a routed expert's for each of the rank's E/ep experts,
-  // each receiving its share of the ep group's routed tokens.
-  double overhead = 0;
-  if (cluster.product_latency_fp32 > 0 || cluster.product_latency_bf16 > 0 ||
-      cluster.memory_bandwidth > 0) {
-    const auto& [dense, moe] = terms.split.at({t, layout.sequence_parallel});
-    const double experts = static_cast<double>(terms.experts) / layout.ep;
-    const double per_expert = terms.experts == 0 ? 0
-                                                 : tokens * share.routes * terms.per_token *
-                                                       layout.ep / terms.experts;
-    double dense_overhead = -1, moe_overhead = -1;  // each kind's once
-    for (int64_t i = stage.first; i < stage.last; ++i) {
-      const bool routed = terms.block[static_cast<size_t>(i)].experts > 0;
-      double& each = routed ? moe_overhead : dense_overhead;
-      if (each < 0)
-        each = block_overhead(cluster, bf16, routed ? moe : dense, tokens, tokens * share.routes,
-                              experts, per_expert);
-      overhead += each;
-    }
-  }
+  const double overhead = stage_overhead(cluster, bf16, terms, layout, stage, share);
   const double products = stage.products * seconds + overhead + head;
   const double attention = stage.attention * attention_seconds;
   const double attention_backward = (stage.attention_training - stage.attention) * attention_seconds;
