@@ -182,10 +182,10 @@ Start resolve_start(const RunConfig& requested, bool resume) {
 // Chapter 14's precision and recomputation for the model `trainer` trains, saying what changed
 // since the run resumed (`from`).
 void set_precision_and_recompute(const RunConfig& c, TrainingStep& trainer, bool resume,
-                                 const Start& from, bool bf16) {
+                                 const Start& from) {
   // Chapter 14: the products in bf16, after a look at whether this CPU computes bf16 faster.
   const std::string precision_change = changed(resume, c.precision, from.trained_in, "in");
-  if (bf16) {
+  if (ch14::parse_precision(c.precision) == ch14::Precision::Bf16) {
     // The model's own MLP product on one micro-batch of this rank.
     const int64_t rows =
         std::max<int64_t>(1, c.batch * c.seq_len / (c.placement.data_ranks * c.micro_batches));
@@ -296,7 +296,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   // oneDNN or bf16 kernel), installs its own, and puts back what it found when it returns.
   const RestoreMatmulKernel restore{set_matmul_kernel(nullptr)};
   if (c.fast) install_fast_paths(trainer->model());
-  set_precision_and_recompute(c, *trainer, resume, from, bf16);
+  set_precision_and_recompute(c, *trainer, resume, from);
   if (resume) {
     const std::string path = start + "/optimizer.safetensors";
     trainer->load_optimizer_state(io::load_safetensors(path), path);
