@@ -88,16 +88,22 @@ class AttentionKernel {
   /// v_dim]; q_positions [seq_q] and k_positions [seq_k] (int64) are the tokens' positions in
   /// their sequence: a query sees the keys at positions <= its own. Scores are scale·q·k.
   /// Computes in fp32 at least: q, k and v of a narrower type (chapter 14's products hand on
-  /// bf16) are widened first, so that softmax and the log-sum-exp never run in bf16; then compute.
+  /// bf16) are widened first, so that softmax and the log-sum-exp never run in bf16; then compute
+  /// (a kernel that takes_narrow_inputs() widens what it needs itself).
   AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& q_positions, const torch::Tensor& k_positions,
                          double scale) const;
 
  protected:
-  /// What the kernel does (attend's arguments; q, k and v of one type, fp32 or wider).
+  /// What the kernel does (attend's arguments; q, k and v of one type, fp32 or wider, unless
+  /// takes_narrow_inputs()).
   virtual AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const torch::Tensor& q_positions,
                                   const torch::Tensor& k_positions, double scale) const = 0;
+  /// True for a kernel that takes q, k and v in a narrower type as they come: one that rounds its
+  /// products' operands itself and keeps softmax's statistics and its output in fp32 (the fast
+  /// paths' tiled kernel); attend then does not widen them first.
+  virtual bool takes_narrow_inputs() const { return false; }
 };
 
 /// Chapter 03's kernel: causal_attention. It needs the layout causal_attention assumes (keys at

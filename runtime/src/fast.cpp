@@ -64,13 +64,18 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v, double scale, int64_t tile) {
     const int64_t heads = q.size(1), seq_q = q.size(2), offset = k.size(2) - seq_q;
-    const auto type = q.scalar_type();  // of the output and the log-sum-exp
-    // The operands converted once to the kernel's form (bf16 under chapter 14's kernel).
-    auto qs = matmul_operand((q * scale).contiguous());
+    // The output and the log-sum-exp in fp32 at least, whatever q's type (bf16 when chapter 14's
+    // products hand q, k and v on: takes_narrow_inputs).
+    const auto type = at::promote_types(q.scalar_type(), torch::kFloat);
+    // The operands laid out and converted once to the kernel's form (bf16 under chapter 14's
+    // kernel); q is scaled in fp32 (a bf16 product with the scale would round the scale too).
+    auto qs = matmul_operand(
+        q.to(type, /*non_blocking=*/false, /*copy=*/true, c10::MemoryFormat::Contiguous)
+            .mul_(scale));
     auto keys = matmul_operand(expand_heads(k, heads).contiguous());
     auto values = matmul_operand(expand_heads(v, heads).contiguous());
-    auto out = torch::empty({q.size(0), heads, seq_q, v.size(3)}, q.options());
-    auto lse = torch::empty({q.size(0), heads, seq_q}, q.options());
+    auto out = torch::empty({q.size(0), heads, seq_q, v.size(3)}, q.options().dtype(type));
+    auto lse = torch::empty({q.size(0), heads, seq_q}, q.options().dtype(type));
     const auto future = torch::ones({tile, tile}, torch::kBool).triu(1);
     for (int64_t first = 0; first < seq_q; first += tile) {
       const int64_t t = std::min(tile, seq_q - first), end = offset + first + t;
@@ -86,6 +91,7 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["tile"] = tile;
     ctx->saved_data["kv_heads"] = k.size(1);
+    ctx->saved_data["input_type"] = q.scalar_type();
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -124,7 +130,9 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
       grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen)).mul_(scale);
       grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile));
     }
-    return {grad_q, fold_heads(grad_keys, kv_heads), fold_heads(grad_values, kv_heads), {}, {}};
+    const auto input_type = ctx->saved_data["input_type"].toScalarType();
+    return {grad_q.to(input_type), fold_heads(grad_keys, kv_heads).to(input_type),
+            fold_heads(grad_values, kv_heads).to(input_type), {}, {}};
   }
 };
 

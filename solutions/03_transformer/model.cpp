@@ -47,6 +47,7 @@ bool CausalAttentionKernel::causal_layout(const torch::Tensor& q_positions,
 AttentionOutput AttentionKernel::attend(const torch::Tensor& q, const torch::Tensor& k,
                                         const torch::Tensor& v, const torch::Tensor& q_positions,
                                         const torch::Tensor& k_positions, double scale) const {
+  if (takes_narrow_inputs()) return compute(q, k, v, q_positions, k_positions, scale);
   const auto type = at::promote_types(at::promote_types(q.scalar_type(), k.scalar_type()),
                                       at::promote_types(v.scalar_type(), torch::kFloat));
   return compute(q.to(type), k.to(type), v.to(type), q_positions, k_positions, scale);

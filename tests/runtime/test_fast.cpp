@@ -94,6 +94,38 @@ TEST(TiledCausalAttention, InBf16StaysWithinBf16sRounding) {
   }
 }
 
+// Under chapter 14's kernel the tiled kernel takes bf16 q, k and v as they come (no widening in
+// attend): what it computes from them is what it computes from their widened copies, bit for bit
+// (it rounds its operands to bf16 itself), with the output and log-sum-exp in fp32, and each
+// input's gradient returned in the input's own type.
+TEST(TiledCausalAttention, TakesBf16InputsAsTheirWidenedCopies) {
+  fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
+  struct Fp32Afterwards {
+    ~Fp32Afterwards() { fivefold::ch14::use_precision(fivefold::ch14::Precision::Fp32, nullptr); }
+  } restore;
+  const TiledCausalAttentionKernel kernel(32);
+  std::vector<std::vector<torch::Tensor>> runs;
+  for (auto type : {torch::kBFloat16, torch::kFloat}) {
+    std::vector<torch::Tensor> in = {
+        draw({2, 4, 70, 16}, "q", torch::kFloat).to(torch::kBFloat16).to(type),
+        draw({2, 2, 70, 16}, "k", torch::kFloat).to(torch::kBFloat16).to(type),
+        draw({2, 2, 70, 12}, "v", torch::kFloat).to(torch::kBFloat16).to(type)};
+    for (auto& t : in) t.requires_grad_();
+    const auto result = kernel.attend(in[0], in[1], in[2], position_range(0, 70),
+                                      position_range(0, 70), 0.3);
+    ASSERT_EQ(result.output.scalar_type(), torch::kFloat);
+    ASSERT_EQ(result.lse.scalar_type(), torch::kFloat);
+    result.output.backward(draw(result.output.sizes().vec(), "upstream", torch::kFloat));
+    runs.push_back({result.output, result.lse, in[0].grad(), in[1].grad(), in[2].grad()});
+  }
+  const char* names[] = {"output", "lse", "grad q", "grad k", "grad v"};
+  for (size_t i = 0; i < runs[0].size(); ++i) {
+    SCOPED_TRACE(names[i]);
+    EXPECT_EQ(runs[0][i].scalar_type(), i < 2 ? torch::kFloat : torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(runs[0][i], runs[1][i].to(runs[0][i].scalar_type())));
+  }
+}
+
 TEST(TiledCausalAttention, ExecutesTheFlopsItsCountSays) {
   // scores(seq) x (8 d + 6 d_v) per row and query head, the figure `fivefold plan` uses, against
   // chapter 02's counter over forward and backward; and the lesson kernel's whole square at
