@@ -276,6 +276,63 @@ int plan_deepseek_config(const ArgParser& args, const nlohmann::json& config) {
   }
 }
 
+// The plan with each parallelism's section the flags ask for (--dp: ZeRO's memory in fp32 and bf16,
+// --tp, --pp, --cp: chapters 10-12's terms) and chapter 14's activations, under the keys --json
+// prints.
+nlohmann::json with_layout_sections(const ArgParser& args, const nlohmann::json& out,
+                                    const ch02::TransformerShape& shape, int64_t context) {
+  auto result = out;
+  const int64_t dp = args.integer("dp"), tp = args.integer("tp"), pp = args.integer("pp");
+  const int64_t cp = args.integer("cp"), b = args.integer("micro-batch");
+  FIVEFOLD_CHECK(dp >= 0, "--dp must be >= 0");
+  const int64_t psi = tp > 0 ? ch10::parameters_per_rank(shape, static_cast<int>(tp))
+                             : ch02::count_parameters(shape).total;
+  if (dp > 0) {
+    result["zero"] = zero_memory(psi, dp);
+    result["zero_bf16"] = zero_memory(psi, dp, ch14::bytes_per_number(ch14::Precision::Bf16));
+  }
+  if (tp > 0) result["tensor_parallel"] = tensor_parallel_section(shape, tp, psi, b, context);
+  FIVEFOLD_CHECK(pp >= 0, "--pp must be >= 0");
+  if (pp > 0)
+    result["pipeline"] =
+        pipeline_section(shape, pp, args.integer("virtual-stages"), args.integer("micro-batches"),
+                         args.str("schedule"), b, context);
+  FIVEFOLD_CHECK(cp >= 0, "--cp must be >= 0");
+  if (cp > 0)
+    result["context_parallel"] = context_parallel_section(shape, cp, args.str("cp-layout"),
+                                                          args.str("cp-attention"), b, context);
+  const auto precision = ch14::parse_precision(args.str("precision"));
+  const ch14::ContextParallelShare cp_share{std::max<int64_t>(cp, 1), 0,
+                                            ch12::parse_cp_layout(args.str("cp-layout")),
+                                            ch12::parse_cp_attention(args.str("cp-attention"))};
+  auto activations =
+      ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision,
+                            cp_share.ranks, cp_share.layout, cp_share.attention);
+  if (!activations.empty()) {
+    add_activation_choices(activations, shape, b, context, precision,
+                           static_cast<int64_t>(args.real("activation-budget")), cp_share);
+    result["activations"] = activations;
+  }
+  return result;
+}
+
+// The plan's text: the model, its activations, then each parallelism's section it holds, the
+// training last.
+void print_plan(const ArgParser& args, const nlohmann::json& result, int64_t context) {
+  print_model(result, context);
+  if (result.contains("activations")) print_activations(result["activations"]);
+  if (result.contains("tensor_parallel")) print_tensor_parallel(result["tensor_parallel"], context);
+  if (result.contains("pipeline")) print_pipeline(result["pipeline"], context);
+  if (result.contains("context_parallel"))
+    print_context_parallel(result["context_parallel"], context);
+  if (result.contains("zero")) {
+    const int64_t dp = args.integer("dp");
+    print_zero_memory(result["zero"], dp, "fp32 AdamW (weights + gradients + Adam)");
+    print_zero_memory(result["zero_bf16"], dp, "bf16 weights + gradients, fp32 masters + Adam");
+  }
+  print_training(result);
+}
+
 }  // namespace
 
 int plan(int argc, char** argv) {
@@ -321,52 +378,12 @@ int plan(int argc, char** argv) {
   if (args.on("search")) return plan_search(args, llama_config(shape), context);
   const auto out = ch02::plan(shape, context, args.real("tokens"), args.real("budget"),
                               args.real("peak"), args.real("mfu"), args.integer("devices"));
-  auto result = out;
-  const int64_t dp = args.integer("dp"), tp = args.integer("tp"), pp = args.integer("pp");
-  const int64_t cp = args.integer("cp"), b = args.integer("micro-batch");
-  FIVEFOLD_CHECK(dp >= 0, "--dp must be >= 0");
-  const int64_t psi = tp > 0 ? ch10::parameters_per_rank(shape, static_cast<int>(tp))
-                             : ch02::count_parameters(shape).total;
-  if (dp > 0) {
-    result["zero"] = zero_memory(psi, dp);
-    result["zero_bf16"] = zero_memory(psi, dp, ch14::bytes_per_number(ch14::Precision::Bf16));
-  }
-  if (tp > 0) result["tensor_parallel"] = tensor_parallel_section(shape, tp, psi, b, context);
-  FIVEFOLD_CHECK(pp >= 0, "--pp must be >= 0");
-  if (pp > 0)
-    result["pipeline"] =
-        pipeline_section(shape, pp, args.integer("virtual-stages"), args.integer("micro-batches"),
-                         args.str("schedule"), b, context);
-  FIVEFOLD_CHECK(cp >= 0, "--cp must be >= 0");
-  if (cp > 0)
-    result["context_parallel"] = context_parallel_section(shape, cp, args.str("cp-layout"),
-                                                          args.str("cp-attention"), b, context);
-  const auto precision = ch14::parse_precision(args.str("precision"));
-  const ch14::ContextParallelShare cp_share{std::max<int64_t>(cp, 1), 0,
-                                            ch12::parse_cp_layout(args.str("cp-layout")),
-                                            ch12::parse_cp_attention(args.str("cp-attention"))};
-  auto activations =
-      ch14::activation_plan(shape, b, context, std::max<int64_t>(tp, 1), precision,
-                            cp_share.ranks, cp_share.layout, cp_share.attention);
-  if (!activations.empty()) {
-    add_activation_choices(activations, shape, b, context, precision,
-                           static_cast<int64_t>(args.real("activation-budget")), cp_share);
-    result["activations"] = activations;
-  }
+  const auto result = with_layout_sections(args, out, shape, context);
   if (args.on("json")) {
     std::printf("%s\n", result.dump(2).c_str());
     return 0;
   }
-  print_model(out, context);
-  if (!activations.empty()) print_activations(activations);
-  if (tp > 0) print_tensor_parallel(result["tensor_parallel"], context);
-  if (pp > 0) print_pipeline(result["pipeline"], context);
-  if (cp > 0) print_context_parallel(result["context_parallel"], context);
-  if (dp > 0) {
-    print_zero_memory(result["zero"], dp, "fp32 AdamW (weights + gradients + Adam)");
-    print_zero_memory(result["zero_bf16"], dp, "bf16 weights + gradients, fp32 masters + Adam");
-  }
-  print_training(out);
+  print_plan(args, result, context);
   return 0;
 }
 

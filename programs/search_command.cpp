@@ -64,6 +64,63 @@ nlohmann::json candidate_json(const ch15::Candidate& c) {
           {"tokens_per_second", e.tokens_per_second}};
 }
 
+// What the flags fix of the layouts searched (0 or unset: any), and how many to keep.
+ch15::SearchLimits search_limits(const ArgParser& args) {
+  const int64_t top = args.integer("top");
+  FIVEFOLD_CHECK(top >= 1, "--top must be >= 1");
+  ch15::SearchLimits limits;
+  limits.keep = top;
+  limits.max_micro_batches = args.integer("max-micro-batches");
+  limits.dp = args.integer("dp");
+  limits.tp = args.integer("tp");
+  limits.pp = args.integer("pp");
+  limits.cp = args.integer("cp");
+  limits.ep = args.integer("ep");
+  if (args.given("zero")) limits.zero = static_cast<int>(args.integer("zero"));
+  if (args.given("schedule")) limits.schedule = args.str("schedule");
+  if (args.given("virtual-stages")) limits.virtual_stages = args.integer("virtual-stages");
+  if (args.given("micro-batches")) limits.micro_batches = args.integer("micro-batches");
+  if (args.given("recompute")) limits.recompute = ch14::parse_recompute(args.str("recompute"));
+  return limits;
+}
+
+// The search's table: the cluster, the workload, then the best layouts, fastest first, with each
+// parallelism's exposed communication (ep's column only for a model with routed experts).
+void print_search(const ch15::Cluster& cluster, const ch15::Workload& work,
+                  ch14::Precision precision, const ch15::Search& found) {
+  std::printf("cluster   %s: %lld devices, %lld a node, %s each\n", cluster.name.c_str(),
+              static_cast<long long>(cluster.devices),
+              static_cast<long long>(cluster.devices_per_node),
+              si(cluster.memory_bytes, "B").c_str());
+  std::printf(
+      "workload  batch %lld x seq %lld, %s: %lld layouts the trainer accepts, %lld fit "
+      "in memory\n",
+      static_cast<long long>(work.batch), static_cast<long long>(work.seq_len),
+      ch14::to_string(precision).c_str(), static_cast<long long>(found.valid),
+      static_cast<long long>(found.fit));
+  FIVEFOLD_CHECK(!found.best.empty(), "fivefold plan --search: no layout of ", cluster.devices,
+                 " devices fits this model in ", si(cluster.memory_bytes, "B"), " a device (",
+                 found.dropped, " tried)");
+  const bool experts = ch07::has_routed_experts(work.model);
+  std::printf("%4s  %-9s %-9s %-9s %-9s %-9s%s %-9s %-9s %-9s %-6s %s\n", "#", "step s", "compute",
+              "tp", "cp", "pp", experts ? " ep       " : "", "dp", "bubble", "memory", "MFU",
+              "layout");
+  for (size_t i = 0; i < found.best.size(); ++i) {
+    const ch15::Candidate& c = found.best[i];
+    const ch15::StepEstimate& e = c.estimate;
+    char ep[16] = "";
+    if (experts)
+      std::snprintf(ep, sizeof ep, " %-9.3g", e.exposed.count("ep") ? e.exposed.at("ep") : 0.0);
+    std::printf(
+        "%4zu  %-9.4g %-9.4g %-9.3g %-9.3g %-9.3g%s %-9.3g %-9.3g %-9s %-6.3f %s, m %lld, "
+        "recompute %s\n",
+        i + 1, e.step, e.compute, e.exposed.at("tp"), e.exposed.at("cp"), e.exposed.at("pp"), ep,
+        e.exposed.at("dp"), e.bubble, si(static_cast<double>(e.memory_bytes()), "B").c_str(), e.mfu,
+        c.layout.describe().c_str(), static_cast<long long>(c.micro_batches),
+        ch14::to_string(c.recompute).c_str());
+  }
+}
+
 }  // namespace
 
 int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t context) {
@@ -83,21 +140,7 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
     return runtime::block_activation_bytes(block...);
   };
   const auto precision = ch14::parse_precision(args.str("precision"));
-  const int64_t top = args.integer("top");
-  FIVEFOLD_CHECK(top >= 1, "--top must be >= 1");
-  ch15::SearchLimits limits;
-  limits.keep = top;
-  limits.max_micro_batches = args.integer("max-micro-batches");
-  limits.dp = args.integer("dp");
-  limits.tp = args.integer("tp");
-  limits.pp = args.integer("pp");
-  limits.cp = args.integer("cp");
-  limits.ep = args.integer("ep");
-  if (args.given("zero")) limits.zero = static_cast<int>(args.integer("zero"));
-  if (args.given("schedule")) limits.schedule = args.str("schedule");
-  if (args.given("virtual-stages")) limits.virtual_stages = args.integer("virtual-stages");
-  if (args.given("micro-batches")) limits.micro_batches = args.integer("micro-batches");
-  if (args.given("recompute")) limits.recompute = ch14::parse_recompute(args.str("recompute"));
+  ch15::SearchLimits limits = search_limits(args);
   // Progress on stderr (a search of millions of layouts takes minutes): the splits of the devices
   // (tp, cp, pp, ep) done, the layouts priced and fitting so far.
   std::unique_ptr<ProgressBar> bar;
@@ -120,37 +163,7 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
-  std::printf("cluster   %s: %lld devices, %lld a node, %s each\n", cluster.name.c_str(),
-              static_cast<long long>(cluster.devices),
-              static_cast<long long>(cluster.devices_per_node),
-              si(cluster.memory_bytes, "B").c_str());
-  std::printf(
-      "workload  batch %lld x seq %lld, %s: %lld layouts the trainer accepts, %lld fit "
-      "in memory\n",
-      static_cast<long long>(work.batch), static_cast<long long>(context),
-      ch14::to_string(precision).c_str(), static_cast<long long>(found.valid),
-      static_cast<long long>(found.fit));
-  FIVEFOLD_CHECK(!found.best.empty(), "fivefold plan --search: no layout of ", cluster.devices,
-                 " devices fits this model in ", si(cluster.memory_bytes, "B"), " a device (",
-                 found.dropped, " tried)");
-  const bool experts = ch07::has_routed_experts(model);
-  std::printf("%4s  %-9s %-9s %-9s %-9s %-9s%s %-9s %-9s %-9s %-6s %s\n", "#", "step s", "compute",
-              "tp", "cp", "pp", experts ? " ep       " : "", "dp", "bubble", "memory", "MFU",
-              "layout");
-  for (size_t i = 0; i < found.best.size(); ++i) {
-    const ch15::Candidate& c = found.best[i];
-    const ch15::StepEstimate& e = c.estimate;
-    char ep[16] = "";
-    if (experts)
-      std::snprintf(ep, sizeof ep, " %-9.3g", e.exposed.count("ep") ? e.exposed.at("ep") : 0.0);
-    std::printf(
-        "%4zu  %-9.4g %-9.4g %-9.3g %-9.3g %-9.3g%s %-9.3g %-9.3g %-9s %-6.3f %s, m %lld, "
-        "recompute %s\n",
-        i + 1, e.step, e.compute, e.exposed.at("tp"), e.exposed.at("cp"), e.exposed.at("pp"), ep,
-        e.exposed.at("dp"), e.bubble, si(static_cast<double>(e.memory_bytes()), "B").c_str(), e.mfu,
-        c.layout.describe().c_str(), static_cast<long long>(c.micro_batches),
-        ch14::to_string(c.recompute).c_str());
-  }
+  print_search(cluster, work, precision, found);
   return 0;
 }
 

@@ -102,8 +102,10 @@ train_best("${json}" "--model-config;${moe_config}")
 # `fivefold calibrate` on 4 ranks writes a cluster file that the search reads back, its links
 # timed at 2 and 4 ranks, the step's products alone on both kernels (45 a step: 2 blocks of 4
 # attention and 3 MLP matrices and the head, each forward and backward twice) and the memory.
+# Five timed steps: at two, the median of a step of 4 ranks on 2 cores once came out shorter than
+# its attention timed alone, which calibrate refuses (a noisy machine) and the test then failed.
 execute_process(COMMAND ${MPIRUN} -np 4 ${FIVEFOLD} calibrate --cluster-out ${WORK}/here.toml
-                        --d-model 64 --n-layers 2 --n-heads 4 --seq 16 --batch 4 --timed-steps 2
+                        --d-model 64 --n-layers 2 --n-heads 4 --seq 16 --batch 4 --timed-steps 5
                         --sizes 4096,65536
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0 OR NOT EXISTS ${WORK}/here.toml)
