@@ -3,7 +3,7 @@
 // measured in the same run (the machine's practical peak, not a datasheet figure).
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
-//                                    [--compare] [--bf16] [--parts]
+//                                    [--compare] [--bf16] [--parts] [--profile]
 //
 // The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
@@ -14,9 +14,14 @@
 // FLOPs per token come from chapter 02's formula, which test_ch03_model checks against the FLOPs
 // LibTorch actually executes on this model.
 
+#include <torch/csrc/autograd/profiler_legacy.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <map>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "02_flops_6np/flops.h"
@@ -35,6 +40,35 @@ struct Size {
   int64_t d_model, n_layers, n_heads, d_ff, seq, batch;
 };
 
+// Chapter 03's model at size `s` with its optimizer, as the training run sets them up: with the
+// fast paths (runtime/fast.h) or the lesson's code alone; in bf16 (chapter 14's --precision bf16)
+// the products in bf16 and the parameters and gradients in bf16 beside fp32 master weights.
+struct Bench {
+  fivefold::ch03::ModelConfig config;
+  fivefold::ch03::Transformer model{nullptr};
+  fivefold::ch03::TrainConfig train;
+  std::unique_ptr<fivefold::ch03::MasterWeights> masters;  // in bf16
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+};
+
+Bench prepare(const Size& s, bool fast, bool bf16) {
+  using namespace fivefold::ch03;
+  Bench b;
+  b.config.d_model = s.d_model;
+  b.config.n_layers = s.n_layers;
+  b.config.n_heads = b.config.n_kv_heads = s.n_heads;
+  b.config.d_ff = s.d_ff;
+  b.model = Transformer(b.config);
+  if (fast) b.train.make_adamw = fivefold::runtime::fused_adamw;
+  // The matmul kernel is process-wide: the lesson's step, timed after a fast one, unsets it.
+  if (fast) fivefold::runtime::install_fast_paths(b.model); else set_matmul_kernel(nullptr);
+  if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
+  if (bf16) b.masters = std::make_unique<MasterWeights>(b.model, torch::kBFloat16);
+  b.optimizer = b.masters ? make_optimizer(b.masters->masters(), b.train)
+                          : make_optimizer(b.model, b.train);
+  return b;
+}
+
 // Median seconds of a whole optimizer step, and of its parts, over `steps` steps after 3 warm-up
 // steps. The parts are timed in separate steps (the same work) so that the whole is not disturbed.
 struct Timing {
@@ -43,24 +77,12 @@ struct Timing {
 
 Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) {
   using namespace fivefold::ch03;
-  using namespace fivefold::runtime;
-  ModelConfig config;
-  config.d_model = s.d_model;
-  config.n_layers = s.n_layers;
-  config.n_heads = config.n_kv_heads = s.n_heads;
-  config.d_ff = s.d_ff;
-  Transformer model(config);
-  TrainConfig train;
-  if (fast) train.make_adamw = fused_adamw;
-  // The matmul kernel is process-wide: the lesson's step, timed after a fast one, unsets it.
-  if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
-  // Chapter 14: the products in bf16, and as the trainer keeps them the parameters and gradients
-  // in bf16 beside fp32 master weights.
-  if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
-  const auto masters =
-      bf16 ? std::make_unique<MasterWeights>(model, torch::kBFloat16) : nullptr;
-  auto optimizer =
-      masters ? make_optimizer(masters->masters(), train) : make_optimizer(model, train);
+  Bench bench = prepare(s, fast, bf16);
+  const ModelConfig& config = bench.config;
+  Transformer& model = bench.model;
+  const TrainConfig& train = bench.train;
+  const auto& masters = bench.masters;
+  auto& optimizer = bench.optimizer;
   auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
   const Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
   std::vector<double> whole, forward, backward, update;
@@ -121,21 +143,12 @@ struct Part {
 
 std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 = false) {
   using namespace fivefold::ch03;
-  using namespace fivefold::runtime;
-  ModelConfig config;
-  config.d_model = s.d_model;
-  config.n_layers = s.n_layers;
-  config.n_heads = config.n_kv_heads = s.n_heads;
-  config.d_ff = s.d_ff;
-  Transformer model(config);
-  if (fast) install_fast_paths(model); else set_matmul_kernel(nullptr);
-  if (bf16) fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
-  TrainConfig train;
-  if (fast) train.make_adamw = fused_adamw;
-  const auto masters =
-      bf16 ? std::make_unique<MasterWeights>(model, torch::kBFloat16) : nullptr;
-  auto optimizer =
-      masters ? make_optimizer(masters->masters(), train) : make_optimizer(model, train);
+  Bench bench = prepare(s, fast, bf16);
+  const ModelConfig& config = bench.config;
+  Transformer& model = bench.model;
+  const TrainConfig& train = bench.train;
+  const auto& masters = bench.masters;
+  auto& optimizer = bench.optimizer;
   BlockImpl& block = model->block(0);
   const auto positions = position_range(0, s.seq);
   const auto x = torch::randn({s.batch, s.seq, s.d_model}).requires_grad_(true);
@@ -177,6 +190,87 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
   return parts;
 }
 
+// Each operation's own time (its time less that of the operations it called) in ms a step and its
+// calls a step, by name: LibTorch's profiler around kProfiled steps after three warm-up ones.
+struct OpTime {
+  double ms = 0, calls = 0;
+};
+constexpr int kProfiled = 3;
+
+std::map<std::string, OpTime> profile_step(const Size& s, bool fast, bool bf16) {
+  namespace profiler = torch::autograd::profiler;
+  Bench b = prepare(s, fast, bf16);
+  auto tokens = torch::randint(b.config.vocab_size, {s.batch, s.seq + 1});
+  const fivefold::ch03::Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
+  for (int i = 0; i < 3 + kProfiled; ++i) {
+    if (i == 3)
+      profiler::enableProfilerLegacy(torch::profiler::impl::ProfilerConfig(
+          torch::profiler::impl::ProfilerState::CPU));
+    fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {batch}, i, b.masters.get());
+  }
+  std::map<std::string, OpTime> ops;
+  for (const auto& events : profiler::disableProfilerLegacy()) {
+    std::vector<std::pair<const profiler::LegacyEvent*, double>> open;  // and its callees' ms
+    for (const auto& e : events) {
+      if (e.kind() == profiler::EventKind::PushRange) {
+        open.emplace_back(&e, 0.0);
+      } else if (e.kind() == profiler::EventKind::PopRange && !open.empty()) {
+        const auto [start, callees] = open.back();
+        open.pop_back();
+        const double ms = start->cpuElapsedUs(e) / 1e3;
+        if (!open.empty()) open.back().second += ms;
+        OpTime& op = ops[start->name()];
+        op.ms += (ms - callees) / kProfiled;
+        op.calls += 1.0 / kProfiled;
+      }
+    }
+  }
+  return ops;
+}
+
+// --profile: per size, the operations that take most of a step (fp32, and bf16 beside with
+// --bf16), then the step's matrix products (mm, bmm) against everything else.
+void print_profiles(const std::vector<Size>& sizes,
+                    const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel, bool fast,
+                    bool bf16) {
+  std::printf("threads %d; each operation's own time (less the operations it calls), ms a step, "
+              "over %d steps after 3 warm-up ones (LibTorch's profiler, which adds its own "
+              "overhead); %s\n",
+              torch::get_num_threads(), kProfiled, fast ? "with the fast paths" : "the lesson's code");
+  for (const Size& s : sizes) {
+    // The products' kernel is process-wide: each fp32 step starts from the run's own again.
+    fivefold::ch03::set_matmul_kernel(kernel);
+    const auto fp32 = profile_step(s, fast, false);
+    const auto narrow = bf16 ? profile_step(s, fast, true) : std::map<std::string, OpTime>{};
+    fivefold::ch03::set_matmul_kernel(kernel);
+    std::map<std::string, std::pair<OpTime, OpTime>> both;
+    for (const auto& [name, t] : fp32) both[name].first = t;
+    for (const auto& [name, t] : narrow) both[name].second = t;
+    std::vector<std::pair<std::string, std::pair<OpTime, OpTime>>> rows(both.begin(), both.end());
+    std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
+      return a.second.first.ms + a.second.second.ms > b.second.first.ms + b.second.second.ms;
+    });
+    std::printf("\n%-56s %9s %7s%s\n", s.name, "fp32 ms", "calls", bf16 ? "   bf16 ms   calls" : "");
+    double products[2] = {0, 0}, other[2] = {0, 0};
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto& [name, t] = rows[i];
+      const bool product = name.size() >= 4 && (name.substr(name.size() - 4) == "::mm" ||
+                                                (name.size() >= 5 && name.substr(name.size() - 5) == "::bmm"));
+      (product ? products : other)[0] += t.first.ms;
+      (product ? products : other)[1] += t.second.ms;
+      if (i >= 15) continue;
+      std::printf("  %-54.54s %9.2f %7.0f", name.c_str(), t.first.ms, t.first.calls);
+      if (bf16) std::printf(" %9.2f %7.0f", t.second.ms, t.second.calls);
+      std::printf("\n");
+    }
+    std::printf("  %-54s %9.2f %7s", "matrix products (mm, bmm)", products[0], "");
+    if (bf16) std::printf(" %9.2f", products[1]);
+    std::printf("\n  %-54s %9.2f %7s", "everything else", other[0], "");
+    if (bf16) std::printf(" %9.2f", other[1]);
+    std::printf("\n");
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -193,6 +287,10 @@ int run(int argc, char** argv) {
   args.flag("parts",
             "time each part of the step on its own instead (attention, MLP, norms, head + loss, "
             "clip + AdamW; forward and backward), with its GFLOP/s against the peak");
+  args.flag("profile",
+            "profile 3 steps of each size instead (LibTorch's profiler): the operations that take "
+            "most of a step, each by its own time, and the matrix products against the rest; "
+            "with --bf16 the bf16 step beside");
   if (!args.parse(argc, argv)) return 0;
   fivefold::Runtime runtime;
   if (args.integer("threads") > 0)
@@ -212,6 +310,10 @@ int run(int argc, char** argv) {
                                    {"d128 L4 seq128 b8", 128, 4, 2, 384, 128, 8},
                                    {"d256 L4 seq256 b8", 256, 4, 4, 704, 256, 8},
                                    {"d256 L4 seq256 b8 h8", 256, 4, 8, 704, 256, 8}};
+  if (args.on("profile")) {
+    print_profiles(sizes, kernel, !args.on("lesson-kernels"), args.on("bf16"));
+    return 0;
+  }
   if (args.on("parts")) {
     std::printf("threads %d, matmul peak %.1f GFLOP/s (%s); each part forward + backward on its "
                 "own, summed over the step's layers; %s\n\n",
