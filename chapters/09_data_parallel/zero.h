@@ -188,7 +188,8 @@ class ZeroOptimizer {
   void zero_grad();
 
   /// The bytes this rank keeps, measured from the tensors it holds (the master weights' shard
-  /// with the optimizer's).
+  /// with the optimizer's). Stage 1 also keeps the last step's gradient shard (Ψ/N numbers, read
+  /// by gradients()), which is not counted: ZeRO-1's formula counts the full gradients only.
   ZeroMemory memory() const;
 
   /// With master weights: the parameters become the whole masters (fp32, all-gathered;
@@ -223,7 +224,7 @@ class ZeroOptimizer {
   std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
   ShardLayout layout_;
   std::unique_ptr<ShardedAdamW> adam_;
-  torch::Tensor grad_shard_;  // [shard] (kept in stage 2)
+  torch::Tensor grad_shard_;  // [shard], kept after the step (stage 2's gradients; gradients())
   torch::Tensor master_;      // [shard] fp32 master weights; undefined: the parameters are fp32
   ModelParallelGroups groups_;
   torch::Tensor norm_mask_;  // undefined: every element counts
