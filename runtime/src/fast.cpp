@@ -91,7 +91,10 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["tile"] = tile;
     ctx->saved_data["kv_heads"] = k.size(1);
-    ctx->saved_data["input_type"] = q.scalar_type();
+    // Each input's own type, for its gradient (under RoPE q and k arrive in fp32, v in bf16).
+    ctx->saved_data["q_type"] = q.scalar_type();
+    ctx->saved_data["k_type"] = k.scalar_type();
+    ctx->saved_data["v_type"] = v.scalar_type();
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -130,9 +133,9 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
       grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen)).mul_(scale);
       grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile));
     }
-    const auto input_type = ctx->saved_data["input_type"].toScalarType();
-    return {grad_q.to(input_type), fold_heads(grad_keys, kv_heads).to(input_type),
-            fold_heads(grad_values, kv_heads).to(input_type), {}, {}};
+    auto type_of = [&](const char* input) { return ctx->saved_data[input].toScalarType(); };
+    return {grad_q.to(type_of("q_type")), fold_heads(grad_keys, kv_heads).to(type_of("k_type")),
+            fold_heads(grad_values, kv_heads).to(type_of("v_type")), {}, {}};
   }
 };
 
