@@ -43,12 +43,22 @@ struct Size {
 // Chapter 03's model at size `s` with its optimizer, as the training run sets them up: with the
 // fast paths (runtime/fast.h) or the lesson's code alone; in bf16 (chapter 14's --precision bf16)
 // the products in bf16 and the parameters and gradients in bf16 beside fp32 master weights.
+// Also a batch of random tokens at the size's shape.
 struct Bench {
   fivefold::ch03::ModelConfig config;
   fivefold::ch03::Transformer model{nullptr};
   fivefold::ch03::TrainConfig train;
   std::unique_ptr<fivefold::ch03::MasterWeights> masters;  // in bf16
   std::unique_ptr<torch::optim::AdamW> optimizer;
+  fivefold::ch03::Batch batch;
+
+  // The update after backward, as train_step does it: clipping, then AdamW (on the masters).
+  void update() {
+    fivefold::ch03::clip_gradients(model, train.grad_clip);
+    if (masters) masters->load_gradients();
+    optimizer->step();
+    if (masters) masters->store();
+  }
 };
 
 Bench prepare(const Size& s, bool fast, bool bf16) {
@@ -66,6 +76,8 @@ Bench prepare(const Size& s, bool fast, bool bf16) {
   if (bf16) b.masters = std::make_unique<MasterWeights>(b.model, torch::kBFloat16);
   b.optimizer = b.masters ? make_optimizer(b.masters->masters(), b.train)
                           : make_optimizer(b.model, b.train);
+  auto tokens = torch::randint(b.config.vocab_size, {s.batch, s.seq + 1});
+  b.batch = {tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
   return b;
 }
 
@@ -77,14 +89,7 @@ struct Timing {
 
 Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) {
   using namespace fivefold::ch03;
-  Bench bench = prepare(s, fast, bf16);
-  const ModelConfig& config = bench.config;
-  Transformer& model = bench.model;
-  const TrainConfig& train = bench.train;
-  const auto& masters = bench.masters;
-  auto& optimizer = bench.optimizer;
-  auto tokens = torch::randint(config.vocab_size, {s.batch, s.seq + 1});
-  const Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
+  Bench b = prepare(s, fast, bf16);
   std::vector<double> whole, forward, backward, update;
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
@@ -92,25 +97,22 @@ Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) 
   };
   for (int64_t i = 0; i < steps + 3; ++i) {
     fivefold::Timer timer;
-    train_step(model, *optimizer, train, {batch}, i, masters.get());
+    train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
     if (i >= 3) whole.push_back(timer.seconds());
   }
   for (int64_t i = 0; i < steps + 3; ++i) {
-    optimizer->zero_grad();
-    model->zero_grad();
+    b.optimizer->zero_grad();
+    b.model->zero_grad();
     fivefold::Timer timer;
-    auto loss = loss_of(model, batch);
+    auto loss = loss_of(b.model, b.batch);
     const double f = timer.seconds();
     loss.backward();
-    const double b = timer.seconds();
-    clip_gradients(model, train.grad_clip);
-    if (masters) masters->load_gradients();
-    optimizer->step();
-    if (masters) masters->store();
+    const double fb = timer.seconds();
+    b.update();
     if (i >= 3) {
       forward.push_back(f);
-      backward.push_back(b - f);
-      update.push_back(timer.seconds() - b);
+      backward.push_back(fb - f);
+      update.push_back(timer.seconds() - fb);
     }
   }
   return {median(whole), median(forward), median(backward), median(update)};
@@ -143,16 +145,11 @@ struct Part {
 
 std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 = false) {
   using namespace fivefold::ch03;
-  Bench bench = prepare(s, fast, bf16);
-  const ModelConfig& config = bench.config;
-  Transformer& model = bench.model;
-  const TrainConfig& train = bench.train;
-  const auto& masters = bench.masters;
-  auto& optimizer = bench.optimizer;
-  BlockImpl& block = model->block(0);
+  Bench b = prepare(s, fast, bf16);
+  BlockImpl& block = b.model->block(0);
   const auto positions = position_range(0, s.seq);
   const auto x = torch::randn({s.batch, s.seq, s.d_model}).requires_grad_(true);
-  const auto targets = torch::randint(config.vocab_size, {s.batch, s.seq});
+  const auto targets = torch::randint(b.config.vocab_size, {s.batch, s.seq});
   auto median_ms = [&](const std::function<void()>& work) {
     std::vector<double> ms;
     for (int64_t i = 0; i < steps + 3; ++i) {
@@ -177,16 +174,10 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
                      block.input_layernorm->forward(x).sum().backward();
                    }),
                    0});
-  parts.push_back({"head + loss", median_ms([&] { model->loss(x, targets).backward(); }),
-                   3 * 2 * tokens * d * static_cast<double>(config.vocab_size)});
-  for (auto& p : model->parameters()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
-  parts.push_back({"clip + AdamW", median_ms([&] {
-                     clip_gradients(model, train.grad_clip);
-                     if (masters) masters->load_gradients();
-                     optimizer->step();
-                     if (masters) masters->store();
-                   }),
-                   0});
+  parts.push_back({"head + loss", median_ms([&] { b.model->loss(x, targets).backward(); }),
+                   3 * 2 * tokens * d * static_cast<double>(b.config.vocab_size)});
+  for (auto& p : b.model->parameters()) p.mutable_grad() = torch::randn_like(p) * 1e-3;
+  parts.push_back({"clip + AdamW", median_ms([&] { b.update(); }), 0});
   return parts;
 }
 
@@ -200,13 +191,11 @@ constexpr int kProfiled = 3;
 std::map<std::string, OpTime> profile_step(const Size& s, bool fast, bool bf16) {
   namespace profiler = torch::autograd::profiler;
   Bench b = prepare(s, fast, bf16);
-  auto tokens = torch::randint(b.config.vocab_size, {s.batch, s.seq + 1});
-  const fivefold::ch03::Batch batch{tokens.narrow(1, 0, s.seq), tokens.narrow(1, 1, s.seq)};
   for (int i = 0; i < 3 + kProfiled; ++i) {
     if (i == 3)
       profiler::enableProfilerLegacy(torch::profiler::impl::ProfilerConfig(
           torch::profiler::impl::ProfilerState::CPU));
-    fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {batch}, i, b.masters.get());
+    fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
   }
   std::map<std::string, OpTime> ops;
   for (const auto& events : profiler::disableProfilerLegacy()) {
@@ -254,8 +243,10 @@ void print_profiles(const std::vector<Size>& sizes,
     double products[2] = {0, 0}, other[2] = {0, 0};
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& [name, t] = rows[i];
-      const bool product = name.size() >= 4 && (name.substr(name.size() - 4) == "::mm" ||
-                                                (name.size() >= 5 && name.substr(name.size() - 5) == "::bmm"));
+      const auto ends_with = [&name = name](const std::string& end) {
+        return name.size() >= end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0;
+      };
+      const bool product = ends_with("::mm") || ends_with("::bmm");
       (product ? products : other)[0] += t.first.ms;
       (product ? products : other)[1] += t.second.ms;
       if (i >= 15) continue;
