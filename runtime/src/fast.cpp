@@ -37,25 +37,10 @@ torch::Tensor head_products(const torch::Tensor& a, const torch::Tensor& b) {
 
 // The scores of a tile of queries q_tile [b, h, T, d] (already scaled) against the keys it can
 // see, keys [b, h, end, d]: the tile's queries are the last T positions before `end`, so only the
-// tile's diagonal block [T, T] (the last T keys) has keys after a query; `future` is the strictly
-// upper triangle of a full tile, whose top-left corner serves a shorter last tile.
-torch::Tensor tile_scores(const torch::Tensor& q_tile, const torch::Tensor& keys,
-                          const torch::Tensor& future) {
-  const int64_t t = q_tile.size(2), end = keys.size(2);
-  auto scores = head_products(q_tile, keys.transpose(-2, -1));  // [b, h, T, end]
-  scores.narrow(-1, end - t, t).masked_fill_(future.narrow(0, 0, t).narrow(1, 0, t), -INFINITY);
-  return scores;
-}
-
-// A tile's unnormalised probabilities e = exp(s − max) [b, h, T, end], in place of its scores s,
-// and the max per query [b, h, T, 1]. The passes over the tile run in the scores' own type (bf16
-// under chapter 14's kernel: half the bytes of fp32 per pass; s − max is then rounded once more,
-// an error of the size of the rounding of s itself); forward and backward compute e alike, bit for
-// bit, so backward recomputes exactly the probabilities forward used.
-torch::Tensor unnormalised_probabilities(torch::Tensor& scores) {
-  auto max = scores.amax(-1, /*keepdim=*/true);  // every query sees its own key
-  scores.sub_(max).exp_();
-  return max;
+// tile's diagonal block [T, T] (the last T keys) has keys after a query, which causal_tile_exp
+// masks.
+torch::Tensor tile_scores(const torch::Tensor& q_tile, const torch::Tensor& keys) {
+  return head_products(q_tile, keys.transpose(-2, -1));  // [b, h, T, end]
 }
 
 class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttention> {
@@ -76,16 +61,17 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     auto values = matmul_operand(expand_heads(v, heads).contiguous());
     auto out = torch::empty({q.size(0), heads, seq_q, v.size(3)}, q.options().dtype(type));
     auto lse = torch::empty({q.size(0), heads, seq_q}, q.options().dtype(type));
+    // A full tile's future keys (its diagonal block's strict upper triangle); the top-left corner
+    // serves a shorter last tile.
     const auto future = torch::ones({tile, tile}, torch::kBool).triu(1);
     for (int64_t first = 0; first < seq_q; first += tile) {
       const int64_t t = std::min(tile, seq_q - first), end = offset + first + t;
-      auto e = tile_scores(qs.narrow(2, first, t), keys.narrow(2, 0, end), future);
+      auto e = tile_scores(qs.narrow(2, first, t), keys.narrow(2, 0, end));
       // Softmax as max, exp and a sum (in the output's type); the division by the sum waits for
       // the output's rows.
-      const auto max = unnormalised_probabilities(e);
-      const auto sum = e.sum(-1, /*keepdim=*/true, type);
+      const auto [max, sum] = causal_tile_exp(e, future, /*with_sum=*/true);
       out.narrow(2, first, t).copy_(head_products(e, values.narrow(2, 0, end))).div_(sum);
-      lse.narrow(2, first, t).copy_((max.to(type) + sum.log()).squeeze(-1));
+      lse.narrow(2, first, t).copy_((max + sum.log()).squeeze(-1));
     }
     ctx->save_for_backward({qs, keys, values, out, lse});
     ctx->saved_data["scale"] = scale;
@@ -119,10 +105,9 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
       const auto q_tile = qs.narrow(2, first, t), k_seen = keys.narrow(2, 0, end);
       const auto v_seen = values.narrow(2, 0, end);
       // Forward's e again; p = e / sum, and 1 / sum = exp(max − lse) since lse = max + log(sum).
-      auto e = tile_scores(q_tile, k_seen, future);
-      const auto max = unnormalised_probabilities(e);
-      const auto inverse =
-          (max.to(lse.scalar_type()) - lse.narrow(2, first, t).unsqueeze(-1)).exp();
+      auto e = tile_scores(q_tile, k_seen);
+      const auto max = causal_tile_exp(e, future, /*with_sum=*/false).max;
+      const auto inverse = (max - lse.narrow(2, first, t).unsqueeze(-1)).exp();
       // The 1/sum moves onto dO's rows, [T, dv] numbers instead of [T, end]: with dO' = dO/sum,
       // ∂L/∂v = pᵀ·dO = eᵀ·dO' and ∂L/∂s = p∘(dO·vᵀ − δ) = e∘(dO'·vᵀ − δ/sum).
       const auto dout = matmul_operand(grad_out.narrow(2, first, t) * inverse);

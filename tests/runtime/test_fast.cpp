@@ -166,11 +166,53 @@ TEST(TiledCausalAttention, RefusesALayoutItCannotAttend) {
                                                 "at least one query"));
 }
 
+// Both paths of the tile's softmax passes against fp64 from the same scores: each query's max over
+// the keys it sees (exactly), e = exp(s − max) there and exactly 0 at its later keys, Σe of e as
+// stored. The AVX-512 loop computes s − max and exp in fp32 and rounds e once: within one rounding
+// of the tile's type (bf16: 2⁻⁸). ATen's passes round s − max to bf16 too: an error of 2⁻⁸·|s − max|
+// more. Tiles: several 16-number chunks with a tail and five queries; a square tile; one number.
+TEST(CausalTileExp, BothPathsGiveTheSoftmaxOfTheKeysEachQuerySees) {
+  const auto future = torch::ones({32, 32}, torch::kBool).triu(1);
+  for (const bool vector : {true, false}) {
+    if (vector && !avx512_available()) {
+      std::printf("this CPU has no AVX-512: the loop is not tested here\n");
+      continue;
+    }
+    for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+      for (const auto& shape :
+           std::vector<std::vector<int64_t>>{{2, 3, 5, 37}, {1, 2, 20, 20}, {1, 1, 1, 1}}) {
+        SCOPED_TRACE(::testing::Message() << (vector ? "AVX-512 loop, " : "ATen's passes, ") << type
+                                          << ", tile " << torch::IntArrayRef(shape));
+        auto scores = (3 * draw(shape, "scores", torch::kFloat)).to(type);
+        const auto s = scores.to(torch::kDouble);
+        const int64_t t = shape[2], n = shape[3];
+        const auto seen = torch::arange(n).unsqueeze(0) <= torch::arange(t).unsqueeze(1) + (n - t);
+        const auto want_max = s.masked_fill(~seen, -INFINITY).amax(-1, true);
+        const auto want = (s - want_max).exp().masked_fill(~seen, 0);
+        const auto got = causal_tile_exp(scores, future, /*with_sum=*/true, vector);
+        ASSERT_EQ(got.max.scalar_type(), torch::kFloat);
+        EXPECT_TRUE(torch::equal(got.max.to(torch::kDouble), want_max));
+        const auto e = scores.to(torch::kDouble);
+        EXPECT_TRUE((e.masked_select(~seen) == 0).all().item<bool>())
+            << "a query's later keys must get e = 0";
+        const double rounding = type == torch::kFloat ? 1e-6 : std::ldexp(1.0, -8);
+        auto bound = rounding * want;
+        if (!vector && type == torch::kBFloat16)
+          bound = bound + rounding * (s - want_max).abs() * want;
+        EXPECT_TRUE(((e - want).abs() <= bound + 1e-30).all().item<bool>())
+            << "largest error " << (e - want).abs().max().item<double>();
+        EXPECT_TENSOR_CLOSE(got.sum.to(torch::kDouble), e.sum(-1, true), 0, 1e-6);
+      }
+    }
+  }
+}
+
 // x and the weight in one type (fp64, fp32), and x in fp32 against a weight kept in bf16 (chapter
 // 14's master weights: read widened, its gradient returned in bf16, rounded once).
 TEST(FusedRMSNorm, EqualsTheFormulaWithItsGradients) {
   const std::vector<std::pair<torch::Dtype, torch::Dtype>> types = {
-      {torch::kDouble, torch::kDouble}, {torch::kFloat, torch::kFloat},
+      {torch::kDouble, torch::kDouble},
+      {torch::kFloat, torch::kFloat},
       {torch::kFloat, torch::kBFloat16}};
   for (const auto& [dtype, weight_type] : types) {
     SCOPED_TRACE(::testing::Message() << dtype << " x, " << weight_type << " weight");

@@ -154,6 +154,28 @@ std::unique_ptr<torch::optim::AdamW> fused_adamw(
 /// in a build without oneDNN.
 std::shared_ptr<const ch03::MatmulKernel> fast_matmul_kernel();
 
+/// A tile's softmax statistics per query, [b, h, T, 1] in fp32 at least: the max of its scores
+/// and the sum of e = exp(s − max).
+struct TileExp {
+  torch::Tensor max;
+  torch::Tensor sum;  ///< undefined unless asked for
+};
+
+/// e = exp(s − max) in place of a causal tile of attention scores s [b, h, T, end] (the tile's
+/// queries at the last T of `end` key positions: query i sees keys 0 .. end − T + i), 0 at each
+/// query's later keys; `future` is a [≥T, ≥T] bool mask whose strict upper triangle marks them.
+/// The tiled attention's forward and backward both compute e here, so backward recomputes the
+/// probabilities forward used, bit for bit. On a CPU with AVX-512 (`avx512_available`) and a
+/// contiguous fp32 or bf16 tile, one loop per row computes s − max and exp in fp32 and rounds e
+/// once to the tile's type (`vector`: false forces the other path); elsewhere ATen's mask, max,
+/// subtract and exp, each in the tile's type. Σe (of e as stored) when `with_sum`.
+TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
+                        bool vector = true);
+
+/// Whether this CPU runs the AVX-512 loops (F, BW, VL and DQ), which the project, built for the
+/// x86-64 baseline, compiles beside ATen's.
+bool avx512_available();
+
 /// What install_fast_paths replaced.
 struct FastPaths {
   int64_t attention_kernels = 0;  ///< CausalAttentionKernel -> TiledCausalAttentionKernel
