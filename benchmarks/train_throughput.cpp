@@ -3,7 +3,7 @@
 // measured in the same run (the machine's practical peak, not a datasheet figure).
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
-//                                    [--compare] [--bf16] [--parts] [--profile]
+//                                    [--compare] [--bf16] [--parts] [--profile] [--loops]
 //
 // The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
@@ -262,6 +262,43 @@ void print_profiles(const std::vector<Size>& sizes,
   }
 }
 
+// --loops: each size's step with the fast paths' AVX-512 loops (runtime/src/avx512.cpp: the
+// attention tiles' softmax passes, SwiGLU) and with ATen's operations in their place, step by step
+// alternately on one model, in fp32 and in bf16: the median ms of each.
+void print_loops(const std::vector<Size>& sizes, int64_t steps,
+                 const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel) {
+  using fivefold::runtime::set_avx512_loops;
+  if (!fivefold::runtime::avx512_available()) {
+    std::printf("this CPU has no AVX-512: the fast paths run ATen's operations alone\n");
+    return;
+  }
+  std::printf(
+      "threads %d; median step ms over %lld steps each way, alternating, after 3 warm-up "
+      "steps each; with the fast paths\n\n%-22s %-9s %12s %12s %9s\n",
+      torch::get_num_threads(), static_cast<long long>(steps), "model", "precision", "AVX-512 ms",
+      "ATen ms", "speed-up");
+  for (const Size& s : sizes) {
+    for (const bool bf16 : {false, true}) {
+      fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
+      Bench b = prepare(s, true, bf16);
+      std::vector<double> ms[2];  // [0]: ATen's operations, [1]: the loops
+      for (int64_t i = 0; i < 2 * (steps + 3); ++i) {
+        const bool loops = i % 2 == 0;
+        set_avx512_loops(loops);
+        fivefold::Timer timer;
+        fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
+        if (i >= 6) ms[loops].push_back(timer.seconds() * 1e3);
+      }
+      set_avx512_loops(true);
+      for (auto& m : ms) std::sort(m.begin(), m.end());
+      const double with = ms[1][ms[1].size() / 2], without = ms[0][ms[0].size() / 2];
+      std::printf("%-22s %-9s %12.2f %12.2f %8.2fx\n", s.name, bf16 ? "bf16" : "fp32", with,
+                  without, without / with);
+    }
+  }
+  fivefold::ch03::set_matmul_kernel(kernel);
+}
+
 }  // namespace
 
 namespace {
@@ -282,6 +319,9 @@ int run(int argc, char** argv) {
             "profile 3 steps of each size instead (LibTorch's profiler): the operations that take "
             "most of a step, each by its own time, and the matrix products against the rest; "
             "with --bf16 the bf16 step beside");
+  args.flag("loops",
+            "time each size's step with the fast paths' AVX-512 loops and with ATen's operations "
+            "in their place instead, alternating step by step, in fp32 and bf16");
   if (!args.parse(argc, argv)) return 0;
   fivefold::Runtime runtime;
   if (args.integer("threads") > 0)
@@ -301,6 +341,10 @@ int run(int argc, char** argv) {
                                    {"d128 L4 seq128 b8", 128, 4, 2, 384, 128, 8},
                                    {"d256 L4 seq256 b8", 256, 4, 4, 704, 256, 8},
                                    {"d256 L4 seq256 b8 h8", 256, 4, 8, 704, 256, 8}};
+  if (args.on("loops")) {
+    print_loops(sizes, args.integer("steps"), kernel);
+    return 0;
+  }
   if (args.on("profile")) {
     print_profiles(sizes, kernel, !args.on("lesson-kernels"), args.on("bf16"));
     return 0;

@@ -163,7 +163,7 @@ void print_activations(const nlohmann::json& a) {
       a["rows"].get<long long>(), a["tokens"].get<long long>(),
       a["precision"].get<std::string>().c_str(), modes(a["bytes_per_block"]).c_str());
   std::printf(
-      "  with the training run's fast kernels (tiled attention, fused RMSNorm; the "
+      "  with the training run's fast kernels (tiled attention, fused SwiGLU and RMSNorm; the "
       "default): %s\n",
       modes(a["fast_paths_by_mode"]).c_str());
   if (a.contains("tensor_parallel")) {

@@ -9,10 +9,12 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <typeinfo>
 #include <vector>
 
 #include "03_transformer/heads.h"
 #include "06_mla/mla.h"
+#include "07_moe/moe.h"
 #include "10_tensor_parallel/plan.h"
 #include "fivefold/error.h"
 
@@ -239,6 +241,16 @@ AttentionOutput TiledCausalAttentionKernel::compute(const torch::Tensor& q, cons
   return {result[0], result[1]};
 }
 
+FusedSwiGLUMlpImpl::FusedSwiGLUMlpImpl(const MlpImpl& lesson) {
+  gate_proj = register_module("gate_proj", lesson.gate_proj);
+  up_proj = register_module("up_proj", lesson.up_proj);
+  down_proj = register_module("down_proj", lesson.down_proj);
+}
+
+torch::Tensor FusedSwiGLUMlpImpl::forward(const torch::Tensor& x) {
+  return down_proj(swiglu(gate_proj(x), up_proj(x)));
+}
+
 torch::Tensor FusedRMSNormKernel::normalize(const torch::Tensor& x, const torch::Tensor& weight,
                                             double eps) const {
   FIVEFOLD_CHECK(x.size(-1) == weight.numel() &&
@@ -339,9 +351,10 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
   // Per token: the norms' inputs and 1/rms, for the rank's own tokens (2d + 2), and their
   // outputs as the linear maps keep them (rounded; under sequence parallelism the rank's part,
   // 2d); the attention's output and log-sum-exp over all its tokens; the other linear maps'
-  // inputs rounded, and SwiGLU's gate, SiLU and up, which the products hand on in their own type.
+  // inputs rounded, and SwiGLU's gate and up (swiglu), which the products hand on in their own
+  // type; chapter 10's split MLP (tp > 1) keeps silu(gate) too.
   const int64_t residual = 2 * d + 2, norm_outputs = 2 * d;
-  int64_t fp32 = h * hd + h, operands = h * hd + 4 * f;
+  int64_t fp32 = h * hd + h, operands = h * hd + (tp.ranks == 1 ? 3 : 4) * f;
   int64_t bytes = 4 * s_r * hd;  // RoPE's cos and sin rows for its positions
   if (cp.ranks == 1) {
     operands += 3 * h * hd;  // the tiled kernel's q, k and v, rounded, at every query head
@@ -386,6 +399,9 @@ int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t
   const bool bf16 = precision == ch14::Precision::Bf16;
   int64_t bytes = lesson - 4 * own * 4 * d -
                   4 * tokens * (2 * (mla.q_lora_rank + mla.kv_lora_rank) + (bf16 ? 0 : r));
+  // A dense layer's MLP on swiglu (tp = 1) keeps no silu(gate).
+  const bool dense = !ch07::MoeConfig::from_json(config.extensions).is_moe_layer(layer);
+  if (dense && tp.ranks == 1) bytes -= ch14::bytes_per_number(precision) * tokens * config.d_ff;
   if (mode == ch14::Recompute::Selective || cp.ranks > 1) return bytes;  // no tiled kernel
   // The tiled kernel: no probabilities, no mask, no whole kv_b_proj output for one row; its own
   // contiguous v and its log-sum-exp; in bf16 q, k and v rounded.
@@ -423,6 +439,12 @@ FastPaths install_fast_paths(Transformer& model) {
       }
       layer->kernel = tiled;
       ++installed.attention_kernels;
+    }
+    auto* block = dynamic_cast<BlockImpl*>(item.value().get());
+    const FeedForwardLayer* mlp = block != nullptr ? block->mlp.get() : nullptr;
+    if (mlp != nullptr && typeid(*mlp) == typeid(MlpImpl)) {  // not a subclass, nor experts
+      block->set_mlp(std::make_shared<FusedSwiGLUMlpImpl>(static_cast<const MlpImpl&>(*mlp)));
+      ++installed.mlps;
     }
     auto* rms = dynamic_cast<RMSNormImpl*>(item.value().get());
     if (rms != nullptr && !rms->kernel) {

@@ -207,6 +207,49 @@ TEST(CausalTileExp, BothPathsGiveTheSoftmaxOfTheKeysEachQuerySees) {
   }
 }
 
+// swiglu against fp64 from the same inputs, on both paths, in fp32 and bf16: h = silu(g)·u and
+// the gradients of g and u under a fixed upstream gradient, within one rounding of the type (both
+// paths compute each result in fp32 and round it once; fp32: a few units of its last place), gates
+// from −30 to 30 (σ from both sides, and e^(−|g|) near underflow). Sizes not a multiple of 16.
+TEST(SwiGLU, BothPathsGiveSiluOfTheGateTimesUpWithItsGradients) {
+  for (const bool vector : {true, false}) {
+    if (vector && !avx512_available()) {
+      std::printf("this CPU has no AVX-512: the loop is not tested here\n");
+      continue;
+    }
+    for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+      SCOPED_TRACE(::testing::Message()
+                   << (vector ? "AVX-512 loop, " : "ATen's operations, ") << type);
+      auto gate = (4 * draw({3, 7, 45}, "gate", torch::kFloat)).to(type);
+      gate.view(-1).narrow(0, 0, 5).copy_(torch::tensor({-30.0, -12.5, 0.0, 12.5, 30.0}));
+      auto up = draw({3, 7, 45}, "up", torch::kFloat).to(type);
+      const auto upstream = draw({3, 7, 45}, "upstream", torch::kFloat).to(type);
+      gate.requires_grad_();
+      up.requires_grad_();
+      const auto h = swiglu(gate, up, vector);
+      h.backward(upstream);
+      const auto g = gate.detach().to(torch::kDouble), u = up.detach().to(torch::kDouble);
+      const auto d = upstream.to(torch::kDouble), s = torch::sigmoid(g);
+      const std::vector<std::pair<torch::Tensor, torch::Tensor>> pairs = {
+          {h, g * s * u}, {gate.grad(), d * u * s * (1 + g * (1 - s))}, {up.grad(), d * g * s}};
+      const char* names[] = {"h", "grad gate", "grad up"};
+      const double rounding = type == torch::kFloat ? 1e-6 : std::ldexp(1.0, -8);
+      for (size_t i = 0; i < pairs.size(); ++i) {
+        SCOPED_TRACE(names[i]);
+        const auto& [got, want] = pairs[i];
+        ASSERT_EQ(got.scalar_type(), type);
+        const auto error = (got.detach().to(torch::kDouble) - want).abs();
+        // Plus fp32's rounding of the largest value, for values near a cancellation (g·(1 − σ)
+        // near −1 in the gate's gradient).
+        const auto bound = rounding * want.abs() + 1e-6 * want.abs().max();
+        EXPECT_TRUE((error <= bound).all().item<bool>())
+            << "largest error " << error.max().item<double>() << " where the value is "
+            << want.view(-1)[error.view(-1).argmax()].item<double>();
+      }
+    }
+  }
+}
+
 // x and the weight in one type (fp64, fp32), and x in fp32 against a weight kept in bf16 (chapter
 // 14's master weights: read widened, its gradient returned in bf16, rounded once).
 TEST(FusedRMSNorm, EqualsTheFormulaWithItsGradients) {
@@ -451,6 +494,7 @@ TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
   const FastPaths installed = install_fast_paths(fast);
   EXPECT_EQ(installed.attention_kernels, 2);
   EXPECT_EQ(installed.norms, 5);  // two per block and the final norm
+  EXPECT_EQ(installed.mlps, 2);
   EXPECT_EQ(install_fast_paths(fast).norms, 0);  // once installed, left alone
   EXPECT_EQ(installed.matmul, OneDnnMatmulKernel::available());
   auto tokens = torch::randint(c.vocab_size, {3, 70}, fivefold::generator_for(5, "tokens"));

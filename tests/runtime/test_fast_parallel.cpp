@@ -29,6 +29,14 @@ namespace {
 struct Fp32Afterwards {
   ~Fp32Afterwards() { ch03::set_matmul_kernel(nullptr); }
 };
+
+// The model the trainer builds on these tp ranks (chapter 15's compose.cpp): chapter 10's split
+// layers for tp > 1, chapter 03's blocks (through chapter 07's builder) on one rank, whose MLP the
+// fast paths put on swiglu.
+ch03::Transformer trainer_model(const ch03::ModelConfig& config,
+                                const std::shared_ptr<ch10::TensorParallel>& tp) {
+  return tp->comm->size() > 1 ? ch10::make_model(config, tp) : ch07::make_model(config);
+}
 }  // namespace
 
 TEST(FastPathsParallel, EachTensorParallelRankKeepsWhatTheFormulaSays) {
@@ -47,7 +55,7 @@ TEST(FastPathsParallel, EachTensorParallelRankKeepsWhatTheFormulaSays) {
               [&](int64_t layers) {
                 config.n_layers = layers;
                 auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
-                auto model = ch10::make_model(config, tp);
+                auto model = trainer_model(config, tp);
                 ch03::set_matmul_kernel(nullptr);
                 runtime::install_fast_paths(model);
                 ch14::apply_recompute(model, {mode, 1});
@@ -193,7 +201,7 @@ TEST(FastPathsParallel, EachTensorParallelRankKeepsWhatTheDeepSeekFormulaSays) {
           batch, seq, {tokens, tokens},
           [&](const ch03::ModelConfig& config) {
             auto tp = std::make_shared<ch10::TensorParallel>(ch10::TensorParallel{world(), sp});
-            auto model = ch10::make_model(config, tp);
+            auto model = trainer_model(config, tp);
             runtime::install_fast_paths(model);
             return model;
           },

@@ -2,8 +2,8 @@
 /// @file fast.h
 /// @brief Fast paths for the training step: the same mathematics as chapter 03's modules, computed
 /// with fewer passes over memory and fewer operations. No chapter teaches them; each fills a slot
-/// chapter 03's code already has (the attention kernel, the norm's kernel, `linear`'s matmul
-/// kernel, TrainConfig::make_adamw), is tested against the lesson's version
+/// chapter 03's code already has (the attention kernel, a block's MLP, the norm's kernel,
+/// `linear`'s matmul kernel, TrainConfig::make_adamw), is tested against the lesson's version
 /// (tests/runtime/test_fast.cpp), and is installed by the training run unless `RunConfig::fast` is
 /// off (`fivefold train --lesson-kernels`). Read after chapter 12, whose blockwise attention the
 /// tiled kernel shares.
@@ -85,7 +85,8 @@ class FusedAdamW : public torch::optim::AdamW {
 /// tokens, in fp32 or bf16 (chapter 14's Bf16MatmulKernel). Chapter 14's
 /// ch14::block_activation_bytes counts the lesson's kernels; here, per token: each norm keeps its
 /// input and 1/rms (the residual after attention, the block's output: 2d + 2), the four linear
-/// maps' inputs (2d + h·hd + f), SwiGLU's gate, silu(gate) and up (3f), and the tiled attention q
+/// maps' inputs (2d + h·hd + f), SwiGLU's gate and up (2f: swiglu; chapter 10's split MLP, which
+/// the trainer builds for tp > 1, keeps silu(gate) too, 3f), and the tiled attention q
 /// scaled, k and v at h heads, its output and its log-sum-exp (4·h·hd + h); no score, no
 /// probability, no mask. In bf16 the linear maps' inputs and the attention's q, k and v are
 /// kept at 2 bytes. Plus RoPE's cos and sin, 4s·hd. With chapter 14's recomputation (`mode`):
@@ -114,10 +115,11 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// recomputation or cp, the tiled kernel in the lesson's place: no probabilities 4b·h·s², no mask
 /// s², no whole kv_b_proj output for a single row (4h·n a token); its own contiguous v and its
 /// log-sum-exp, 4h(dv + 1) a token; in bf16 q, k and v rounded, 2h(2(n + r) + dv) bytes fewer a
-/// token (h: the rank's heads under tp); under ep a MoE block's term for the rows the routing sent
-/// the rank's experts, as chapter 14 counts it (the fast paths do not touch the experts).
-/// Measured by the runtime's tests on one device and on every rank of tp, cp, tp x cp and ep, in
-/// fp32 and bf16.
+/// token (h: the rank's heads under tp); a dense layer's MLP on swiglu at tp 1 keeps no
+/// silu(gate) (d_ff numbers a token fewer, in any mode but Full); under ep a MoE block's term for
+/// the rows the routing sent the rank's experts, as chapter 14 counts it (the fast paths do not
+/// touch the experts). Measured by the runtime's tests on one device and on every rank of tp, cp,
+/// tp x cp and ep, in fp32 and bf16.
 int64_t block_activation_bytes(const ch03::ModelConfig& config, int64_t layer, int64_t batch,
                                int64_t seq, ch14::Precision precision = ch14::Precision::Fp32,
                                ch14::Recompute mode = ch14::Recompute::None,
@@ -165,27 +167,58 @@ struct TileExp {
 /// queries at the last T of `end` key positions: query i sees keys 0 .. end − T + i), 0 at each
 /// query's later keys; `future` is a [≥T, ≥T] bool mask whose strict upper triangle marks them.
 /// The tiled attention's forward and backward both compute e here, so backward recomputes the
-/// probabilities forward used, bit for bit. On a CPU with AVX-512 (`avx512_available`) and a
+/// probabilities forward used, bit for bit. With the AVX-512 loops (`avx512_loops`) and a
 /// contiguous fp32 or bf16 tile, one loop per row computes s − max and exp in fp32 and rounds e
 /// once to the tile's type (`vector`: false forces the other path); elsewhere ATen's mask, max,
 /// subtract and exp, each in the tile's type. Σe (of e as stored) when `with_sum`.
 TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
                         bool vector = true);
 
+/// SwiGLU's product h = silu(gate)·up (gate, up [..., f], one shape), keeping gate and up for
+/// backward, which recomputes silu(gate) and its slope σ(g)·(1 + g·(1 − σ(g))) from them (ATen's
+/// SiLU and product keep silu(gate) too: f numbers more a token). With the AVX-512 loops
+/// (`avx512_loops`) and contiguous fp32 or bf16 inputs of one type, one loop forward and one
+/// backward, in fp32 registers, each result rounded once to the inputs' type (`vector`: false
+/// forces ATen's operations, which compute the same in fp32 at least).
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up, bool vector = true);
+
+/// Chapter 03's SwiGLU MLP, down(silu(gate(x))·up(x)), on swiglu: the same three Linear modules
+/// (so the same parameters, under the same names), one kept number fewer a feature.
+class FusedSwiGLUMlpImpl : public ch03::FeedForwardLayer {
+ public:
+  /// Takes over `lesson`'s gate_proj, up_proj and down_proj.
+  explicit FusedSwiGLUMlpImpl(const ch03::MlpImpl& lesson);
+  /// x [batch, seq, d_model] -> [batch, seq, d_model].
+  torch::Tensor forward(const torch::Tensor& x) override;
+  ch03::Linear gate_proj{nullptr};  ///< d_model -> d_ff, through SiLU
+  ch03::Linear up_proj{nullptr};    ///< d_model -> d_ff
+  ch03::Linear down_proj{nullptr};  ///< d_ff -> d_model
+};
+
 /// Whether this CPU runs the AVX-512 loops (F, BW, VL and DQ), which the project, built for the
 /// x86-64 baseline, compiles beside ATen's.
 bool avx512_available();
+
+/// Whether causal_tile_exp and swiglu run their AVX-512 loops (true by default: where the CPU has
+/// them); false puts ATen's operations in their place, process-wide (bench_train_throughput
+/// --loops times the step both ways).
+void set_avx512_loops(bool on);
+/// Whether the loops run: set_avx512_loops's choice, on a CPU that has them.
+bool avx512_loops();
 
 /// What install_fast_paths replaced.
 struct FastPaths {
   int64_t attention_kernels = 0;  ///< CausalAttentionKernel -> TiledCausalAttentionKernel
   int64_t norms = 0;              ///< RMSNorm modules given FusedRMSNormKernel
+  int64_t mlps = 0;               ///< blocks' MlpImpl -> FusedSwiGLUMlpImpl
   bool matmul = false;            ///< OneDnnMatmulKernel made `linear`'s (process-wide)
 };
 
 /// Installs the fast paths in every module of `model` that still runs the lesson's version: the
 /// attention layers whose kernel is chapter 03's CausalAttentionKernel (a ring or all-gather
-/// kernel of chapter 12 is left alone) and every RMSNorm; and, where oneDNN is available and no
+/// kernel of chapter 12 is left alone), every block whose MLP is chapter 03's MlpImpl (its
+/// modules taken over by FusedSwiGLUMlpImpl; chapter 10's split MLP and chapter 07's experts are
+/// left alone) and every RMSNorm; and, where oneDNN is available and no
 /// MatmulKernel is set yet, OneDnnMatmulKernel for `linear` (process-wide: every model of the
 /// process then multiplies with it). Before the first attention kernel and the matmul kernel,
 /// it checks each against the lesson's version (causal_attention, the chapter's exercise; at::mm)
