@@ -159,7 +159,7 @@ std::shared_ptr<const ch03::MatmulKernel> fast_matmul_kernel();
 /// A tile's softmax statistics per query, [b, h, T, 1] in fp32 at least: the max of its scores
 /// and the sum of e = exp(s − max).
 struct TileExp {
-  torch::Tensor max;
+  torch::Tensor max;  ///< the max of each query's visible scores
   torch::Tensor sum;  ///< undefined unless asked for
 };
 
