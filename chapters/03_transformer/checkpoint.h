@@ -40,14 +40,4 @@ void save_optimizer(const std::string& path, Transformer& model, torch::optim::A
 /// Restores the state written by save_optimizer (load_optimizer_state, train.h).
 void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer);
 
-/// The CPU random generator's state as a tensor, and back (for exact resume of anything random).
-torch::Tensor rng_state();
-/// Restores a state returned by rng_state().
-void set_rng_state(const torch::Tensor& state);
-
-/// The checkpoint folder to read for `path`: `path` itself when it holds config.json, else the
-/// folder named by `path`/latest (a training run's output folder). Throws fivefold::Error when
-/// neither exists.
-std::string resolve_checkpoint(const std::string& path);
-
 }  // namespace fivefold::ch03

@@ -252,26 +252,4 @@ void load_optimizer(const std::string& path, Transformer& model, torch::optim::A
   load_optimizer_state(io::load_safetensors(path), path, model, optimizer);
 }
 
-torch::Tensor rng_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
-
-void set_rng_state(const torch::Tensor& state) {
-  auto generator = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_state(state);
-}
-
-std::string resolve_checkpoint(const std::string& path) {
-  if (fs::exists(fs::path(path) / "config.json")) return path;
-  const fs::path latest = fs::path(path) / "latest";
-  FIVEFOLD_CHECK(fs::exists(latest), "'", path,
-                 "' is neither a checkpoint folder (no config.json) nor a training output folder "
-                 "(no 'latest')");
-  std::string name = io::read_file(latest.string());
-  name.erase(name.find_last_not_of(" \n\r\t") + 1);
-  const fs::path dir = fs::path(path) / name;
-  FIVEFOLD_CHECK(fs::exists(dir / "config.json"), "'", latest.string(), "' names '", name,
-                 "', which is not a checkpoint folder");
-  return dir.string();
-}
-
 }  // namespace fivefold::ch03

@@ -117,6 +117,17 @@ nlohmann::json run_to_json(const RunConfig& config);
 /// Inverse of run_to_json; missing keys keep their defaults.
 RunConfig run_from_json(const nlohmann::json& json);
 
+/// The checkpoint folder to read for `path`: `path` itself when it holds config.json, else the
+/// folder named by `path`/latest (a training run's output folder, which the run keeps pointing
+/// at its last whole checkpoint). Throws fivefold::Error when neither exists.
+std::string resolve_checkpoint(const std::string& path);
+
+/// The CPU random generator's state as a tensor, and back: each checkpoint keeps it
+/// (rng.safetensors) for an exact resume of anything random.
+torch::Tensor rng_state();
+/// Restores a state returned by rng_state().
+void set_rng_state(const torch::Tensor& state);
+
 /// What a checkpoint's trainer_state.json holds: the next step and the run's settings.
 struct RunState {
   int64_t step = 0;  ///< steps done (the next step to run)
