@@ -254,9 +254,11 @@ bool avx512_loops() { return loops_on && avx512_available(); }
 TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
                         bool vector) {
   const int64_t t = scores.size(-2), n = scores.size(-1);
-  FIVEFOLD_CHECK(scores.dim() == 4 && t <= n && future.size(0) >= t,
-                 "causal_tile_exp: scores [b, h, T, end] with T <= end and a mask of T rows, got ",
-                 scores.sizes());
+  FIVEFOLD_CHECK(
+      scores.dim() == 4 && t <= n && future.size(0) >= t && future.size(1) >= t,
+      "causal_tile_exp: scores [b, h, T, end] with T <= end and a mask of at least T x T, "
+      "got scores ",
+      scores.sizes(), " and a mask ", future.sizes());
   const auto type = at::promote_types(scores.scalar_type(), torch::kFloat);
   const bool loop =
       vector && avx512_loops() && scores.is_contiguous() &&

@@ -205,6 +205,13 @@ TEST(CausalTileExp, BothPathsGiveTheSoftmaxOfTheKeysEachQuerySees) {
       }
     }
   }
+  // A mask smaller than the tile is refused, not read past its end.
+  auto tile = torch::zeros({1, 1, 4, 6});
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] {
+        causal_tile_exp(tile, torch::ones({2, 2}, torch::kBool).triu(1), true);
+      },
+      "a mask of at least T x T"));
 }
 
 // swiglu against fp64 from the same inputs, on both paths, in fp32 and bf16: h = silu(g)·u and
