@@ -4,6 +4,7 @@
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
 //                                    [--compare] [--bf16] [--parts] [--profile] [--loops]
+//                                    [--tiles]
 //
 // The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
@@ -299,6 +300,41 @@ void print_loops(const std::vector<Size>& sizes, int64_t steps,
   fivefold::ch03::set_matmul_kernel(kernel);
 }
 
+// --tiles: each size's step with the tiled attention's queries in tiles of 64, 128 (the default)
+// and 256, swapping the kernel step by step on one model, in fp32 and bf16: the median ms of each.
+void print_tiles(const std::vector<Size>& sizes, int64_t steps,
+                 const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel) {
+  const std::vector<int64_t> tiles = {64, 128, 256};
+  std::printf(
+      "threads %d; median step ms over %lld steps each, the tile sizes alternating step "
+      "by step after a warm-up round; with the fast paths\n\n%-22s %-9s",
+      torch::get_num_threads(), static_cast<long long>(steps), "model", "precision");
+  for (int64_t tile : tiles) std::printf(" %9s %-4lld", "tile", static_cast<long long>(tile));
+  std::printf("\n");
+  for (const Size& s : sizes) {
+    for (const bool bf16 : {false, true}) {
+      fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
+      Bench b = prepare(s, true, bf16);
+      std::vector<std::vector<double>> ms(tiles.size());
+      for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()) * (steps + 1); ++i) {
+        const size_t which = static_cast<size_t>(i) % tiles.size();
+        b.model->set_attention_kernel(
+            std::make_shared<fivefold::runtime::TiledCausalAttentionKernel>(tiles[which]));
+        fivefold::Timer timer;
+        fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
+        if (i >= static_cast<int64_t>(tiles.size())) ms[which].push_back(timer.seconds() * 1e3);
+      }
+      std::printf("%-22s %-9s", s.name, bf16 ? "bf16" : "fp32");
+      for (auto& m : ms) {
+        std::sort(m.begin(), m.end());
+        std::printf(" %14.2f", m[m.size() / 2]);
+      }
+      std::printf("\n");
+    }
+  }
+  fivefold::ch03::set_matmul_kernel(kernel);
+}
+
 }  // namespace
 
 namespace {
@@ -322,6 +358,9 @@ int run(int argc, char** argv) {
   args.flag("loops",
             "time each size's step with the fast paths' AVX-512 loops and with ATen's operations "
             "in their place instead, alternating step by step, in fp32 and bf16");
+  args.flag("tiles",
+            "time each size's step with the tiled attention's queries in tiles of 64, 128 and "
+            "256 instead, alternating step by step, in fp32 and bf16");
   if (!args.parse(argc, argv)) return 0;
   fivefold::Runtime runtime;
   if (args.integer("threads") > 0)
@@ -341,6 +380,10 @@ int run(int argc, char** argv) {
                                    {"d128 L4 seq128 b8", 128, 4, 2, 384, 128, 8},
                                    {"d256 L4 seq256 b8", 256, 4, 4, 704, 256, 8},
                                    {"d256 L4 seq256 b8 h8", 256, 4, 8, 704, 256, 8}};
+  if (args.on("tiles")) {
+    print_tiles(sizes, args.integer("steps"), kernel);
+    return 0;
+  }
   if (args.on("loops")) {
     print_loops(sizes, args.integer("steps"), kernel);
     return 0;
