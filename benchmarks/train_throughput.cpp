@@ -82,6 +82,12 @@ Bench prepare(const Size& s, bool fast, bool bf16) {
   return b;
 }
 
+// The median of `values` (the upper one of an even count).
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
 // Median seconds of a whole optimizer step, and of its parts, over `steps` steps after 3 warm-up
 // steps. The parts are timed in separate steps (the same work) so that the whole is not disturbed.
 struct Timing {
@@ -92,10 +98,6 @@ Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) 
   using namespace fivefold::ch03;
   Bench b = prepare(s, fast, bf16);
   std::vector<double> whole, forward, backward, update;
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   for (int64_t i = 0; i < steps + 3; ++i) {
     fivefold::Timer timer;
     train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
@@ -132,8 +134,7 @@ double product_gflops(const fivefold::ch03::MatmulKernel* kernel, int64_t batch,
     c = batch > 1 ? torch::bmm(a, b) : kernel ? kernel->mm(a[0], b[0]) : torch::mm(a[0], b[0]);
     rates.push_back(2.0 * static_cast<double>(batch * m * k * n) / timer.seconds() / 1e9);
   }
-  std::sort(rates.begin(), rates.end());
-  return rates[rates.size() / 2];
+  return median(rates);
 }
 
 // One part of the step on its own, forward and backward, at the model's shapes: median ms over
@@ -158,8 +159,7 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
       work();
       if (i >= 3) ms.push_back(timer.seconds() * 1e3);
     }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
+    return median(ms);
   };
   const double tokens = static_cast<double>(s.batch * s.seq), d = static_cast<double>(s.d_model);
   const double f = static_cast<double>(s.d_ff), seq = static_cast<double>(s.seq);
@@ -263,6 +263,23 @@ void print_profiles(const std::vector<Size>& sizes,
   }
 }
 
+// The median ms of a training step of `b` under each of `variants` (each sets the step up its own
+// way), the variants taking turns step by step on the one model after `warmup` rounds of them.
+std::vector<double> alternating_step_ms(Bench& b, int64_t steps, int64_t warmup,
+                                        const std::vector<std::function<void()>>& variants) {
+  const auto n = static_cast<int64_t>(variants.size());
+  std::vector<std::vector<double>> ms(variants.size());
+  for (int64_t i = 0; i < n * (warmup + steps); ++i) {
+    variants[i % n]();
+    fivefold::Timer timer;
+    fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
+    if (i >= n * warmup) ms[i % n].push_back(timer.seconds() * 1e3);
+  }
+  std::vector<double> medians;
+  for (const auto& m : ms) medians.push_back(median(m));
+  return medians;
+}
+
 // --loops: each size's step with the fast paths' AVX-512 loops (runtime/src/avx512.cpp: the
 // attention tiles' softmax passes, SwiGLU) and with ATen's operations in their place, step by step
 // alternately on one model, in fp32 and in bf16: the median ms of each.
@@ -282,19 +299,11 @@ void print_loops(const std::vector<Size>& sizes, int64_t steps,
     for (const bool bf16 : {false, true}) {
       fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
       Bench b = prepare(s, true, bf16);
-      std::vector<double> ms[2];  // [0]: ATen's operations, [1]: the loops
-      for (int64_t i = 0; i < 2 * (steps + 3); ++i) {
-        const bool loops = i % 2 == 0;
-        set_avx512_loops(loops);
-        fivefold::Timer timer;
-        fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
-        if (i >= 6) ms[loops].push_back(timer.seconds() * 1e3);
-      }
+      const auto ms = alternating_step_ms(
+          b, steps, 3, {[] { set_avx512_loops(true); }, [] { set_avx512_loops(false); }});
       set_avx512_loops(true);
-      for (auto& m : ms) std::sort(m.begin(), m.end());
-      const double with = ms[1][ms[1].size() / 2], without = ms[0][ms[0].size() / 2];
-      std::printf("%-22s %-9s %12.2f %12.2f %8.2fx\n", s.name, bf16 ? "bf16" : "fp32", with,
-                  without, without / with);
+      std::printf("%-22s %-9s %12.2f %12.2f %8.2fx\n", s.name, bf16 ? "bf16" : "fp32", ms[0], ms[1],
+                  ms[1] / ms[0]);
     }
   }
   fivefold::ch03::set_matmul_kernel(kernel);
@@ -315,20 +324,15 @@ void print_tiles(const std::vector<Size>& sizes, int64_t steps,
     for (const bool bf16 : {false, true}) {
       fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
       Bench b = prepare(s, true, bf16);
-      std::vector<std::vector<double>> ms(tiles.size());
-      for (int64_t i = 0; i < static_cast<int64_t>(tiles.size()) * (steps + 1); ++i) {
-        const size_t which = static_cast<size_t>(i) % tiles.size();
-        b.model->set_attention_kernel(
-            std::make_shared<fivefold::runtime::TiledCausalAttentionKernel>(tiles[which]));
-        fivefold::Timer timer;
-        fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
-        if (i >= static_cast<int64_t>(tiles.size())) ms[which].push_back(timer.seconds() * 1e3);
+      std::vector<std::function<void()>> variants;
+      for (int64_t tile : tiles) {
+        variants.push_back([&b, tile] {
+          b.model->set_attention_kernel(
+              std::make_shared<fivefold::runtime::TiledCausalAttentionKernel>(tile));
+        });
       }
       std::printf("%-22s %-9s", s.name, bf16 ? "bf16" : "fp32");
-      for (auto& m : ms) {
-        std::sort(m.begin(), m.end());
-        std::printf(" %14.2f", m[m.size() / 2]);
-      }
+      for (double ms : alternating_step_ms(b, steps, 1, variants)) std::printf(" %14.2f", ms);
       std::printf("\n");
     }
   }
@@ -346,7 +350,8 @@ int run(int argc, char** argv) {
   args.flag("json", "print JSON lines instead of a table");
   args.flag("lesson-kernels", "the lesson's code alone, without the fast paths (fast.h)");
   args.flag("compare", "time the lesson's code too: its tokens/s and the fast paths' speed-up");
-  args.flag("bf16", "time each size in bf16 too, right after fp32 (chapter 14's --precision "
+  args.flag("bf16",
+            "time each size in bf16 too, right after fp32 (chapter 14's --precision "
             "bf16): its tokens/s and speed-up");
   args.flag("parts",
             "time each part of the step on its own instead (attention, MLP, norms, head + loss, "

@@ -153,10 +153,10 @@ void in_chunks(int64_t n, const Span& span) {
   at::parallel_for(0, n, 16384, [&](int64_t first, int64_t last) { span(first, last - first); });
 }
 
-// Whether the loops take these tensors: an AVX-512 CPU, and all of one type (fp32 or bf16), one
-// size and contiguous.
-bool loops_take(std::initializer_list<torch::Tensor> tensors, bool vector) {
-  if (!vector || !avx512_loops()) return false;
+// Whether the loops take these tensors: the loops on (an AVX-512 CPU, set_avx512_loops), and all of
+// one type (fp32 or bf16), one size and contiguous.
+bool loops_take(std::initializer_list<torch::Tensor> tensors) {
+  if (!avx512_loops()) return false;
   const torch::Tensor& first = *tensors.begin();
   if (first.scalar_type() != torch::kFloat && first.scalar_type() != torch::kBFloat16) return false;
   for (const auto& t : tensors) {
@@ -185,10 +185,9 @@ using torch::autograd::variable_list;
 class SwiGLU : public torch::autograd::Function<SwiGLU> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate,
-                               const torch::Tensor& up, bool vector) {
+                               const torch::Tensor& up) {
     ctx->save_for_backward({gate, up});
-    ctx->saved_data["vector"] = vector;
-    if (!loops_take({gate, up}, vector)) {  // in fp32 at least, rounded once, as the loop does
+    if (!loops_take({gate, up})) {  // in fp32 at least, rounded once, as the loop does
       return (torch::silu(at_least_fp32(gate)) * at_least_fp32(up)).to(gate.scalar_type());
     }
     RECORD_FUNCTION("fivefold::swiglu", std::vector<c10::IValue>({gate, up}));
@@ -208,12 +207,11 @@ class SwiGLU : public torch::autograd::Function<SwiGLU> {
     const auto saved = ctx->get_saved_variables();
     const auto &gate = saved[0], &up = saved[1];
     const auto dh = grads[0].contiguous();
-    if (!loops_take({gate, up, dh}, ctx->saved_data["vector"].toBool())) {
+    if (!loops_take({gate, up, dh})) {
       // In fp32 at least, each gradient rounded once to its input's type.
       const auto g = at_least_fp32(gate), s = torch::sigmoid(g), d = at_least_fp32(dh);
       return {(d * at_least_fp32(up) * s * (1 + g * (1 - s))).to(gate.scalar_type()),
-              (d * g * s).to(up.scalar_type()),
-              {}};
+              (d * g * s).to(up.scalar_type())};
     }
     RECORD_FUNCTION("fivefold::swiglu_backward", std::vector<c10::IValue>({gate, up, dh}));
     auto grad_gate = torch::empty_like(gate), grad_up = torch::empty_like(up);
@@ -225,16 +223,16 @@ class SwiGLU : public torch::autograd::Function<SwiGLU> {
         swiglu_backward_span(g + first, u + first, d + first, dg + first, du + first, count);
       });
     });
-    return {grad_gate, grad_up, {}};
+    return {grad_gate, grad_up};
   }
 };
 
 }  // namespace
 
-torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up, bool vector) {
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   FIVEFOLD_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(),
                  " differ in shape");
-  return SwiGLU::apply(gate, up, vector);
+  return SwiGLU::apply(gate, up);
 }
 
 bool avx512_available() {
@@ -251,8 +249,7 @@ void set_avx512_loops(bool on) { loops_on = on; }
 
 bool avx512_loops() { return loops_on && avx512_available(); }
 
-TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
-                        bool vector) {
+TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum) {
   const int64_t t = scores.size(-2), n = scores.size(-1);
   FIVEFOLD_CHECK(
       scores.dim() == 4 && t <= n && future.size(0) >= t && future.size(1) >= t,
@@ -260,10 +257,7 @@ TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool
       "got scores ",
       scores.sizes(), " and a mask ", future.sizes());
   const auto type = at::promote_types(scores.scalar_type(), torch::kFloat);
-  const bool loop =
-      vector && avx512_loops() && scores.is_contiguous() &&
-      (scores.scalar_type() == torch::kFloat || scores.scalar_type() == torch::kBFloat16);
-  if (!loop) {
+  if (!loops_take({scores})) {
     // ATen's passes, in the scores' own type: mask, max, s − max, exp (each rounded to a bf16
     // tile's type), and the sum in fp32 at least.
     scores.narrow(-1, n - t, t).masked_fill_(future.narrow(0, 0, t).narrow(1, 0, t), -INFINITY);

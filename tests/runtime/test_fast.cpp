@@ -44,6 +44,12 @@ std::vector<torch::Tensor> run_kernel(const AttentionKernel& kernel, torch::Tens
   return {result.output.detach(), result.lse, q.grad(), k.grad(), v.grad()};
 }
 
+// The fast paths' AVX-512 loops on or off for a scope (they are on outside it).
+struct Avx512Loops {
+  explicit Avx512Loops(bool on) { set_avx512_loops(on); }
+  ~Avx512Loops() { set_avx512_loops(true); }
+};
+
 }  // namespace
 
 TEST(TiledCausalAttention, EqualsTheLessonKernelWithItsGradients) {
@@ -189,7 +195,8 @@ TEST(CausalTileExp, BothPathsGiveTheSoftmaxOfTheKeysEachQuerySees) {
         const auto seen = torch::arange(n).unsqueeze(0) <= torch::arange(t).unsqueeze(1) + (n - t);
         const auto want_max = s.masked_fill(~seen, -INFINITY).amax(-1, true);
         const auto want = (s - want_max).exp().masked_fill(~seen, 0);
-        const auto got = causal_tile_exp(scores, future, /*with_sum=*/true, vector);
+        const Avx512Loops loops(vector);
+        const auto got = causal_tile_exp(scores, future, /*with_sum=*/true);
         ASSERT_EQ(got.max.scalar_type(), torch::kFloat);
         EXPECT_TRUE(torch::equal(got.max.to(torch::kDouble), want_max));
         const auto e = scores.to(torch::kDouble);
@@ -233,7 +240,8 @@ TEST(SwiGLU, BothPathsGiveSiluOfTheGateTimesUpWithItsGradients) {
       const auto upstream = draw({3, 7, 45}, "upstream", torch::kFloat).to(type);
       gate.requires_grad_();
       up.requires_grad_();
-      const auto h = swiglu(gate, up, vector);
+      const Avx512Loops loops(vector);  // forward and backward alike
+      const auto h = swiglu(gate, up);
       h.backward(upstream);
       const auto g = gate.detach().to(torch::kDouble), u = up.detach().to(torch::kDouble);
       const auto d = upstream.to(torch::kDouble), s = torch::sigmoid(g);

@@ -169,18 +169,17 @@ struct TileExp {
 /// The tiled attention's forward and backward both compute e here, so backward recomputes the
 /// probabilities forward used, bit for bit. With the AVX-512 loops (`avx512_loops`) and a
 /// contiguous fp32 or bf16 tile, one loop per row computes s − max and exp in fp32 and rounds e
-/// once to the tile's type (`vector`: false forces the other path); elsewhere ATen's mask, max,
+/// once to the tile's type; elsewhere (or after set_avx512_loops(false)) ATen's mask, max,
 /// subtract and exp, each in the tile's type. Σe (of e as stored) when `with_sum`.
-TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
-                        bool vector = true);
+TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum);
 
 /// SwiGLU's product h = silu(gate)·up (gate, up [..., f], one shape), keeping gate and up for
 /// backward, which recomputes silu(gate) and its slope σ(g)·(1 + g·(1 − σ(g))) from them (ATen's
 /// SiLU and product keep silu(gate) too: f numbers more a token). With the AVX-512 loops
 /// (`avx512_loops`) and contiguous fp32 or bf16 inputs of one type, one loop forward and one
-/// backward, in fp32 registers, each result rounded once to the inputs' type (`vector`: false
-/// forces ATen's operations, which compute the same in fp32 at least).
-torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up, bool vector = true);
+/// backward, in fp32 registers, each result rounded once to the inputs' type; elsewhere (or after
+/// set_avx512_loops(false)) ATen's operations, which compute the same in fp32 at least.
+torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up);
 
 /// Chapter 03's SwiGLU MLP, down(silu(gate(x))·up(x)), on swiglu: the same three Linear modules
 /// (so the same parameters, under the same names), one kept number fewer a feature.
