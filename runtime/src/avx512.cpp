@@ -1,6 +1,7 @@
 // The fast paths' loops of their own (fast.h): the tiled attention's softmax passes over a tile of
-// scores (causal_tile_exp) and SwiGLU's silu(gate)·up with its gradients (swiglu), each one loop
-// on a CPU with AVX-512, ATen's operations elsewhere. Compiled with NDEBUG (CMakeLists.txt), as
+// scores (causal_tile_exp), SwiGLU's silu(gate)·up with its gradients (swiglu) and RMSNorm's
+// forward and backward (FusedRMSNormKernel), each one loop on a CPU with AVX-512, ATen's
+// operations (or, for RMSNorm, plain loops) elsewhere. Compiled with NDEBUG (CMakeLists.txt), as
 // chapter 02's counter.cpp: RecordFunction has a debug-only member that the NDEBUG LibTorch
 // library does not have.
 //
@@ -13,6 +14,7 @@
 // carry their own target (AVX-512 F/BW/VL/DQ) and run only where the CPU reports it, as ATen
 // picks its kernels.
 
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <immintrin.h>
@@ -147,6 +149,56 @@ FIVEFOLD_AVX512 void swiglu_backward_span(const T* g, const T* u, const T* dh, T
   }
 }
 
+// RMSNorm of rows [first, last) of x [rows, d] in fp32, weight w in fp32 or bf16 (read widened):
+// per row Σx² (sixteen running sums), rstd = 1/sqrt(Σx²/d + eps), then y = x·rstd·w.
+template <typename W>
+FIVEFOLD_AVX512 void rms_norm_rows(const float* x, const W* w, float* y, float* rstd, int64_t first,
+                                   int64_t last, int64_t d, float eps) {
+  for (int64_t r = first; r < last; ++r) {
+    const float* xr = x + r * d;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) {
+      const __m512 v = load(xr + j, first_lanes(d - j));
+      squares = _mm512_fmadd_ps(v, v, squares);
+    }
+    const float s = 1 / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(d) + eps);
+    rstd[r] = s;
+    const __m512 scale = _mm512_set1_ps(s);
+    for (int64_t j = 0; j < d; j += 16) {
+      const __mmask16 mask = first_lanes(d - j);
+      store(y + r * d + j, mask,
+            _mm512_mul_ps(_mm512_mul_ps(load(xr + j, mask), scale), load(w + j, mask)));
+    }
+  }
+}
+
+// Its backward over rows [first, last): with g = ∂y·w, ∂x = rstd·g − x·rstd³·Σ(g·x)/d; each row's
+// ∂y·x·rstd added into dw (this thread's partial sum of ∂w).
+template <typename W>
+FIVEFOLD_AVX512 void rms_norm_backward_rows(const float* x, const W* w, const float* dy,
+                                            const float* rstd, float* dx, float* dw, int64_t first,
+                                            int64_t last, int64_t d) {
+  for (int64_t r = first; r < last; ++r) {
+    const float *xr = x + r * d, *dyr = dy + r * d;
+    __m512 dot = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; j += 16) {
+      const __mmask16 mask = first_lanes(d - j);
+      dot = _mm512_fmadd_ps(_mm512_mul_ps(load(dyr + j, mask), load(w + j, mask)),
+                            load(xr + j, mask), dot);
+    }
+    const float s = rstd[r];
+    const __m512 scale = _mm512_set1_ps(s);
+    const __m512 c = _mm512_set1_ps(_mm512_reduce_add_ps(dot) * s * s * s / static_cast<float>(d));
+    for (int64_t j = 0; j < d; j += 16) {
+      const __mmask16 mask = first_lanes(d - j);
+      const __m512 g = load(dyr + j, mask), v = load(xr + j, mask);
+      store(dx + r * d + j, mask,
+            _mm512_fnmadd_ps(c, v, _mm512_mul_ps(scale, _mm512_mul_ps(g, load(w + j, mask)))));
+      store(dw + j, mask, _mm512_fmadd_ps(_mm512_mul_ps(g, v), scale, load(dw + j, mask)));
+    }
+  }
+}
+
 // Runs span(first, count) over [0, n) in chunks, on ATen's threads.
 template <typename Span>
 void in_chunks(int64_t n, const Span& span) {
@@ -227,12 +279,123 @@ class SwiGLU : public torch::autograd::Function<SwiGLU> {
   }
 };
 
+// RMSNorm as one pass forward and one backward, keeping x (the input), the weight (the parameter
+// itself: no copy) and rstd. x in fp32 (the AVX-512 loops above where they run) or fp64; a weight
+// narrower than x (a bf16 table, chapter 14's master weights) is read widened.
+class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
+ public:
+  // Whether the loops take x and the weight: x in fp32, the weight in fp32 or bf16.
+  static bool loops_take(const torch::Tensor& x, const torch::Tensor& weight) {
+    const auto w = weight.scalar_type();
+    return avx512_loops() && x.scalar_type() == torch::kFloat &&
+           (w == torch::kFloat || w == torch::kBFloat16);
+  }
+
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const auto input = x.contiguous();
+    const int64_t dim = input.size(-1), rows = input.numel() / dim;
+    auto y = torch::empty_like(input);
+    auto rstd = torch::empty({rows}, input.options());
+    if (loops_take(input, weight)) {
+      RECORD_FUNCTION("fivefold::rms_norm", std::vector<c10::IValue>({input}));
+      const auto w = weight.contiguous();
+      on_type(w.scalar_type(), [&](auto tag) {
+        using W = decltype(tag);
+        at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+          rms_norm_rows(input.data_ptr<float>(), w.data_ptr<W>(), y.data_ptr<float>(),
+                        rstd.data_ptr<float>(), first, last, dim, static_cast<float>(eps));
+        });
+      });
+    } else {
+      const auto w = weight.to(input.scalar_type()).contiguous();
+      AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm_forward", [&] {
+        const scalar_t* xs = input.data_ptr<scalar_t>();
+        const scalar_t* ws = w.data_ptr<scalar_t>();
+        scalar_t* ys = y.data_ptr<scalar_t>();
+        scalar_t* rs = rstd.data_ptr<scalar_t>();
+        at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const scalar_t* xr = xs + r * dim;
+            scalar_t squares = 0;
+            for (int64_t i = 0; i < dim; ++i) squares += xr[i] * xr[i];
+            const scalar_t s = 1 / std::sqrt(squares / static_cast<scalar_t>(dim) + eps);
+            rs[r] = s;
+            scalar_t* yr = ys + r * dim;
+            for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * s * ws[i];
+          }
+        });
+      });
+    }
+    ctx->save_for_backward({input, weight, rstd});
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &input = saved[0], &rstd = saved[2];
+    const auto grad_y = grads[0].to(input.scalar_type()).contiguous();
+    const int64_t dim = input.size(-1), rows = input.numel() / dim;
+    auto grad_x = torch::empty_like(input);
+    // ∂w is a sum over rows: each thread adds into its own row of `partial`.
+    auto partial = torch::zeros({at::get_num_threads(), dim}, input.options());
+    if (loops_take(input, saved[1])) {
+      RECORD_FUNCTION("fivefold::rms_norm_backward", std::vector<c10::IValue>({input, grad_y}));
+      const auto w = saved[1].contiguous();
+      on_type(w.scalar_type(), [&](auto tag) {
+        using W = decltype(tag);
+        at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+          rms_norm_backward_rows(input.data_ptr<float>(), w.data_ptr<W>(), grad_y.data_ptr<float>(),
+                                 rstd.data_ptr<float>(), grad_x.data_ptr<float>(),
+                                 partial.data_ptr<float>() + at::get_thread_num() * dim, first,
+                                 last, dim);
+        });
+      });
+      return {grad_x, partial.sum(0), {}};
+    }
+    const auto w = saved[1].to(input.scalar_type()).contiguous();
+    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm_backward", [&] {
+      const scalar_t* xs = input.data_ptr<scalar_t>();
+      const scalar_t* ws = w.data_ptr<scalar_t>();
+      const scalar_t* gs = grad_y.data_ptr<scalar_t>();
+      const scalar_t* rs = rstd.data_ptr<scalar_t>();
+      scalar_t* dxs = grad_x.data_ptr<scalar_t>();
+      scalar_t* parts = partial.data_ptr<scalar_t>();
+      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        scalar_t* dw = parts + at::get_thread_num() * dim;
+        for (int64_t r = begin; r < end; ++r) {
+          const scalar_t *xr = xs + r * dim, *gr = gs + r * dim;
+          const scalar_t s = rs[r];
+          scalar_t dot = 0;  // Σ_i ∂y_i·w_i·x_i
+          for (int64_t i = 0; i < dim; ++i) dot += gr[i] * ws[i] * xr[i];
+          const scalar_t c = dot * s * s * s / static_cast<scalar_t>(dim);
+          scalar_t* dxr = dxs + r * dim;
+          for (int64_t i = 0; i < dim; ++i) {
+            dxr[i] = s * gr[i] * ws[i] - c * xr[i];
+            dw[i] += gr[i] * xr[i] * s;
+          }
+        }
+      });
+    });
+    return {grad_x, partial.sum(0), {}};
+  }
+};
+
 }  // namespace
 
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   FIVEFOLD_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(),
                  " differ in shape");
   return SwiGLU::apply(gate, up);
+}
+
+torch::Tensor FusedRMSNormKernel::normalize(const torch::Tensor& x, const torch::Tensor& weight,
+                                            double eps) const {
+  FIVEFOLD_CHECK(x.size(-1) == weight.numel() &&
+                     at::promote_types(x.scalar_type(), weight.scalar_type()) == x.scalar_type(),
+                 "RMSNorm: x [..., ", x.size(-1), "] ", x.scalar_type(), " against weight [",
+                 weight.numel(), "] ", weight.scalar_type());
+  return RMSNormFunction::apply(x, weight, eps);
 }
 
 bool avx512_available() {

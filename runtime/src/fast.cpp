@@ -126,72 +126,6 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
   }
 };
 
-class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
- public:
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
-                               const torch::Tensor& weight, double eps) {
-    // A weight kept in bf16 (chapter 14's master weights) is read widened to x's type.
-    const auto input = x.contiguous(), w = weight.to(x.scalar_type()).contiguous();
-    const int64_t dim = input.size(-1), rows = input.numel() / dim;
-    auto y = torch::empty_like(input);
-    auto rstd = torch::empty({rows}, input.options());
-    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm_forward", [&] {
-      const scalar_t* xs = input.data_ptr<scalar_t>();
-      const scalar_t* ws = w.data_ptr<scalar_t>();
-      scalar_t* ys = y.data_ptr<scalar_t>();
-      scalar_t* rs = rstd.data_ptr<scalar_t>();
-      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const scalar_t* xr = xs + r * dim;
-          scalar_t squares = 0;
-          for (int64_t i = 0; i < dim; ++i) squares += xr[i] * xr[i];
-          const scalar_t s = 1 / std::sqrt(squares / static_cast<scalar_t>(dim) + eps);
-          rs[r] = s;
-          scalar_t* yr = ys + r * dim;
-          for (int64_t i = 0; i < dim; ++i) yr[i] = xr[i] * s * ws[i];
-        }
-      });
-    });
-    ctx->save_for_backward({input, weight, rstd});  // the parameter itself: no copy kept
-    return y;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &input = saved[0], &rstd = saved[2];
-    const auto w = saved[1].to(input.scalar_type()).contiguous();
-    const auto grad_y = grads[0].contiguous();
-    const int64_t dim = input.size(-1), rows = input.numel() / dim;
-    auto grad_x = torch::empty_like(input);
-    // ∂w is a sum over rows: each thread adds into its own row of `partial`.
-    auto partial = torch::zeros({at::get_num_threads(), dim}, input.options());
-    AT_DISPATCH_FLOATING_TYPES(input.scalar_type(), "rms_norm_backward", [&] {
-      const scalar_t* xs = input.data_ptr<scalar_t>();
-      const scalar_t* ws = w.data_ptr<scalar_t>();
-      const scalar_t* gs = grad_y.data_ptr<scalar_t>();
-      const scalar_t* rs = rstd.data_ptr<scalar_t>();
-      scalar_t* dxs = grad_x.data_ptr<scalar_t>();
-      scalar_t* parts = partial.data_ptr<scalar_t>();
-      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-        scalar_t* dw = parts + at::get_thread_num() * dim;
-        for (int64_t r = begin; r < end; ++r) {
-          const scalar_t *xr = xs + r * dim, *gr = gs + r * dim;
-          const scalar_t s = rs[r];
-          scalar_t dot = 0;  // Σ_i ∂y_i·w_i·x_i
-          for (int64_t i = 0; i < dim; ++i) dot += gr[i] * ws[i] * xr[i];
-          const scalar_t c = dot * s * s * s / static_cast<scalar_t>(dim);
-          scalar_t* dxr = dxs + r * dim;
-          for (int64_t i = 0; i < dim; ++i) {
-            dxr[i] = s * gr[i] * ws[i] - c * xr[i];
-            dw[i] += gr[i] * xr[i] * s;
-          }
-        }
-      });
-    });
-    return {grad_x, partial.sum(0), {}};
-  }
-};
-
 // AdamW on n elements: both moments, the decoupled decay and the step. This file compiles with
 // -fno-math-errno (CMakeLists.txt): sqrt then need not set errno, and the compiler (GCC or
 // clang) vectorises the loop, whose sqrt and division are its costly part.
@@ -249,15 +183,6 @@ FusedSwiGLUMlpImpl::FusedSwiGLUMlpImpl(const MlpImpl& lesson) {
 
 torch::Tensor FusedSwiGLUMlpImpl::forward(const torch::Tensor& x) {
   return down_proj(swiglu(gate_proj(x), up_proj(x)));
-}
-
-torch::Tensor FusedRMSNormKernel::normalize(const torch::Tensor& x, const torch::Tensor& weight,
-                                            double eps) const {
-  FIVEFOLD_CHECK(x.size(-1) == weight.numel() &&
-                     at::promote_types(x.scalar_type(), weight.scalar_type()) == x.scalar_type(),
-                 "RMSNorm: x [..., ", x.size(-1), "] ", x.scalar_type(), " against weight [",
-                 weight.numel(), "] ", weight.scalar_type());
-  return RMSNormFunction::apply(x, weight, eps);
 }
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {

@@ -266,39 +266,46 @@ TEST(SwiGLU, BothPathsGiveSiluOfTheGateTimesUpWithItsGradients) {
 }
 
 // x and the weight in one type (fp64, fp32), and x in fp32 against a weight kept in bf16 (chapter
-// 14's master weights: read widened, its gradient returned in bf16, rounded once).
+// 14's master weights: read widened, its gradient returned in bf16, rounded once); rows of 16 and
+// of 300 numbers (not a whole number of AVX-512 registers), with the loops and without.
 TEST(FusedRMSNorm, EqualsTheFormulaWithItsGradients) {
   const std::vector<std::pair<torch::Dtype, torch::Dtype>> types = {
       {torch::kDouble, torch::kDouble},
       {torch::kFloat, torch::kFloat},
       {torch::kFloat, torch::kBFloat16}};
-  for (const auto& [dtype, weight_type] : types) {
-    SCOPED_TRACE(::testing::Message() << dtype << " x, " << weight_type << " weight");
-    const double tolerance = dtype == torch::kDouble ? 1e-12 : 1e-5;
-    auto x = draw({3, 5, 16}, "x", dtype);
-    auto w = (1 + 0.1 * draw({16}, "w", dtype));
-    auto upstream = draw({3, 5, 16}, "dy", dtype);
-    std::vector<torch::Tensor> results[2];
-    for (int fused = 0; fused < 2; ++fused) {
-      RMSNorm norm(16, 1e-5);
-      {
-        torch::NoGradGuard no_grad;
-        norm->to(dtype);
-        norm->weight.copy_(w);
-        norm->weight.set_data(norm->weight.to(weight_type));
+  for (const bool vector : {true, false}) {
+    const Avx512Loops loops(vector);
+    for (const int64_t dim : {16, 300}) {
+      for (const auto& [dtype, weight_type] : types) {
+        SCOPED_TRACE(::testing::Message() << dtype << " x, " << weight_type << " weight, rows of "
+                                          << dim << (vector ? ", loops" : ", no loops"));
+        const double tolerance = dtype == torch::kDouble ? 1e-12 : 1e-5;
+        auto x = draw({3, 5, dim}, "x", dtype);
+        auto w = (1 + 0.1 * draw({dim}, "w", dtype));
+        auto upstream = draw({3, 5, dim}, "dy", dtype);
+        std::vector<torch::Tensor> results[2];
+        for (int fused = 0; fused < 2; ++fused) {
+          RMSNorm norm(dim, 1e-5);
+          {
+            torch::NoGradGuard no_grad;
+            norm->to(dtype);
+            norm->weight.copy_(w);
+            norm->weight.set_data(norm->weight.to(weight_type));
+          }
+          if (fused == 1) norm->kernel = std::make_shared<FusedRMSNormKernel>();
+          auto input = x.clone().requires_grad_(true);
+          auto y = norm(input);
+          ASSERT_EQ(y.scalar_type(), dtype);
+          (y * upstream).sum().backward();
+          ASSERT_EQ(norm->weight.grad().scalar_type(), weight_type);
+          results[fused] = {y.detach(), input.grad(), norm->weight.grad().to(dtype)};
+        }
+        for (size_t i = 0; i < 3; ++i) {
+          // The weight's gradient in bf16: the two sums round apart by at most one bf16 step.
+          const double t = i == 2 && weight_type == torch::kBFloat16 ? 1e-2 : tolerance;
+          EXPECT_TENSOR_CLOSE(results[1][i], results[0][i], t, t);
+        }
       }
-      if (fused == 1) norm->kernel = std::make_shared<FusedRMSNormKernel>();
-      auto input = x.clone().requires_grad_(true);
-      auto y = norm(input);
-      ASSERT_EQ(y.scalar_type(), dtype);
-      (y * upstream).sum().backward();
-      ASSERT_EQ(norm->weight.grad().scalar_type(), weight_type);
-      results[fused] = {y.detach(), input.grad(), norm->weight.grad().to(dtype)};
-    }
-    for (size_t i = 0; i < 3; ++i) {
-      // The weight's gradient in bf16: the two sums round apart by at most one bf16 step.
-      const double t = i == 2 && weight_type == torch::kBFloat16 ? 1e-2 : tolerance;
-      EXPECT_TENSOR_CLOSE(results[1][i], results[0][i], t, t);
     }
   }
 }

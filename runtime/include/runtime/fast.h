@@ -59,7 +59,10 @@ class TiledCausalAttentionKernel : public ch03::AttentionKernel {
 /// (∂x = rstd·(g − x·rstd²·mean(g·x)) with g = ∂y·w; ∂w = Σ_rows ∂y·x·rstd), over at::parallel_for,
 /// instead of the six operations forward and about a dozen backward that autograd records for the
 /// formula. x in float32 or float64; the weight in x's type or a narrower one (a bf16 weight,
-/// chapter 14's master weights, is read widened; its gradient returns in its own type).
+/// chapter 14's master weights, is read widened; its gradient returns in its own type). With the
+/// AVX-512 loops (`avx512_loops`) and x in fp32, sixteen numbers at a time, each sum in sixteen
+/// running parts; elsewhere plain loops, whose sums run one number after another (a compiler
+/// keeps a float sum's order).
 class FusedRMSNormKernel : public ch03::NormKernel {
  public:
   torch::Tensor normalize(const torch::Tensor& x, const torch::Tensor& weight,
@@ -198,9 +201,9 @@ class FusedSwiGLUMlpImpl : public ch03::FeedForwardLayer {
 /// x86-64 baseline, compiles beside ATen's.
 bool avx512_available();
 
-/// Whether causal_tile_exp and swiglu run their AVX-512 loops (true by default: where the CPU has
-/// them); false puts ATen's operations in their place, process-wide (bench_train_throughput
-/// --loops times the step both ways).
+/// Whether causal_tile_exp, swiglu and FusedRMSNormKernel run their AVX-512 loops (true by
+/// default: where the CPU has them); false puts ATen's operations (the norm's plain loops) in
+/// their place, process-wide (bench_train_throughput --loops times the step both ways).
 void set_avx512_loops(bool on);
 /// Whether the loops run: set_avx512_loops's choice, on a CPU that has them.
 bool avx512_loops();
