@@ -4,7 +4,7 @@
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
 //                                    [--compare] [--bf16] [--parts] [--profile] [--loops]
-//                                    [--tiles]
+//                                    [--tiles] [--rope]
 //
 // The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "02_flops_6np/flops.h"
+#include "04_rope/rope.h"
 #include "14_memory/precision.h"
 #include "runtime/fast.h"
 #include "03_transformer/train.h"
@@ -340,6 +341,33 @@ void print_tiles(const std::vector<Size>& sizes, int64_t steps,
   fivefold::ch03::set_matmul_kernel(kernel);
 }
 
+// --rope: each size's step on the model with chapter 04's RoPE (the benchmark's model has no
+// positions, as PyTorch's in run_vs_pytorch.sh has none), the lesson's RotaryEmbedding and the
+// fast paths' FusedRotaryEmbedding swapped step by step on one model, in fp32 and in bf16.
+void print_rope(const std::vector<Size>& sizes, int64_t steps,
+                const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel) {
+  std::printf(
+      "threads %d; median step ms over %lld steps each way, alternating, after 3 warm-up "
+      "steps each; with the fast paths and RoPE (base 10000)\n\n%-22s %-9s %12s %12s %9s\n",
+      torch::get_num_threads(), static_cast<long long>(steps), "model", "precision", "lesson ms",
+      "fused ms", "speed-up");
+  for (const Size& s : sizes) {
+    for (const bool bf16 : {false, true}) {
+      fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
+      Bench b = prepare(s, true, bf16);
+      auto lesson = std::make_shared<const fivefold::ch04::RotaryEmbedding>(
+          b.config.resolved_head_dim(), 10000.0);
+      auto fused = std::make_shared<const fivefold::runtime::FusedRotaryEmbedding>(lesson);
+      const auto ms = alternating_step_ms(b, steps, 3,
+                                          {[&b, lesson] { b.model->set_position_encoding(lesson); },
+                                           [&b, fused] { b.model->set_position_encoding(fused); }});
+      std::printf("%-22s %-9s %12.2f %12.2f %8.2fx\n", s.name, bf16 ? "bf16" : "fp32", ms[0], ms[1],
+                  ms[0] / ms[1]);
+    }
+  }
+  fivefold::ch03::set_matmul_kernel(kernel);
+}
+
 }  // namespace
 
 namespace {
@@ -364,6 +392,10 @@ int run(int argc, char** argv) {
   args.flag("loops",
             "time each size's step with the fast paths' AVX-512 loops and with ATen's operations "
             "in their place instead, alternating step by step, in fp32 and bf16");
+  args.flag("rope",
+            "time each size's step with chapter 04's RoPE instead (the model has no positions "
+            "otherwise), the lesson's and the fused one alternating step by step, in fp32 and "
+            "bf16");
   args.flag("tiles",
             "time each size's step with the tiled attention's queries in tiles of 64, 128 and "
             "256 instead, alternating step by step, in fp32 and bf16");
@@ -386,6 +418,10 @@ int run(int argc, char** argv) {
                                    {"d128 L4 seq128 b8", 128, 4, 2, 384, 128, 8},
                                    {"d256 L4 seq256 b8", 256, 4, 4, 704, 256, 8},
                                    {"d256 L4 seq256 b8 h8", 256, 4, 8, 704, 256, 8}};
+  if (args.on("rope")) {
+    print_rope(sizes, args.integer("steps"), kernel);
+    return 0;
+  }
   if (args.on("tiles")) {
     print_tiles(sizes, args.integer("steps"), kernel);
     return 0;

@@ -63,6 +63,12 @@ class RotaryEmbedding : public ch03::PositionEncoding {
   /// q, k [batch, heads, seq, head_dim] at `positions` (int64 [seq]) -> rotated (q, k).
   std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q, const torch::Tensor& k,
                                                  const torch::Tensor& positions) const override;
+  /// cos and sin at `positions` (int64 [seq]), float32 [seq, head_dim/2]: the cached rows, or
+  /// computed beyond the cache. What encode rotates by; the training run's fused RoPE
+  /// (runtime/fast.h) reads them here.
+  std::pair<torch::Tensor, torch::Tensor> angles(const torch::Tensor& positions) const;
+  /// The pair layout it rotates.
+  RopeLayout layout() const { return layout_; }
 
  private:
   RopeLayout layout_;

@@ -199,6 +199,22 @@ FIVEFOLD_AVX512 void rms_norm_backward_rows(const float* x, const W* w, const fl
   }
 }
 
+// RoPE's rotation of one row's half-split pairs, x's row to y's: (a, c) -> (a·cos − c·sin,
+// a·sin + c·cos) with pair j = (row[j], row[half + j]); sin negated (`back`) rotates back, which is
+// the rotation's backward. cos and sin: the row's position's [half] fp32.
+template <typename TX, typename TY>
+FIVEFOLD_AVX512 void rope_row(const TX* x, TY* y, const float* cos, const float* sin, int64_t half,
+                              bool back) {
+  const __m512 sign = _mm512_set1_ps(back ? -1.0f : 1.0f);
+  for (int64_t j = 0; j < half; j += 16) {
+    const __mmask16 mask = first_lanes(half - j);
+    const __m512 a = load(x + j, mask), c = load(x + half + j, mask);
+    const __m512 co = load(cos + j, mask), si = _mm512_mul_ps(sign, load(sin + j, mask));
+    store(y + j, mask, rounded(_mm512_fmsub_ps(a, co, _mm512_mul_ps(c, si)), y));
+    store(y + half + j, mask, rounded(_mm512_fmadd_ps(a, si, _mm512_mul_ps(c, co)), y));
+  }
+}
+
 // Runs span(first, count) over [0, n) in chunks, on ATen's threads.
 template <typename Span>
 void in_chunks(int64_t n, const Span& span) {
@@ -381,12 +397,102 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
   }
 };
 
+// Every row (b, h, s) of x [B, H, S, d] to y's, each at its tensor's strides (unit stride along
+// d), rotated by the angles of position s (back: by their negatives).
+template <typename TX, typename TY>
+void rope_rows(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& cos,
+               const torch::Tensor& sin, bool back) {
+  const int64_t heads = x.size(1), seq = x.size(2), half = x.size(3) / 2;
+  const TX* xs = x.data_ptr<TX>();
+  TY* ys = y.data_ptr<TY>();
+  const float *cs = cos.data_ptr<float>(), *ss = sin.data_ptr<float>();
+  at::parallel_for(0, x.size(0) * heads * seq, 64, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t b = r / (heads * seq), h = r / seq % heads, p = r % seq;
+      rope_row(xs + b * x.stride(0) + h * x.stride(1) + p * x.stride(2),
+               ys + b * y.stride(0) + h * y.stride(1) + p * y.stride(2), cs + p * half,
+               ss + p * half, half, back);
+    }
+  });
+}
+
+// The rotation with ATen's operations, in fp32 at least: x's pairs turned by the angles (back: by
+// their negatives), in `type`.
+torch::Tensor rope_by_aten(const torch::Tensor& x, const torch::Tensor& cos,
+                           const torch::Tensor& sin, bool back, at::ScalarType type) {
+  const int64_t half = x.size(-1) / 2;
+  const auto wide = at_least_fp32(x), s = back ? -sin : sin;
+  const auto a = wide.narrow(-1, 0, half), c = wide.narrow(-1, half, half);
+  return torch::cat({a * cos - c * s, a * s + c * cos}, -1).to(type);
+}
+
+bool is_loop_type(at::ScalarType type) { return type == torch::kFloat || type == torch::kBFloat16; }
+
+// Rotates x [b, h, s, d] (any dense layout) into a new contiguous tensor of `type`; its backward
+// rotates the gradient back into x's own layout and type. Keeps cos and sin only.
+class HalfSplitRotation : public torch::autograd::Function<HalfSplitRotation> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cos, const torch::Tensor& sin, int64_t type) {
+    const auto out_type = static_cast<at::ScalarType>(type);
+    const auto input = x.is_non_overlapping_and_dense() ? x : x.contiguous();
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["sizes"] = input.sizes().vec();
+    ctx->saved_data["strides"] = input.strides().vec();
+    ctx->saved_data["type"] = static_cast<int64_t>(input.scalar_type());
+    if (!avx512_loops() || !is_loop_type(input.scalar_type()) || !is_loop_type(out_type)) {
+      return rope_by_aten(input, cos, sin, /*back=*/false, out_type).contiguous();
+    }
+    RECORD_FUNCTION("fivefold::rope", std::vector<c10::IValue>({input}));
+    auto y = torch::empty(input.sizes(), input.options().dtype(out_type));
+    on_type(input.scalar_type(), [&](auto x_tag) {
+      on_type(out_type, [&](auto y_tag) {
+        rope_rows<decltype(x_tag), decltype(y_tag)>(input, y, cos, sin, /*back=*/false);
+      });
+    });
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &cos = saved[0], &sin = saved[1];
+    const auto type = static_cast<at::ScalarType>(ctx->saved_data["type"].toInt());
+    const auto grad_y = grads[0].contiguous();
+    if (!avx512_loops() || !is_loop_type(grad_y.scalar_type()) || !is_loop_type(type)) {
+      return {rope_by_aten(grad_y, cos, sin, /*back=*/true, type), {}, {}, {}};
+    }
+    RECORD_FUNCTION("fivefold::rope_backward", std::vector<c10::IValue>({grad_y}));
+    auto grad_x = torch::empty_strided(ctx->saved_data["sizes"].toIntVector(),
+                                       ctx->saved_data["strides"].toIntVector(),
+                                       grad_y.options().dtype(type));
+    on_type(grad_y.scalar_type(), [&](auto g_tag) {
+      on_type(type, [&](auto x_tag) {
+        rope_rows<decltype(g_tag), decltype(x_tag)>(grad_y, grad_x, cos, sin, /*back=*/true);
+      });
+    });
+    return {grad_x, {}, {}, {}};
+  }
+};
+
 }  // namespace
 
 torch::Tensor swiglu(const torch::Tensor& gate, const torch::Tensor& up) {
   FIVEFOLD_CHECK(gate.sizes() == up.sizes(), "swiglu: gate ", gate.sizes(), " and up ", up.sizes(),
                  " differ in shape");
   return SwiGLU::apply(gate, up);
+}
+
+torch::Tensor rotate_half_split(const torch::Tensor& x, const torch::Tensor& cos,
+                                const torch::Tensor& sin, at::ScalarType type) {
+  FIVEFOLD_CHECK(x.dim() == 4 && x.size(3) % 2 == 0 && x.stride(3) == 1 &&
+                     cos.sizes() == torch::IntArrayRef({x.size(2), x.size(3) / 2}) &&
+                     sin.sizes() == cos.sizes() && cos.scalar_type() == torch::kFloat &&
+                     sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
+                     sin.is_contiguous(),
+                 "rotate_half_split: x [b, h, s, d] (d even, unit stride) and fp32 cos, sin "
+                 "[s, d/2], got x ",
+                 x.sizes(), " and cos ", cos.sizes(), " ", cos.scalar_type());
+  return HalfSplitRotation::apply(x, cos, sin, static_cast<int64_t>(type));
 }
 
 torch::Tensor FusedRMSNormKernel::normalize(const torch::Tensor& x, const torch::Tensor& weight,

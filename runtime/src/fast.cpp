@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <memory>
 #include <typeinfo>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "03_transformer/heads.h"
 #include "06_mla/mla.h"
 #include "07_moe/moe.h"
+#include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "fivefold/error.h"
 
@@ -173,6 +175,22 @@ AttentionOutput TiledCausalAttentionKernel::compute(const torch::Tensor& q, cons
   }
   auto result = TiledCausalAttention::apply(q, k, v, scale, tile_);
   return {result[0], result[1]};
+}
+
+FusedRotaryEmbedding::FusedRotaryEmbedding(std::shared_ptr<const ch04::RotaryEmbedding> lesson)
+    : lesson_(std::move(lesson)) {
+  FIVEFOLD_CHECK(lesson_ && lesson_->layout() == ch04::RopeLayout::HalfSplit,
+                 "FusedRotaryEmbedding rotates half-split pairs only");
+}
+
+std::pair<torch::Tensor, torch::Tensor> FusedRotaryEmbedding::encode(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions) const {
+  const auto [cos, sin] = lesson_->angles(positions);
+  // The form the products multiply an activation in: what the kernel hands its results on in
+  // (bf16 under chapter 14's kernel; fp32, or wider, otherwise).
+  auto type = at::promote_types(q.scalar_type(), torch::kFloat);
+  if (const MatmulKernel* kernel = matmul_kernel()) type = kernel->result_type(type);
+  return {rotate_half_split(q, cos, sin, type), rotate_half_split(k, cos, sin, type)};
 }
 
 FusedSwiGLUMlpImpl::FusedSwiGLUMlpImpl(const MlpImpl& lesson) {
@@ -340,6 +358,7 @@ FastPaths install_fast_paths(Transformer& model) {
   FastPaths installed;
   auto tiled = std::make_shared<const TiledCausalAttentionKernel>();
   auto norm = std::make_shared<const FusedRMSNormKernel>();
+  std::map<const ch04::RotaryEmbedding*, std::shared_ptr<const FusedRotaryEmbedding>> rotary;
   bool checked = false;
   for (const auto& item : model->named_modules()) {
     auto* layer = dynamic_cast<AttentionLayer*>(item.value().get());
@@ -364,6 +383,19 @@ FastPaths install_fast_paths(Transformer& model) {
       }
       layer->kernel = tiled;
       ++installed.attention_kernels;
+      // RoPE fused for the layers whose q and k go from attend_heads to the tiled kernel alone.
+      auto rope = std::dynamic_pointer_cast<const ch04::RotaryEmbedding>(layer->encoding);
+      const auto& layer_type = typeid(*layer);
+      const ch03::PositionEncoding* encoding = layer->encoding.get();
+      if ((layer_type == typeid(AttentionImpl) ||
+           layer_type == typeid(ch10::TensorParallelAttentionImpl)) &&
+          rope && typeid(*encoding) == typeid(ch04::RotaryEmbedding) &&
+          rope->layout() == ch04::RopeLayout::HalfSplit) {
+        auto& fused = rotary[rope.get()];
+        if (!fused) fused = std::make_shared<const FusedRotaryEmbedding>(rope);
+        layer->encoding = fused;
+        ++installed.rotary;
+      }
     }
     auto* block = dynamic_cast<BlockImpl*>(item.value().get());
     const FeedForwardLayer* mlp = block != nullptr ? block->mlp.get() : nullptr;

@@ -49,16 +49,18 @@ RotaryEmbedding::RotaryEmbedding(int64_t head_dim, double base, RopeLayout layou
   std::tie(cos_, sin_) = rope_angles(frequencies_, 0, cached_positions);
 }
 
-std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::encode(
-    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions) const {
-  torch::Tensor cos, sin;  // [seq, d/2]
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::angles(
+    const torch::Tensor& positions) const {
   if (positions.numel() > 0 && positions.min().item<int64_t>() >= 0 &&
       positions.max().item<int64_t>() < cos_.size(0)) {  // the cached rows of those positions
-    cos = cos_.index_select(0, positions);
-    sin = sin_.index_select(0, positions);
-  } else {  // beyond the cache: the same angles, computed now
-    std::tie(cos, sin) = rope_angles(frequencies_, positions);
+    return {cos_.index_select(0, positions), sin_.index_select(0, positions)};
   }
+  return rope_angles(frequencies_, positions);  // beyond the cache: the same angles, computed now
+}
+
+std::pair<torch::Tensor, torch::Tensor> RotaryEmbedding::encode(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& positions) const {
+  const auto [cos, sin] = angles(positions);  // [seq, d/2]
   return {apply_rope(q, cos, sin, layout_), apply_rope(k, cos, sin, layout_)};
 }
 

@@ -8,6 +8,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/train.h"
+#include "04_rope/rope.h"
 #include "07_moe/moe.h"
 #include "12_context_parallel/attention.h"
 #include "fivefold/error.h"
@@ -265,6 +266,57 @@ TEST(SwiGLU, BothPathsGiveSiluOfTheGateTimesUpWithItsGradients) {
   }
 }
 
+// RoPE's rotation of a product's rows viewed as heads (x [b, h, s, d] with the rows' strides):
+// against chapter 04's apply_rope in fp64, from fp32 and bf16 rows into fp32 and bf16, with the
+// loops and without; pairs of 20 (not a whole number of AVX-512 registers). The result is
+// contiguous in the type asked for; the gradient comes back in the rows' own type and layout.
+TEST(RotateHalfSplit, BothPathsTurnThePairsAsChapter04WithTheGradient) {
+  const int64_t batch = 2, seq = 5, heads = 3, d = 40;
+  const auto [cos, sin] = fivefold::ch04::rope_angles(fivefold::ch04::rope_frequencies(d, 10000.0),
+                                                      position_range(3, seq));
+  for (const bool vector : {true, false}) {
+    if (vector && !avx512_available()) {
+      std::printf("this CPU has no AVX-512: the loop is not tested here\n");
+      continue;
+    }
+    const Avx512Loops loops(vector);
+    for (const auto x_type : {torch::kFloat, torch::kBFloat16}) {
+      for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+        SCOPED_TRACE(::testing::Message() << (vector ? "AVX-512 loop, " : "ATen's operations, ")
+                                          << x_type << " rows into " << type);
+        auto rows = (3 * draw({batch, seq, heads, d}, "rows", torch::kFloat)).to(x_type);
+        rows.requires_grad_();
+        const auto x = rows.transpose(1, 2);  // [b, h, s, d], as attend_heads splits the heads
+        const auto y = rotate_half_split(x, cos, sin, type);
+        ASSERT_EQ(y.scalar_type(), type);
+        ASSERT_TRUE(y.is_contiguous());
+        const auto upstream = draw({batch, heads, seq, d}, "dy", torch::kFloat).to(type);
+        y.backward(upstream);
+        ASSERT_EQ(rows.grad().scalar_type(), x_type);
+        EXPECT_TRUE(rows.grad().is_contiguous());
+        auto x64 = x.detach().to(torch::kDouble).requires_grad_();
+        const auto want =
+            fivefold::ch04::apply_rope(x64, cos.to(torch::kDouble), sin.to(torch::kDouble),
+                                       fivefold::ch04::RopeLayout::HalfSplit);
+        want.backward(upstream.to(torch::kDouble));
+        const std::vector<std::tuple<const char*, torch::Tensor, torch::Tensor, torch::Dtype>>
+            checks = {{"y", y, want.detach(), type},
+                      {"grad", rows.grad().transpose(1, 2), x64.grad(), x_type}};
+        for (const auto& [name, got, expected, rounded_to] : checks) {
+          SCOPED_TRACE(name);
+          const double rounding = rounded_to == torch::kFloat ? 1e-6 : std::ldexp(1.0, -8);
+          const auto error = (got.detach().to(torch::kDouble) - expected).abs();
+          const auto bound = rounding * expected.abs() + 2e-6 * expected.abs().max();
+          EXPECT_TRUE((error <= bound).all().item<bool>())
+              << "largest error " << error.max().item<double>();
+        }
+      }
+    }
+  }
+  EXPECT_THROW(rotate_half_split(torch::zeros({2, 3, 5, 7}), cos, sin, torch::kFloat),
+               fivefold::Error);  // an odd head_dim
+}
+
 // x and the weight in one type (fp64, fp32), and x in fp32 against a weight kept in bf16 (chapter
 // 14's master weights: read widened, its gradient returned in bf16, rounded once); rows of 16 and
 // of 300 numbers (not a whole number of AVX-512 registers), with the loops and without.
@@ -504,36 +556,42 @@ TEST(MatmulKernel, ThePeakIsMeasuredOnTheKernelLinearUses) {
   EXPECT_EQ(counting->calls, 12);
 }
 
+// Without positions and with chapter 04's RoPE.
 TEST(FastPaths, AWholeModelGivesTheLessonsLossAndGradients) {
-  ModelConfig c;
-  c.vocab_size = 61;
-  c.d_model = 32;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.d_ff = 48;
-  Transformer lesson(c), fast(c);
-  const FastPaths installed = install_fast_paths(fast);
-  EXPECT_EQ(installed.attention_kernels, 2);
-  EXPECT_EQ(installed.norms, 5);  // two per block and the final norm
-  EXPECT_EQ(installed.mlps, 2);
-  EXPECT_EQ(install_fast_paths(fast).norms, 0);  // once installed, left alone
-  EXPECT_EQ(installed.matmul, OneDnnMatmulKernel::available());
-  auto tokens = torch::randint(c.vocab_size, {3, 70}, fivefold::generator_for(5, "tokens"));
-  const Batch batch{tokens.narrow(1, 0, 69), tokens.narrow(1, 1, 69)};
-  // The lesson's model multiplies with at::mm: the matmul kernel is process-wide.
-  const auto products = set_matmul_kernel(nullptr);
-  auto lesson_loss = loss_of(lesson, batch);
-  lesson_loss.backward();
-  set_matmul_kernel(products);
-  auto fast_loss = loss_of(fast, batch);
-  fast_loss.backward();
-  set_matmul_kernel(nullptr);
-  EXPECT_NEAR(fast_loss.item<double>(), lesson_loss.item<double>(), 1e-6);
-  const auto want = lesson->named_parameters(), got = fast->named_parameters();
-  for (const auto& item : want) {
-    SCOPED_TRACE(item.key());
-    EXPECT_TENSOR_CLOSE(got[item.key()].grad(), item.value().grad(), 1e-5, 1e-6);
+  for (const double rope_theta : {0.0, 10000.0}) {
+    SCOPED_TRACE(rope_theta > 0 ? "RoPE" : "no positions");
+    ModelConfig c;
+    c.vocab_size = 61;
+    c.d_model = 32;
+    c.n_layers = 2;
+    c.n_heads = 4;
+    c.n_kv_heads = 2;
+    c.d_ff = 48;
+    c.rope_theta = rope_theta;
+    Transformer lesson = fivefold::ch04::make_model(c), fast = fivefold::ch04::make_model(c);
+    const FastPaths installed = install_fast_paths(fast);
+    EXPECT_EQ(installed.attention_kernels, 2);
+    EXPECT_EQ(installed.norms, 5);  // two per block and the final norm
+    EXPECT_EQ(installed.mlps, 2);
+    EXPECT_EQ(installed.rotary, rope_theta > 0 ? 2 : 0);
+    EXPECT_EQ(install_fast_paths(fast).norms, 0);  // once installed, left alone
+    EXPECT_EQ(installed.matmul, OneDnnMatmulKernel::available());
+    auto tokens = torch::randint(c.vocab_size, {3, 70}, fivefold::generator_for(5, "tokens"));
+    const Batch batch{tokens.narrow(1, 0, 69), tokens.narrow(1, 1, 69)};
+    // The lesson's model multiplies with at::mm: the matmul kernel is process-wide.
+    const auto products = set_matmul_kernel(nullptr);
+    auto lesson_loss = loss_of(lesson, batch);
+    lesson_loss.backward();
+    set_matmul_kernel(products);
+    auto fast_loss = loss_of(fast, batch);
+    fast_loss.backward();
+    set_matmul_kernel(nullptr);
+    EXPECT_NEAR(fast_loss.item<double>(), lesson_loss.item<double>(), 1e-6);
+    const auto want = lesson->named_parameters(), got = fast->named_parameters();
+    for (const auto& item : want) {
+      SCOPED_TRACE(item.key());
+      EXPECT_TENSOR_CLOSE(got[item.key()].grad(), item.value().grad(), 1e-5, 1e-6);
+    }
   }
 }
 

@@ -3,7 +3,8 @@
 /// @brief Fast paths for the training step: the same mathematics as chapter 03's modules, computed
 /// with fewer passes over memory and fewer operations. No chapter teaches them; each fills a slot
 /// chapter 03's code already has (the attention kernel, a block's MLP, the norm's kernel,
-/// `linear`'s matmul kernel, TrainConfig::make_adamw), is tested against the lesson's version
+/// `linear`'s matmul kernel, TrainConfig::make_adamw, an attention layer's position encoding), is
+/// tested against the lesson's version
 /// (tests/runtime/test_fast.cpp), and is installed by the training run unless `RunConfig::fast` is
 /// off (`fivefold train --lesson-kernels`). Read after chapter 12, whose blockwise attention the
 /// tiled kernel shares.
@@ -17,6 +18,7 @@
 
 #include "02_flops_6np/flops.h"
 #include "03_transformer/model.h"
+#include "04_rope/rope.h"
 #include "14_memory/plan.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
@@ -197,6 +199,32 @@ class FusedSwiGLUMlpImpl : public ch03::FeedForwardLayer {
   ch03::Linear down_proj{nullptr};  ///< d_ff -> d_model
 };
 
+/// Chapter 04's rotation of half-split pairs (apply_rope, RopeLayout::HalfSplit) of x [b, h, s, d]
+/// (any dense layout with unit stride along d, as the heads' view of a product's rows), by cos and
+/// sin [s, d/2] (fp32), returned contiguous in `type`, each number rounded once. Backward turns
+/// the gradient back by the negated angles, into x's own layout and type (the rows of the product
+/// that made x, contiguous again). With the AVX-512 loops (`avx512_loops`), x and `type` fp32 or
+/// bf16, one loop each way in fp32 registers; elsewhere ATen's operations in fp32 at least. Keeps
+/// cos and sin only.
+torch::Tensor rotate_half_split(const torch::Tensor& x, const torch::Tensor& cos,
+                                const torch::Tensor& sin, at::ScalarType type);
+
+/// Chapter 04's RoPE (half-split pairs) for an attention layer on the tiled kernel: q and k rotated
+/// by rotate_half_split, contiguous and already in the form the products multiply them in (bf16
+/// under chapter 14's kernel), which the tiled kernel takes as they come. The lesson's RoPE hands
+/// on fp32 [b, h, s, d] that the kernel then lays out and rounds itself, and its backward is a
+/// dozen operations and a copy back to the rows' layout.
+class FusedRotaryEmbedding : public ch03::PositionEncoding {
+ public:
+  /// The same angles as `lesson` (which must rotate half-split pairs: refused otherwise).
+  explicit FusedRotaryEmbedding(std::shared_ptr<const ch04::RotaryEmbedding> lesson);
+  std::pair<torch::Tensor, torch::Tensor> encode(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& positions) const override;
+
+ private:
+  std::shared_ptr<const ch04::RotaryEmbedding> lesson_;
+};
+
 /// Whether this CPU runs the AVX-512 loops (F, BW, VL and DQ), which the project, built for the
 /// x86-64 baseline, compiles beside ATen's.
 bool avx512_available();
@@ -213,6 +241,7 @@ struct FastPaths {
   int64_t attention_kernels = 0;  ///< CausalAttentionKernel -> TiledCausalAttentionKernel
   int64_t norms = 0;              ///< RMSNorm modules given FusedRMSNormKernel
   int64_t mlps = 0;               ///< blocks' MlpImpl -> FusedSwiGLUMlpImpl
+  int64_t rotary = 0;             ///< attention layers' RotaryEmbedding -> FusedRotaryEmbedding
   bool matmul = false;            ///< OneDnnMatmulKernel made `linear`'s (process-wide)
 };
 
@@ -220,7 +249,9 @@ struct FastPaths {
 /// attention layers whose kernel is chapter 03's CausalAttentionKernel (a ring or all-gather
 /// kernel of chapter 12 is left alone), every block whose MLP is chapter 03's MlpImpl (its
 /// modules taken over by FusedSwiGLUMlpImpl; chapter 10's split MLP and chapter 07's experts are
-/// left alone) and every RMSNorm; and, where oneDNN is available and no
+/// left alone), every RMSNorm, and chapter 04's RoPE (half-split pairs) in the Llama attention
+/// layers that get the tiled kernel (chapter 03's and chapter 10's; FusedRotaryEmbedding, one
+/// per RotaryEmbedding; MLA's and YaRN's left alone); and, where oneDNN is available and no
 /// MatmulKernel is set yet, OneDnnMatmulKernel for `linear` (process-wide: every model of the
 /// process then multiplies with it). Before the first attention kernel and the matmul kernel,
 /// it checks each against the lesson's version (causal_attention, the chapter's exercise; at::mm)
