@@ -83,16 +83,19 @@ inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
 }
 
-// One row s[0, n): e = exp(s − max) over its first `seen` numbers, 0 after them; returns the max,
-// and Σe (of e as stored) in *sum.
+// One row s[0, n): e = exp(s − m) over its first `seen` numbers, 0 after them, with m the row's
+// max, or `given` (a log-sum-exp) when it is not NaN; returns m, and Σe (of e as stored) in *sum.
 template <typename T>
-FIVEFOLD_AVX512 float exp_row(T* s, int64_t seen, int64_t n, float* sum) {
-  __m512 most = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < seen; j += 16) {
-    const __mmask16 mask = first_lanes(seen - j);
-    most = _mm512_mask_max_ps(most, mask, most, load(s + j, mask));
+FIVEFOLD_AVX512 float exp_row(T* s, int64_t seen, int64_t n, float* sum, float given) {
+  float max = given;
+  if (std::isnan(given)) {
+    __m512 most = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < seen; j += 16) {
+      const __mmask16 mask = first_lanes(seen - j);
+      most = _mm512_mask_max_ps(most, mask, most, load(s + j, mask));
+    }
+    max = _mm512_reduce_max_ps(most);
   }
-  const float max = _mm512_reduce_max_ps(most);
   const __m512 shift = _mm512_set1_ps(max);
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < seen; j += 16) {
@@ -107,13 +110,15 @@ FIVEFOLD_AVX512 float exp_row(T* s, int64_t seen, int64_t n, float* sum) {
 }
 
 // Every row of a tile [rows, n], row r the query r mod t of its head, seeing keys
-// 0 .. n − t + (r mod t).
+// 0 .. n − t + (r mod t); shifted by its max (written to max[r]) or, given `shift`, by shift[r].
 template <typename T>
-void exp_rows(T* scores, int64_t rows, int64_t n, int64_t t, float* max, float* sum) {
+void exp_rows(T* scores, int64_t rows, int64_t n, int64_t t, float* max, float* sum,
+              const float* shift) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      max[r] = exp_row(scores + r * n, n - t + r % t + 1, n, sum + r);
+      const float given = shift != nullptr ? shift[r] : NAN;
+      max[r] = exp_row(scores + r * n, n - t + r % t + 1, n, sum + r, given);
     }
   });
 }
@@ -518,7 +523,8 @@ void set_avx512_loops(bool on) { loops_on = on; }
 
 bool avx512_loops() { return loops_on && avx512_available(); }
 
-TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum) {
+TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
+                        const torch::Tensor& shift) {
   const int64_t t = scores.size(-2), n = scores.size(-1);
   FIVEFOLD_CHECK(
       scores.dim() == 4 && t <= n && future.size(0) >= t && future.size(1) >= t,
@@ -526,24 +532,31 @@ TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool
       "got scores ",
       scores.sizes(), " and a mask ", future.sizes());
   const auto type = at::promote_types(scores.scalar_type(), torch::kFloat);
+  const std::vector<int64_t> stats = {scores.size(0), scores.size(1), t, 1};
+  FIVEFOLD_CHECK(!shift.defined() || shift.sizes() == torch::IntArrayRef(stats),
+                 "causal_tile_exp: a shift of one number a query, [b, h, T, 1], got ",
+                 shift.sizes());
   if (!loops_take({scores})) {
     // ATen's passes, in the scores' own type: mask, max, s − max, exp (each rounded to a bf16
     // tile's type), and the sum in fp32 at least.
     scores.narrow(-1, n - t, t).masked_fill_(future.narrow(0, 0, t).narrow(1, 0, t), -INFINITY);
-    auto max = scores.amax(-1, /*keepdim=*/true);  // every query sees its own key
+    // (A shift subtracts in fp32, then rounds: a log-sum-exp is not rounded to a bf16 tile's type.)
+    auto max = shift.defined() ? shift : scores.amax(-1, /*keepdim=*/true);  // a query sees itself
     scores.sub_(max).exp_();
     return {max.to(type), with_sum ? scores.sum(-1, /*keepdim=*/true, type) : torch::Tensor()};
   }
   // Recorded for profiles as an operation of its own (ATen's passes record themselves).
   RECORD_FUNCTION("fivefold::causal_tile_exp", std::vector<c10::IValue>({scores}));
-  auto max = torch::empty({scores.size(0), scores.size(1), t, 1}, scores.options().dtype(type));
+  auto max = torch::empty(stats, scores.options().dtype(type));
   auto sum = torch::empty_like(max);
+  const auto given = shift.defined() ? shift.to(torch::kFloat).contiguous() : torch::Tensor();
   const int64_t rows = scores.numel() / n;
   on_type(scores.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    exp_rows(scores.data_ptr<T>(), rows, n, t, max.data_ptr<float>(), sum.data_ptr<float>());
+    exp_rows(scores.data_ptr<T>(), rows, n, t, max.data_ptr<float>(), sum.data_ptr<float>(),
+             given.defined() ? given.data_ptr<float>() : nullptr);
   });
-  return {max, sum};
+  return {max, with_sum ? sum : torch::Tensor()};
 }
 
 }  // namespace fivefold::runtime

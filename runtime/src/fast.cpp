@@ -104,21 +104,19 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     auto grad_keys = torch::zeros(keys.sizes(), grad_out.options());
     auto grad_values = torch::zeros(values.sizes(), grad_out.options());
     const auto future = torch::ones({tile, tile}, torch::kBool).triu(1);
+    // The probabilities themselves, p = exp(s − lse), from forward's log-sum-exp: no max, no sum
+    // (FlashAttention's backward). ∂L/∂v = pᵀ·dO and ∂L/∂s = p∘(dO·vᵀ − δ).
+    const auto dout = matmul_operand(grad_out);
     for (int64_t first = 0; first < seq_q; first += tile) {
       const int64_t t = std::min(tile, seq_q - first), end = offset + first + t;
       const auto q_tile = qs.narrow(2, first, t), k_seen = keys.narrow(2, 0, end);
-      const auto v_seen = values.narrow(2, 0, end);
-      // Forward's e again; p = e / sum, and 1 / sum = exp(max − lse) since lse = max + log(sum).
-      auto e = tile_scores(q_tile, k_seen);
-      const auto max = causal_tile_exp(e, future, /*with_sum=*/false).max;
-      const auto inverse = (max - lse.narrow(2, first, t).unsqueeze(-1)).exp();
-      // The 1/sum moves onto dO's rows, [T, dv] numbers instead of [T, end]: with dO' = dO/sum,
-      // ∂L/∂v = pᵀ·dO = eᵀ·dO' and ∂L/∂s = p∘(dO·vᵀ − δ) = e∘(dO'·vᵀ − δ/sum).
-      const auto dout = matmul_operand(grad_out.narrow(2, first, t) * inverse);
-      grad_values.narrow(2, 0, end).add_(head_products(e.transpose(-2, -1), dout));
-      auto grad_scores = head_products(dout, v_seen.transpose(-2, -1));
-      grad_scores.sub_((delta.narrow(2, first, t) * inverse).to(grad_scores.scalar_type()))
-          .mul_(e);  // ∂L/∂s, in the products' type: both products below read it as it is
+      const auto v_seen = values.narrow(2, 0, end), dout_tile = dout.narrow(2, first, t);
+      auto p = tile_scores(q_tile, k_seen);
+      causal_tile_exp(p, future, /*with_sum=*/false, lse.narrow(2, first, t).unsqueeze(-1));
+      grad_values.narrow(2, 0, end).add_(head_products(p.transpose(-2, -1), dout_tile));
+      auto grad_scores = head_products(dout_tile, v_seen.transpose(-2, -1));
+      grad_scores.sub_(delta.narrow(2, first, t).to(grad_scores.scalar_type()))
+          .mul_(p);  // ∂L/∂s, in the products' type: both products below read it as it is
       grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen)).mul_(scale);
       grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile));
     }

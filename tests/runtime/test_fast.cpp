@@ -210,6 +210,18 @@ TEST(CausalTileExp, BothPathsGiveTheSoftmaxOfTheKeysEachQuerySees) {
         EXPECT_TRUE(((e - want).abs() <= bound + 1e-30).all().item<bool>())
             << "largest error " << (e - want).abs().max().item<double>();
         EXPECT_TENSOR_CLOSE(got.sum.to(torch::kDouble), e.sum(-1, true), 0, 1e-6);
+        // Shifted by the log-sum-exp (what the tiled attention's backward gives): the
+        // probabilities themselves, within one rounding, the shift handed back as the max.
+        const auto lse = (want_max + want.sum(-1, true).log()).to(torch::kFloat);
+        auto probabilities = (3 * draw(shape, "scores", torch::kFloat)).to(type);
+        const auto shifted = causal_tile_exp(probabilities, future, /*with_sum=*/false, lse);
+        EXPECT_TRUE(torch::equal(shifted.max, lse));
+        const auto p = probabilities.to(torch::kDouble), want_p = want / want.sum(-1, true);
+        auto p_bound = rounding * want_p + 1e-7;
+        if (!vector && type == torch::kBFloat16)
+          p_bound = p_bound + rounding * (s - lse.to(torch::kDouble)).abs() * want_p;
+        EXPECT_TRUE(((p - want_p).abs() <= p_bound).all().item<bool>())
+            << "largest error " << (p - want_p).abs().max().item<double>();
       }
     }
   }

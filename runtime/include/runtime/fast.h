@@ -171,12 +171,15 @@ struct TileExp {
 /// e = exp(s − max) in place of a causal tile of attention scores s [b, h, T, end] (the tile's
 /// queries at the last T of `end` key positions: query i sees keys 0 .. end − T + i), 0 at each
 /// query's later keys; `future` is a [≥T, ≥T] bool mask whose strict upper triangle marks them.
-/// The tiled attention's forward and backward both compute e here, so backward recomputes the
-/// probabilities forward used, bit for bit. With the AVX-512 loops (`avx512_loops`) and a
-/// contiguous fp32 or bf16 tile, one loop per row computes s − max and exp in fp32 and rounds e
-/// once to the tile's type; elsewhere (or after set_avx512_loops(false)) ATen's mask, max,
-/// subtract and exp, each in the tile's type. Σe (of e as stored) when `with_sum`.
-TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum);
+/// Given `shift` ([b, h, T, 1]), e = exp(s − shift) instead and no max is computed (`shift` is
+/// returned as `max`): with the queries' log-sum-exp, which the tiled attention's backward has from
+/// forward, e is the softmax's probabilities themselves. With the AVX-512 loops (`avx512_loops`)
+/// and a contiguous fp32 or bf16 tile, one loop per row computes s − max and exp in fp32 and rounds
+/// e once to the tile's type; elsewhere (or after set_avx512_loops(false)) ATen's mask, max,
+/// subtract and exp, each in the tile's type (s − shift computed in fp32, then rounded). Σe (of e
+/// as stored) when `with_sum`.
+TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
+                        const torch::Tensor& shift = {});
 
 /// SwiGLU's product h = silu(gate)·up (gate, up [..., f], one shape), keeping gate and up for
 /// backward, which recomputes silu(gate) and its slope σ(g)·(1 + g·(1 − σ(g))) from them (ATen's
