@@ -4,7 +4,7 @@
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
 //                                    [--compare] [--bf16] [--parts] [--profile] [--loops]
-//                                    [--tiles] [--rope]
+//                                    [--tiles] [--rope] [--shapes]
 //
 // The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
@@ -184,19 +184,28 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
 }
 
 // Each operation's own time (its time less that of the operations it called) in ms a step and its
-// calls a step, by name: LibTorch's profiler around kProfiled steps after three warm-up ones.
+// calls a step, by name (with `shapes`, by name and its inputs' shapes): LibTorch's profiler
+// around kProfiled steps after three warm-up ones.
 struct OpTime {
   double ms = 0, calls = 0;
+  bool product = false;  // a matrix product (mm, bmm: LibTorch's or fivefold's)
 };
 constexpr int kProfiled = 3;
 
-std::map<std::string, OpTime> profile_step(const Size& s, bool fast, bool bf16) {
+// "name [2048, 256] [256, 704]": an operation and the shapes of its inputs.
+std::string with_shapes(const torch::autograd::profiler::LegacyEvent& e) {
+  std::string key = e.name();
+  for (const auto& shape : e.shapes()) key += " " + c10::str(torch::IntArrayRef(shape));
+  return key;
+}
+
+std::map<std::string, OpTime> profile_step(const Size& s, bool fast, bool bf16, bool shapes) {
   namespace profiler = torch::autograd::profiler;
   Bench b = prepare(s, fast, bf16);
   for (int i = 0; i < 3 + kProfiled; ++i) {
     if (i == 3)
       profiler::enableProfilerLegacy(torch::profiler::impl::ProfilerConfig(
-          torch::profiler::impl::ProfilerState::CPU));
+          torch::profiler::impl::ProfilerState::CPU, /*report_input_shapes=*/shapes));
     fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i, b.masters.get());
   }
   std::map<std::string, OpTime> ops;
@@ -210,7 +219,13 @@ std::map<std::string, OpTime> profile_step(const Size& s, bool fast, bool bf16) 
         open.pop_back();
         const double ms = start->cpuElapsedUs(e) / 1e3;
         if (!open.empty()) open.back().second += ms;
-        OpTime& op = ops[start->name()];
+        const std::string name = start->name();
+        OpTime& op = ops[shapes ? with_shapes(*start) : name];
+        const auto ends_with = [&name](const std::string& end) {
+          return name.size() >= end.size() &&
+                 name.compare(name.size() - end.size(), end.size(), end) == 0;
+        };
+        op.product = ends_with("::mm") || ends_with("::bmm");
         op.ms += (ms - callees) / kProfiled;
         op.calls += 1.0 / kProfiled;
       }
@@ -220,10 +235,11 @@ std::map<std::string, OpTime> profile_step(const Size& s, bool fast, bool bf16) 
 }
 
 // --profile: per size, the operations that take most of a step (fp32, and bf16 beside with
-// --bf16), then the step's matrix products (mm, bmm) against everything else.
+// --bf16; with --shapes each operation by its inputs' shapes too), then the step's matrix
+// products (mm, bmm) against everything else.
 void print_profiles(const std::vector<Size>& sizes,
                     const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel, bool fast,
-                    bool bf16) {
+                    bool bf16, bool shapes) {
   std::printf("threads %d; each operation's own time (less the operations it calls), ms a step, "
               "over %d steps after 3 warm-up ones (LibTorch's profiler, which adds its own "
               "overhead); %s\n",
@@ -231,8 +247,9 @@ void print_profiles(const std::vector<Size>& sizes,
   for (const Size& s : sizes) {
     // The products' kernel is process-wide: each fp32 step starts from the run's own again.
     fivefold::ch03::set_matmul_kernel(kernel);
-    const auto fp32 = profile_step(s, fast, false);
-    const auto narrow = bf16 ? profile_step(s, fast, true) : std::map<std::string, OpTime>{};
+    const auto fp32 = profile_step(s, fast, false, shapes);
+    const auto narrow =
+        bf16 ? profile_step(s, fast, true, shapes) : std::map<std::string, OpTime>{};
     fivefold::ch03::set_matmul_kernel(kernel);
     std::map<std::string, std::pair<OpTime, OpTime>> both;
     for (const auto& [name, t] : fp32) both[name].first = t;
@@ -241,24 +258,27 @@ void print_profiles(const std::vector<Size>& sizes,
     std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) {
       return a.second.first.ms + a.second.second.ms > b.second.first.ms + b.second.second.ms;
     });
-    std::printf("\n%-56s %9s %7s%s\n", s.name, "fp32 ms", "calls", bf16 ? "   bf16 ms   calls" : "");
+    // With shapes, more rows and the name's end (where the shapes are) when it is too long.
+    const int width = shapes ? 80 : 54;
+    const size_t shown = shapes ? 40 : 15;
+    std::printf("\n%-*s %9s %7s%s\n", width + 2, s.name, "fp32 ms", "calls",
+                bf16 ? "   bf16 ms   calls" : "");
     double products[2] = {0, 0}, other[2] = {0, 0};
     for (size_t i = 0; i < rows.size(); ++i) {
       const auto& [name, t] = rows[i];
-      const auto ends_with = [&name = name](const std::string& end) {
-        return name.size() >= end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0;
-      };
-      const bool product = ends_with("::mm") || ends_with("::bmm");
+      const bool product = t.first.product || t.second.product;
       (product ? products : other)[0] += t.first.ms;
       (product ? products : other)[1] += t.second.ms;
-      if (i >= 15) continue;
-      std::printf("  %-54.54s %9.2f %7.0f", name.c_str(), t.first.ms, t.first.calls);
+      if (i >= shown) continue;
+      const size_t cut = shapes && name.size() > size_t(width) ? name.size() - width : 0;
+      std::printf("  %-*.*s %9.2f %7.0f", width, width, name.c_str() + cut, t.first.ms,
+                  t.first.calls);
       if (bf16) std::printf(" %9.2f %7.0f", t.second.ms, t.second.calls);
       std::printf("\n");
     }
-    std::printf("  %-54s %9.2f %7s", "matrix products (mm, bmm)", products[0], "");
+    std::printf("  %-*s %9.2f %7s", width, "matrix products (mm, bmm)", products[0], "");
     if (bf16) std::printf(" %9.2f", products[1]);
-    std::printf("\n  %-54s %9.2f %7s", "everything else", other[0], "");
+    std::printf("\n  %-*s %9.2f %7s", width, "everything else", other[0], "");
     if (bf16) std::printf(" %9.2f", other[1]);
     std::printf("\n");
   }
@@ -389,6 +409,7 @@ int run(int argc, char** argv) {
             "profile 3 steps of each size instead (LibTorch's profiler): the operations that take "
             "most of a step, each by its own time, and the matrix products against the rest; "
             "with --bf16 the bf16 step beside");
+  args.flag("shapes", "with --profile: each operation by the shapes of its inputs too");
   args.flag("loops",
             "time each size's step with the fast paths' AVX-512 loops and with ATen's operations "
             "in their place instead, alternating step by step, in fp32 and bf16");
@@ -431,7 +452,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (args.on("profile")) {
-    print_profiles(sizes, kernel, !args.on("lesson-kernels"), args.on("bf16"));
+    print_profiles(sizes, kernel, !args.on("lesson-kernels"), args.on("bf16"), args.on("shapes"));
     return 0;
   }
   if (args.on("parts")) {
