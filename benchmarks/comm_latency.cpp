@@ -46,12 +46,7 @@ std::pair<double, double> interleaved(Communicator& world, int warmup, int iters
     ta.push_back(time_op(world, r == 0 ? warmup : 0, iters, a));
     if (b) tb.push_back(time_op(world, r == 0 ? warmup : 0, iters, b));
   }
-  auto median = [](std::vector<double> v) {
-    if (v.empty()) return 0.0;
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  return {median(ta), median(tb)};
+  return {fivefold::median(ta), tb.empty() ? 0.0 : fivefold::median(tb)};
 }
 
 }  // namespace

@@ -75,8 +75,7 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Va
                          static_cast<double>(steps);
   auto figures = torch::tensor({peak, blocked}, torch::kDouble);
   world->all_reduce(figures, dist::ReduceOp::Max);
-  std::sort(times.begin(), times.end());
-  return {times[times.size() / 2], figures[0].item<double>(), figures[1].item<double>()};
+  return {median(times), figures[0].item<double>(), figures[1].item<double>()};
 }
 
 int run(int argc, char** argv) {

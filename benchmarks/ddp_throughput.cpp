@@ -92,8 +92,7 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Va
       waits.push_back(ddp ? ddp->stats().wait_seconds : 0.0);
     }
   }
-  std::sort(times.begin(), times.end());
-  std::sort(waits.begin(), waits.end());
+
   int64_t bytes = 0;
   if (zero || fsdp) {
     const auto m = zero ? zero->memory() : fsdp->memory();
@@ -101,7 +100,7 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Va
   } else {  // weights, gradients, and AdamW's two moments for every parameter
     for (const auto& p : model->parameters()) bytes += 4 * p.numel() * 4;
   }
-  return {times[times.size() / 2], waits[waits.size() / 2], bytes, tracker.peak_bytes()};
+  return {median(times), median(waits), bytes, tracker.peak_bytes()};
 }
 }  // namespace
 

@@ -102,8 +102,7 @@ Result run(const dist::CommunicatorPtr& world, const ModelConfig& config, const 
        static_cast<double>(window)},
       torch::kDouble);
   world->all_reduce(blocked, dist::ReduceOp::Max);
-  std::sort(times.begin(), times.end());
-  r.step_seconds = times[times.size() / 2];
+  r.step_seconds = median(times);
   r.blocked_seconds = blocked.item<double>();
   auto mean = [](const std::vector<double>& v) {
     double sum = 0;

@@ -67,9 +67,7 @@ std::pair<double, double> time_product(const Product& p, int64_t rounds) {
   // Both libraries computed the same product (the last one written is oneDNN's).
   FIVEFOLD_CHECK(torch::allclose(c, at::mm(op_a, op_b), 1e-4, 1e-3),
                  "oneDNN's product differs from OpenBLAS's at [", p.m, ", ", p.n, ", ", p.k, "]");
-  std::sort(blas.begin(), blas.end());
-  std::sort(dnnl.begin(), dnnl.end());
-  return {blas[blas.size() / 2], dnnl[dnnl.size() / 2]};
+  return {fivefold::median(blas), fivefold::median(dnnl)};
 }
 
 }  // namespace

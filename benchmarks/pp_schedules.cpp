@@ -94,8 +94,7 @@ int run(int argc, char** argv) {
       world->all_reduce(seconds, dist::ReduceOp::Max);  // the slowest rank's step
       if (s >= 1) times.push_back(seconds.item<double>());
     }
-    std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2];
+    const double median = fivefold::median(times);
     const auto& executor = dynamic_cast<ch11::PipelineParallelStep&>(*step).executor();
     const auto timelines = runtime::gather_timelines(executor, *world);
     const auto simulation = ch11::simulate(ch11::make_schedule(name, p, v, m));

@@ -63,10 +63,9 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, bo
        mine == stats.end() ? dist::CommStats::mapped_type{} : mine->second) {
     if (op != dist::Op::Barrier) blocked += counts.blocked_seconds;
   }
-  std::sort(times.begin(), times.end());
   // The barrier and the timing all-reduce happen outside the timed step; the all-reduce is still
   // counted (one number a step: microseconds).
-  return {times[times.size() / 2], blocked / static_cast<double>(steps)};
+  return {median(times), blocked / static_cast<double>(steps)};
 }
 
 int run(int argc, char** argv) {

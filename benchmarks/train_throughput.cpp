@@ -83,12 +83,6 @@ Bench prepare(const Size& s, bool fast, bool bf16) {
   return b;
 }
 
-// The median of `values` (the upper one of an even count).
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
 // Median seconds of a whole optimizer step, and of its parts, over `steps` steps after 3 warm-up
 // steps. The parts are timed in separate steps (the same work) so that the whole is not disturbed.
 struct Timing {
@@ -119,7 +113,8 @@ Timing median_times(const Size& s, int64_t steps, bool fast, bool bf16 = false) 
       update.push_back(timer.seconds() - fb);
     }
   }
-  return {median(whole), median(forward), median(backward), median(update)};
+  return {fivefold::median(whole), fivefold::median(forward), fivefold::median(backward),
+          fivefold::median(update)};
 }
 
 // GFLOP/s of one product [m, k] x [k, n] repeated `batch` times (bmm when batch > 1): the median
@@ -135,7 +130,7 @@ double product_gflops(const fivefold::ch03::MatmulKernel* kernel, int64_t batch,
     c = batch > 1 ? torch::bmm(a, b) : kernel ? kernel->mm(a[0], b[0]) : torch::mm(a[0], b[0]);
     rates.push_back(2.0 * static_cast<double>(batch * m * k * n) / timer.seconds() / 1e9);
   }
-  return median(rates);
+  return fivefold::median(rates);
 }
 
 // One part of the step on its own, forward and backward, at the model's shapes: median ms over
@@ -160,7 +155,7 @@ std::vector<Part> time_parts(const Size& s, int64_t steps, bool fast, bool bf16 
       work();
       if (i >= 3) ms.push_back(timer.seconds() * 1e3);
     }
-    return median(ms);
+    return fivefold::median(ms);
   };
   const double tokens = static_cast<double>(s.batch * s.seq), d = static_cast<double>(s.d_model);
   const double f = static_cast<double>(s.d_ff), seq = static_cast<double>(s.seq);
@@ -297,7 +292,7 @@ std::vector<double> alternating_step_ms(Bench& b, int64_t steps, int64_t warmup,
     if (i >= n * warmup) ms[i % n].push_back(timer.seconds() * 1e3);
   }
   std::vector<double> medians;
-  for (const auto& m : ms) medians.push_back(median(m));
+  for (const auto& m : ms) medians.push_back(fivefold::median(m));
   return medians;
 }
 

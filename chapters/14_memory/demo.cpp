@@ -4,7 +4,6 @@
 //
 //   ./build/bin/ch14_memory_demo [--seq 128,512] [--batch 2] [--repeats 3]
 
-#include <algorithm>
 #include <cstdio>
 #include <sstream>
 #include <vector>
@@ -61,12 +60,11 @@ void run(const std::vector<int64_t>& lengths, int64_t batch, int64_t repeats) {
         peak = memory.peak_bytes();
         flops = counter.flops();
       }
-      std::sort(times.begin(), times.end());
       const double formula = static_cast<double>(
           config.n_layers * block_activation_bytes(config.shape(), batch, seq, recompute.mode));
       std::printf("%6lld %-10s %14.2f %16.2f %14.2f %10.1f %12.3f\n", (long long)seq, name,
                   kept / 1048576.0, formula / 1048576.0, peak / 1048576.0,
-                  times[times.size() / 2], flops / 1e9);
+                  fivefold::median(times), flops / 1e9);
     }
   }
 }

@@ -24,11 +24,6 @@ namespace fivefold::runtime {
 
 namespace {
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
-
 // The slowest rank's value.
 double slowest(double seconds, dist::Communicator& world) {
   auto t = torch::tensor({seconds}, torch::kDouble);

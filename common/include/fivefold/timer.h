@@ -1,8 +1,10 @@
 #pragma once
 /// @file timer.h
-/// @brief Wall-clock timing with a monotonic clock.
+/// @brief Wall-clock timing with a monotonic clock, and the median of repeated timings.
 
+#include <algorithm>
 #include <chrono>
+#include <vector>
 
 namespace fivefold {
 
@@ -21,5 +23,12 @@ class Timer {
   using Clock = std::chrono::steady_clock;
   Clock::time_point start_;
 };
+
+/// The median of `values` (the upper middle one of an even count): what the benchmarks report of
+/// repeated timings, less moved by a noisy machine's outliers than the mean. `values` not empty.
+inline double median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
 
 }  // namespace fivefold
