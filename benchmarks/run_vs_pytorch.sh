@@ -4,7 +4,9 @@
 # the same threads, and the medians of their tokens/s per size are printed with the ratio.
 # Needs Debian's python3-torch (benchmarks only: `apt-get install python3-torch`). With BF16=1 in
 # the environment, each size also in bf16: fivefold's --precision bf16 against PyTorch under
-# torch.autocast("cpu", torch.bfloat16), the same rounds.
+# torch.autocast("cpu", torch.bfloat16), the same rounds. Under each table, the machine's matmul
+# peak as fivefold's runs measured it (fp32, and bf16 with BF16=1), so that ratios from different
+# days or machines can be read against the products' own speed.
 #   [BF16=1] benchmarks/run_vs_pytorch.sh [build] [rounds (5)] [steps per size (10)] [threads (2)]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +52,12 @@ for model, mine in ours.items():
     m, r, p = statistics.median(mine), statistics.median(ref), statistics.median(plain)
     print(f"| {model} | {m:.0f} | {p:.0f} | {r:.0f} | {m / r:.2f}x | "
           f"{min(ratios):.2f}-{max(ratios):.2f}x | {p / r:.2f}x |")
+def peak(key):  # fivefold's in-run matmul peak, one figure a round: median (min-max)
+    rounds = next(iter(load(sys.argv[1], key).values()))
+    return (f"{statistics.median(rounds):.0f} GFLOP/s "
+            f"({min(rounds):.0f}-{max(rounds):.0f} over the rounds)")
+print(f"\nthe machine's matmul peak in fivefold's runs (best of 1024^3 and 2048^3 products): fp32 "
+      f"{peak('peak_gflops')}")
 ours_bf16, theirs_bf16 = load(sys.argv[1], "bf16_tokens_per_s"), None
 try:
     theirs_bf16 = load(sys.argv[2], "bf16_tokens_per_s")
@@ -68,4 +76,5 @@ if theirs_bf16 and all(v > 0 for runs in ours_bf16.values() for v in runs):
         print(f"| {model} | {m:.0f} | {m / statistics.median(ours[model]):.2f}x | {r:.0f} | "
               f"{r / statistics.median(theirs[model]):.2f}x | {m / r:.2f}x | "
               f"{min(ratios):.2f}-{max(ratios):.2f}x |")
+    print(f"\nthe same in bf16 (chapter 14's products): {peak('bf16_peak_gflops')}")
 EOF

@@ -428,6 +428,15 @@ int run(int argc, char** argv) {
       std::max(fivefold::ch03::matmul_peak_gflops(1024), fivefold::ch03::matmul_peak_gflops(2048)) *
       1e9;
   const char* library = kernel != nullptr ? "oneDNN" : "at::mm";
+  // With --bf16, the same for chapter 14's bf16 products (oneDNN's bf16 GEMM through at::mm).
+  double bf16_peak = 0;
+  if (args.on("bf16")) {
+    fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
+    bf16_peak = std::max(fivefold::ch03::matmul_peak_gflops(1024),
+                         fivefold::ch03::matmul_peak_gflops(2048)) *
+                1e9;
+    fivefold::ch03::set_matmul_kernel(kernel);
+  }
   // Head dimension 32 for the smallest model, 64 (Llama's) for the others; d_ff = 8/3 d_model
   // rounded up to a multiple of 64.
   const std::vector<Size> sizes = {{"d64 L2 seq64 b4", 64, 2, 2, 192, 64, 4},
@@ -489,9 +498,13 @@ int run(int argc, char** argv) {
   }
   if (!args.on("json")) {
     std::printf(
-        "threads %d, matmul peak %.1f GFLOP/s (%s, fp32, best of 1024^3 and 2048^3, in this "
-        "run);\nlast columns: GFLOP/s of the model's own MLP matmul and attention-score bmm\n\n",
+        "threads %d, matmul peak %.1f GFLOP/s (%s, fp32, best of 1024^3 and 2048^3, in "
+        "this run)",
         torch::get_num_threads(), peak / 1e9, library);
+    if (bf16_peak > 0) std::printf(", %.1f in bf16", bf16_peak / 1e9);
+    std::printf(
+        ";\nlast columns: GFLOP/s of the model's own MLP matmul and attention-score "
+        "bmm\n\n");
     std::printf("%-22s %11s %12s %9s %22s %10s %6s %9s %9s%s%s\n", "model", "parameters",
                 "MFLOP/token", "step ms", "fwd / bwd / update ms", "tokens/s", "MFU", "MLP mm",
                 "QK^T bmm", args.on("compare") ? "  vs lesson" : "",
@@ -530,11 +543,12 @@ int run(int argc, char** argv) {
           "{\"model\":\"%s\",\"parameters\":%lld,\"flops_per_token\":%.0f,\"step_s\":%.6f,"
           "\"forward_s\":%.6f,\"backward_s\":%.6f,\"update_s\":%.6f,"
           "\"tokens_per_s\":%.1f,\"mfu\":%.4f,\"peak_gflops\":%.1f,\"mlp_mm_gflops\":%.1f,"
-          "\"scores_bmm_gflops\":%.1f,\"lesson_tokens_per_s\":%.1f,\"bf16_tokens_per_s\":%.1f}\n",
+          "\"scores_bmm_gflops\":%.1f,\"lesson_tokens_per_s\":%.1f,\"bf16_tokens_per_s\":%.1f,"
+          "\"bf16_peak_gflops\":%.1f}\n",
           s.name, static_cast<long long>(parameters), flops, seconds, t.forward, t.backward,
           t.update, tokens_per_s, mfu, peak / 1e9, mlp, scores,
           lesson > 0 ? static_cast<double>(s.batch * s.seq) / lesson : 0.0,
-          bf16 > 0 ? static_cast<double>(s.batch * s.seq) / bf16 : 0.0);
+          bf16 > 0 ? static_cast<double>(s.batch * s.seq) / bf16 : 0.0, bf16_peak / 1e9);
     } else {
       char parts[64];
       std::snprintf(parts, sizeof(parts), "%.1f / %.1f / %.1f", t.forward * 1e3, t.backward * 1e3,
