@@ -296,10 +296,10 @@ std::vector<double> alternating_step_ms(Bench& b, int64_t steps, int64_t warmup,
   return medians;
 }
 
-// --loops: each size's step with the fast paths' AVX-512 loops (runtime/src/avx512.cpp: the
-// attention tiles' softmax passes, SwiGLU, RMSNorm) and with ATen's operations (the norm's plain
-// loops) in their place, step by step alternately on one model, in fp32 and in bf16: the median
-// ms of each.
+// --loops: each size's step with the fast paths' AVX-512 loops (runtime/src/avx512.cpp and
+// rows.cpp: the attention tiles' softmax passes, SwiGLU, RMSNorm, RoPE) and with ATen's operations
+// (the norm's plain loops) in their place, step by step alternately on one model, in fp32 and in
+// bf16: the median ms of each.
 void print_loops(const std::vector<Size>& sizes, int64_t steps,
                  const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel) {
   using fivefold::runtime::set_avx512_loops;
