@@ -296,6 +296,25 @@ std::vector<double> alternating_step_ms(Bench& b, int64_t steps, int64_t warmup,
   return medians;
 }
 
+// Each size's step in fp32 and then in bf16, on one model per size and precision, under each of
+// the variants `make` returns for it, alternating step by step (alternating_step_ms): a row per
+// size and precision, its medians printed by `row` after the model and the precision.
+template <typename Make, typename Row>
+void alternate_each(const std::vector<Size>& sizes, int64_t steps, int64_t warmup,
+                    const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel,
+                    const Make& make, const Row& row) {
+  for (const Size& s : sizes) {
+    for (const bool bf16 : {false, true}) {
+      fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
+      Bench b = prepare(s, true, bf16);
+      const auto ms = alternating_step_ms(b, steps, warmup, make(b));
+      std::printf("%-22s %-9s", s.name, bf16 ? "bf16" : "fp32");
+      row(ms);
+    }
+  }
+  fivefold::ch03::set_matmul_kernel(kernel);
+}
+
 // --loops: each size's step with the fast paths' AVX-512 loops (runtime/src/avx512.cpp and
 // rows.cpp: the attention tiles' softmax passes, SwiGLU, RMSNorm, RoPE) and with ATen's operations
 // (the norm's plain loops) in their place, step by step alternately on one model, in fp32 and in
@@ -312,18 +331,15 @@ void print_loops(const std::vector<Size>& sizes, int64_t steps,
       "steps each; with the fast paths\n\n%-22s %-9s %12s %12s %9s\n",
       torch::get_num_threads(), static_cast<long long>(steps), "model", "precision", "AVX-512 ms",
       "ATen ms", "speed-up");
-  for (const Size& s : sizes) {
-    for (const bool bf16 : {false, true}) {
-      fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
-      Bench b = prepare(s, true, bf16);
-      const auto ms = alternating_step_ms(
-          b, steps, 3, {[] { set_avx512_loops(true); }, [] { set_avx512_loops(false); }});
-      set_avx512_loops(true);
-      std::printf("%-22s %-9s %12.2f %12.2f %8.2fx\n", s.name, bf16 ? "bf16" : "fp32", ms[0], ms[1],
-                  ms[1] / ms[0]);
-    }
-  }
-  fivefold::ch03::set_matmul_kernel(kernel);
+  alternate_each(
+      sizes, steps, 3, kernel,
+      [](Bench&) -> std::vector<std::function<void()>> {
+        return {[] { set_avx512_loops(true); }, [] { set_avx512_loops(false); }};
+      },
+      [](const std::vector<double>& ms) {
+        std::printf(" %12.2f %12.2f %8.2fx\n", ms[0], ms[1], ms[1] / ms[0]);
+      });
+  set_avx512_loops(true);
 }
 
 // --tiles: each size's step with the tiled attention's queries in tiles of 64, 128 (the default)
@@ -337,23 +353,22 @@ void print_tiles(const std::vector<Size>& sizes, int64_t steps,
       torch::get_num_threads(), static_cast<long long>(steps), "model", "precision");
   for (int64_t tile : tiles) std::printf(" %9s %-4lld", "tile", static_cast<long long>(tile));
   std::printf("\n");
-  for (const Size& s : sizes) {
-    for (const bool bf16 : {false, true}) {
-      fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
-      Bench b = prepare(s, true, bf16);
-      std::vector<std::function<void()>> variants;
-      for (int64_t tile : tiles) {
-        variants.push_back([&b, tile] {
-          b.model->set_attention_kernel(
-              std::make_shared<fivefold::runtime::TiledCausalAttentionKernel>(tile));
-        });
-      }
-      std::printf("%-22s %-9s", s.name, bf16 ? "bf16" : "fp32");
-      for (double ms : alternating_step_ms(b, steps, 1, variants)) std::printf(" %14.2f", ms);
-      std::printf("\n");
-    }
-  }
-  fivefold::ch03::set_matmul_kernel(kernel);
+  alternate_each(
+      sizes, steps, 1, kernel,
+      [&tiles](Bench& b) {
+        std::vector<std::function<void()>> variants;
+        for (int64_t tile : tiles) {
+          variants.push_back([&b, tile] {
+            b.model->set_attention_kernel(
+                std::make_shared<fivefold::runtime::TiledCausalAttentionKernel>(tile));
+          });
+        }
+        return variants;
+      },
+      [](const std::vector<double>& ms) {
+        for (double m : ms) std::printf(" %14.2f", m);
+        std::printf("\n");
+      });
 }
 
 // --rope: each size's step on the model with chapter 04's RoPE (the benchmark's model has no
@@ -366,21 +381,18 @@ void print_rope(const std::vector<Size>& sizes, int64_t steps,
       "steps each; with the fast paths and RoPE (base 10000)\n\n%-22s %-9s %12s %12s %9s\n",
       torch::get_num_threads(), static_cast<long long>(steps), "model", "precision", "lesson ms",
       "fused ms", "speed-up");
-  for (const Size& s : sizes) {
-    for (const bool bf16 : {false, true}) {
-      fivefold::ch03::set_matmul_kernel(kernel);  // process-wide: each size starts from fp32's
-      Bench b = prepare(s, true, bf16);
-      auto lesson = std::make_shared<const fivefold::ch04::RotaryEmbedding>(
-          b.config.resolved_head_dim(), 10000.0);
-      auto fused = std::make_shared<const fivefold::runtime::FusedRotaryEmbedding>(lesson);
-      const auto ms = alternating_step_ms(b, steps, 3,
-                                          {[&b, lesson] { b.model->set_position_encoding(lesson); },
-                                           [&b, fused] { b.model->set_position_encoding(fused); }});
-      std::printf("%-22s %-9s %12.2f %12.2f %8.2fx\n", s.name, bf16 ? "bf16" : "fp32", ms[0], ms[1],
-                  ms[0] / ms[1]);
-    }
-  }
-  fivefold::ch03::set_matmul_kernel(kernel);
+  alternate_each(
+      sizes, steps, 3, kernel,
+      [](Bench& b) -> std::vector<std::function<void()>> {
+        auto lesson = std::make_shared<const fivefold::ch04::RotaryEmbedding>(
+            b.config.resolved_head_dim(), 10000.0);
+        auto fused = std::make_shared<const fivefold::runtime::FusedRotaryEmbedding>(lesson);
+        return {[&b, lesson] { b.model->set_position_encoding(lesson); },
+                [&b, fused] { b.model->set_position_encoding(fused); }};
+      },
+      [](const std::vector<double>& ms) {
+        std::printf(" %12.2f %12.2f %8.2fx\n", ms[0], ms[1], ms[0] / ms[1]);
+      });
 }
 
 }  // namespace

@@ -53,11 +53,11 @@ FIVEFOLD_AVX512 inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // One row s[0, n): e = exp(s − m) over its first `seen` numbers, 0 after them, with m the row's
-// max, or `given` (a log-sum-exp) when it is not NaN; returns m, and Σe (of e as stored) in *sum.
+// max, or *given (a log-sum-exp) when given; returns m, and Σe (of e as stored) in *sum.
 template <typename T>
-FIVEFOLD_AVX512 float exp_row(T* s, int64_t seen, int64_t n, float* sum, float given) {
-  float max = given;
-  if (std::isnan(given)) {
+FIVEFOLD_AVX512 float exp_row(T* s, int64_t seen, int64_t n, float* sum, const float* given) {
+  float max = given != nullptr ? *given : 0;
+  if (given == nullptr) {
     __m512 most = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < seen; j += 16) {
       const __mmask16 mask = first_lanes(seen - j);
@@ -86,8 +86,8 @@ void exp_rows(T* scores, int64_t rows, int64_t n, int64_t t, float* max, float* 
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
   at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      const float given = shift != nullptr ? shift[r] : NAN;
-      max[r] = exp_row(scores + r * n, n - t + r % t + 1, n, sum + r, given);
+      max[r] = exp_row(scores + r * n, n - t + r % t + 1, n, sum + r,
+                       shift != nullptr ? shift + r : nullptr);
     }
   });
 }
@@ -132,9 +132,8 @@ void in_chunks(int64_t n, const Span& span) {
 // Whether the loops take these tensors: the loops on (an AVX-512 CPU, set_avx512_loops), and all of
 // one type (fp32 or bf16), one size and contiguous.
 bool loops_take(std::initializer_list<torch::Tensor> tensors) {
-  if (!avx512_loops()) return false;
   const torch::Tensor& first = *tensors.begin();
-  if (first.scalar_type() != torch::kFloat && first.scalar_type() != torch::kBFloat16) return false;
+  if (!loops_take_types({first.scalar_type()})) return false;
   for (const auto& t : tensors) {
     if (t.scalar_type() != first.scalar_type() || t.numel() != first.numel() || !t.is_contiguous())
       return false;

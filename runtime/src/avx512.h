@@ -9,6 +9,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <initializer_list>
+
+#include "runtime/fast.h"
 
 #define FIVEFOLD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 
@@ -44,6 +47,16 @@ FIVEFOLD_AVX512 inline void store(c10::BFloat16* p, __mmask16 mask, __m512 v) {
 
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+}
+
+// Whether the loops run (an AVX-512 CPU, set_avx512_loops) and take numbers of these types: fp32
+// and bf16, the two on_type dispatches on.
+inline bool loops_take_types(std::initializer_list<at::ScalarType> types) {
+  if (!avx512_loops()) return false;
+  for (const auto type : types) {
+    if (type != at::kFloat && type != at::kBFloat16) return false;
+  }
+  return true;
 }
 
 // Calls run(T{}) with T the loops' type for `type` (fp32 or bf16).

@@ -97,9 +97,7 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
  public:
   // Whether the loops take x and the weight: x in fp32, the weight in fp32 or bf16.
   static bool loops_take(const torch::Tensor& x, const torch::Tensor& weight) {
-    const auto w = weight.scalar_type();
-    return avx512_loops() && x.scalar_type() == torch::kFloat &&
-           (w == torch::kFloat || w == torch::kBFloat16);
+    return x.scalar_type() == torch::kFloat && loops_take_types({weight.scalar_type()});
   }
 
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
@@ -221,8 +219,6 @@ torch::Tensor rope_by_aten(const torch::Tensor& x, const torch::Tensor& cos,
   return torch::cat({a * cos - c * s, a * s + c * cos}, -1).to(type);
 }
 
-bool is_loop_type(at::ScalarType type) { return type == torch::kFloat || type == torch::kBFloat16; }
-
 // Rotates x [b, h, s, d] (any dense layout) into a new contiguous tensor of `type`; its backward
 // rotates the gradient back into x's own layout and type. Keeps cos and sin only.
 class HalfSplitRotation : public torch::autograd::Function<HalfSplitRotation> {
@@ -235,7 +231,7 @@ class HalfSplitRotation : public torch::autograd::Function<HalfSplitRotation> {
     ctx->saved_data["sizes"] = input.sizes().vec();
     ctx->saved_data["strides"] = input.strides().vec();
     ctx->saved_data["type"] = static_cast<int64_t>(input.scalar_type());
-    if (!avx512_loops() || !is_loop_type(input.scalar_type()) || !is_loop_type(out_type)) {
+    if (!loops_take_types({input.scalar_type(), out_type})) {
       return rope_by_aten(input, cos, sin, /*back=*/false, out_type).contiguous();
     }
     RECORD_FUNCTION("fivefold::rope", std::vector<c10::IValue>({input}));
@@ -253,7 +249,7 @@ class HalfSplitRotation : public torch::autograd::Function<HalfSplitRotation> {
     const auto &cos = saved[0], &sin = saved[1];
     const auto type = static_cast<at::ScalarType>(ctx->saved_data["type"].toInt());
     const auto grad_y = grads[0].contiguous();
-    if (!avx512_loops() || !is_loop_type(grad_y.scalar_type()) || !is_loop_type(type)) {
+    if (!loops_take_types({grad_y.scalar_type(), type})) {
       return {rope_by_aten(grad_y, cos, sin, /*back=*/true, type), {}, {}, {}};
     }
     RECORD_FUNCTION("fivefold::rope_backward", std::vector<c10::IValue>({grad_y}));
