@@ -28,6 +28,7 @@
 #include "avx512.h"
 #include "fivefold/error.h"
 #include "runtime/fast.h"
+#include "runtime/parallel.h"
 
 namespace fivefold::runtime {
 
@@ -84,12 +85,23 @@ template <typename T>
 void exp_rows(T* scores, int64_t rows, int64_t n, int64_t t, float* max, float* sum,
               const float* shift) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t first, int64_t last) {
+  parallel_chunks(0, rows, grain, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       max[r] = exp_row(scores + r * n, n - t + r % t + 1, n, sum + r,
                        shift != nullptr ? shift + r : nullptr);
     }
   });
+}
+
+// One row of softmax's backward in place: ds = p∘(dp − δ) over n numbers.
+template <typename T>
+FIVEFOLD_AVX512 void softmax_backward_row(T* ds, const T* p, float delta, int64_t n) {
+  const __m512 d = _mm512_set1_ps(delta);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mask = first_lanes(n - j);
+    const __m512 g = _mm512_mul_ps(_mm512_sub_ps(load(ds + j, mask), d), load(p + j, mask));
+    store(ds + j, mask, rounded(g, ds));
+  }
 }
 
 // σ(g) for any g, from e = exp(−|g|): 1/(1 + e) for g ≥ 0, e/(1 + e) below (no overflow).
@@ -126,7 +138,7 @@ FIVEFOLD_AVX512 void swiglu_backward_span(const T* g, const T* u, const T* dh, T
 // Runs span(first, count) over [0, n) in chunks, on ATen's threads.
 template <typename Span>
 void in_chunks(int64_t n, const Span& span) {
-  at::parallel_for(0, n, 16384, [&](int64_t first, int64_t last) { span(first, last - first); });
+  parallel_chunks(0, n, 16384, [&](int64_t first, int64_t last) { span(first, last - first); });
 }
 
 // Whether the loops take these tensors: the loops on (an AVX-512 CPU, set_avx512_loops), and all of
@@ -248,6 +260,35 @@ TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool
              given.defined() ? given.data_ptr<float>() : nullptr);
   });
   return {max, with_sum ? sum : torch::Tensor()};
+}
+
+void softmax_tile_backward(torch::Tensor& grad, const torch::Tensor& p,
+                           const torch::Tensor& delta) {
+  FIVEFOLD_CHECK(
+      grad.dim() == 4 && p.sizes() == grad.sizes() &&
+          delta.sizes() == torch::IntArrayRef({grad.size(0), grad.size(1), grad.size(2), 1}),
+      "softmax_tile_backward: ∂L/∂p and p [b, h, T, n] of one shape and δ [b, h, T, 1], "
+      "got ",
+      grad.sizes(), ", ", p.sizes(), " and ", delta.sizes());
+  if (!loops_take({grad, p})) {  // ATen's passes, each in the tile's type
+    grad.sub_(delta.to(grad.scalar_type())).mul_(p);
+    return;
+  }
+  RECORD_FUNCTION("fivefold::softmax_tile_backward", std::vector<c10::IValue>({grad, p}));
+  const auto d = delta.to(torch::kFloat).contiguous();
+  const int64_t n = grad.size(-1), rows = grad.numel() / std::max<int64_t>(n, 1);
+  on_type(grad.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    T* g = grad.data_ptr<T>();
+    const T* probabilities = p.data_ptr<T>();
+    const float* deltas = d.data_ptr<float>();
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+    parallel_chunks(0, rows, grain, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) {
+        softmax_backward_row(g + r * n, probabilities + r * n, deltas[r], n);
+      }
+    });
+  });
 }
 
 }  // namespace fivefold::runtime

@@ -19,6 +19,7 @@
 #include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "fivefold/error.h"
+#include "runtime/parallel.h"
 
 namespace fivefold::runtime {
 
@@ -57,7 +58,8 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     // products hand q, k and v on: takes_narrow_inputs).
     const auto type = at::promote_types(q.scalar_type(), torch::kFloat);
     // The operands laid out and converted once to the kernel's form (bf16 under chapter 14's
-    // kernel); q is scaled in fp32 (a bf16 product with the scale would round the scale too).
+    // kernel); q is scaled in fp32 (a bf16 product with the scale would round the scale too),
+    // then rounded, as chapter 12's kernel does (the parity of cp layouts in bf16 rests on it).
     auto qs = matmul_operand(
         q.to(type, /*non_blocking=*/false, /*copy=*/true, c10::MemoryFormat::Contiguous)
             .mul_(scale));
@@ -114,9 +116,9 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
       auto p = tile_scores(q_tile, k_seen);
       causal_tile_exp(p, future, /*with_sum=*/false, lse.narrow(2, first, t).unsqueeze(-1));
       grad_values.narrow(2, 0, end).add_(head_products(p.transpose(-2, -1), dout_tile));
+      // ∂L/∂s in the products' type: both products below read it as it is.
       auto grad_scores = head_products(dout_tile, v_seen.transpose(-2, -1));
-      grad_scores.sub_(delta.narrow(2, first, t).to(grad_scores.scalar_type()))
-          .mul_(p);  // ∂L/∂s, in the products' type: both products below read it as it is
+      softmax_tile_backward(grad_scores, p, delta.narrow(2, first, t));
       grad_q.narrow(2, first, t).copy_(head_products(grad_scores, k_seen)).mul_(scale);
       grad_keys.narrow(2, 0, end).add_(head_products(grad_scores.transpose(-2, -1), q_tile));
     }
@@ -241,7 +243,7 @@ torch::Tensor FusedAdamW::step(LossClosure closure) {
         const auto c1 = static_cast<scalar_t>(1 - beta1), c2 = static_cast<scalar_t>(1 - beta2);
         const auto keep = static_cast<scalar_t>(decay), size = static_cast<scalar_t>(step_size);
         const auto root = static_cast<scalar_t>(root2), e = static_cast<scalar_t>(eps);
-        at::parallel_for(0, p.numel(), 1 << 14, [=](int64_t begin, int64_t end) {
+        parallel_chunks(0, p.numel(), 1 << 14, [=](int64_t begin, int64_t end) {
           adamw_span(w + begin, m + begin, v + begin, g + begin, end - begin, b1, b2, c1, c2, keep,
                      size, root, e);
         });

@@ -20,6 +20,7 @@
 #endif
 
 #include "fivefold/error.h"
+#include "runtime/parallel.h"
 
 namespace fivefold::runtime {
 
@@ -90,7 +91,7 @@ torch::Tensor OneDnnMatmulKernel::bmm(const torch::Tensor& a, const torch::Tenso
   const int64_t sa = x.data.stride(0), sb = y.data.stride(0);
   std::atomic<int> failed{0};
   // One matrix per task: inside a parallel region oneDNN runs each sgemm on its own thread.
-  at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, batch, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const auto status = dnnl_sgemm(x.trans, y.trans, m, n, k, 1.0f, pa + i * sa, x.ld,
                                      pb + i * sb, y.ld, 0.0f, pc + i * m * n, n);

@@ -14,6 +14,7 @@
 #include "avx512.h"
 #include "fivefold/error.h"
 #include "runtime/fast.h"
+#include "runtime/parallel.h"
 
 namespace fivefold::runtime {
 
@@ -111,7 +112,7 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
       const auto w = weight.contiguous();
       on_type(w.scalar_type(), [&](auto tag) {
         using W = decltype(tag);
-        at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+        parallel_chunks(0, rows, 16, [&](int64_t first, int64_t last) {
           rms_norm_rows(input.data_ptr<float>(), w.data_ptr<W>(), y.data_ptr<float>(),
                         rstd.data_ptr<float>(), first, last, dim, static_cast<float>(eps));
         });
@@ -123,7 +124,7 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
         const scalar_t* ws = w.data_ptr<scalar_t>();
         scalar_t* ys = y.data_ptr<scalar_t>();
         scalar_t* rs = rstd.data_ptr<scalar_t>();
-        at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+        parallel_chunks(0, rows, 16, [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             const scalar_t* xr = xs + r * dim;
             scalar_t squares = 0;
@@ -153,7 +154,7 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
       const auto w = saved[1].contiguous();
       on_type(w.scalar_type(), [&](auto tag) {
         using W = decltype(tag);
-        at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+        parallel_chunks(0, rows, 16, [&](int64_t first, int64_t last) {
           rms_norm_backward_rows(input.data_ptr<float>(), w.data_ptr<W>(), grad_y.data_ptr<float>(),
                                  rstd.data_ptr<float>(), grad_x.data_ptr<float>(),
                                  partial.data_ptr<float>() + at::get_thread_num() * dim, first,
@@ -170,7 +171,7 @@ class RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
       const scalar_t* rs = rstd.data_ptr<scalar_t>();
       scalar_t* dxs = grad_x.data_ptr<scalar_t>();
       scalar_t* parts = partial.data_ptr<scalar_t>();
-      at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      parallel_chunks(0, rows, 16, [&](int64_t begin, int64_t end) {
         scalar_t* dw = parts + at::get_thread_num() * dim;
         for (int64_t r = begin; r < end; ++r) {
           const scalar_t *xr = xs + r * dim, *gr = gs + r * dim;
@@ -199,7 +200,7 @@ void rope_rows(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& co
   const TX* xs = x.data_ptr<TX>();
   TY* ys = y.data_ptr<TY>();
   const float *cs = cos.data_ptr<float>(), *ss = sin.data_ptr<float>();
-  at::parallel_for(0, x.size(0) * heads * seq, 64, [&](int64_t first, int64_t last) {
+  parallel_chunks(0, x.size(0) * heads * seq, 64, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const int64_t b = r / (heads * seq), h = r / seq % heads, p = r % seq;
       rope_row(xs + b * x.stride(0) + h * x.stride(1) + p * x.stride(2),

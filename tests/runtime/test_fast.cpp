@@ -3,6 +3,7 @@
 // fused RMSNorm against the formula, FusedAdamW against torch::optim::AdamW step by step, and a
 // whole model's loss and every gradient with the fast paths installed against the lesson's model.
 
+#include <atomic>
 #include <cmath>
 #include <tuple>
 
@@ -15,6 +16,7 @@
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
 #include "runtime/fast.h"
+#include "runtime/parallel.h"
 #include "../10_tensor_parallel/fixtures.h"
 #include "../14_memory/fixtures.h"
 #include "14_memory/recompute.h"
@@ -232,6 +234,70 @@ TEST(CausalTileExp, BothPathsGiveTheSoftmaxOfTheKeysEachQuerySees) {
         causal_tile_exp(tile, torch::ones({2, 2}, torch::kBool).triu(1), true);
       },
       "a mask of at least T x T"));
+}
+
+// Softmax's backward over a tile against fp64 from the same numbers: ∂L/∂s = p∘(∂L/∂p − δ), on
+// both paths, in fp32 and bf16; the loop computes it in fp32 and rounds once (ATen's passes round
+// δ and each of their two steps to a bf16 tile's type). Rows of 37 numbers: two chunks and a tail.
+TEST(SoftmaxTileBackward, BothPathsGiveTheGradientOfTheScores) {
+  for (const bool vector : {true, false}) {
+    if (vector && !avx512_available()) continue;
+    for (const auto type : {torch::kFloat, torch::kBFloat16}) {
+      SCOPED_TRACE(::testing::Message() << (vector ? "AVX-512 loop, " : "ATen's passes, ") << type);
+      const auto p = torch::softmax(3 * draw({2, 3, 5, 37}, "p", torch::kFloat), -1).to(type);
+      auto grad = (2 * draw({2, 3, 5, 37}, "dp", torch::kFloat)).to(type);
+      const auto delta = draw({2, 3, 5, 1}, "delta", torch::kFloat);
+      const auto pd = p.to(torch::kDouble), dp = grad.to(torch::kDouble);
+      const auto want = pd * (dp - delta.to(torch::kDouble));
+      const Avx512Loops loops(vector);
+      softmax_tile_backward(grad, p, delta);
+      ASSERT_EQ(grad.scalar_type(), type);
+      const double rounding = type == torch::kFloat ? 1e-6 : std::ldexp(1.0, -8);
+      // The loop: one rounding of the result. ATen's passes in bf16: δ, ∂L/∂p − δ and the product
+      // each rounded to the tile's type.
+      auto bound = rounding * want.abs() + 1e-9;
+      if (!vector && type == torch::kBFloat16)
+        bound = bound + rounding * pd * (delta.abs().to(torch::kDouble) + (dp - delta).abs());
+      const auto err = (grad.to(torch::kDouble) - want).abs();
+      EXPECT_TRUE((err <= bound).all().item<bool>())
+          << "largest error " << err.max().item<double>();
+    }
+  }
+  auto grad = torch::zeros({1, 1, 4, 6});
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] {
+        softmax_tile_backward(grad, torch::zeros({1, 1, 4, 5}), torch::zeros({1, 1, 4, 1}));
+      },
+      "of one shape"));
+}
+
+// parallel_chunks runs on ATen's threads (the bug it mends: at::parallel_for ran every loop of the
+// fast paths on the calling thread, this project's sources being compiled without OpenMP): with
+// two threads, both take a chunk, the chunks cover the range once, in order; one grain or one
+// thread runs the whole range on the caller.
+TEST(ParallelChunks, SplitTheRangeOverAtensThreads) {
+  const int before = at::get_num_threads();
+  at::set_num_threads(2);
+  std::vector<int> owner(1000, -1);
+  std::atomic<int> calls{0};
+  parallel_chunks(0, 1000, 10, [&](int64_t first, int64_t last) {
+    ++calls;
+    for (int64_t i = first; i < last; ++i) owner[i] = thread_number();
+  });
+  EXPECT_EQ(calls.load(), 2) << "two threads, two chunks";
+  for (int64_t i = 0; i < 1000; ++i) ASSERT_EQ(owner[i], i < 500 ? 0 : 1) << "at " << i;
+  calls = 0;
+  parallel_chunks(0, 10, 10, [&](int64_t first, int64_t last) {
+    ++calls;
+    EXPECT_EQ(first, 0);
+    EXPECT_EQ(last, 10);
+  });
+  EXPECT_EQ(calls.load(), 1) << "one grain: the caller alone";
+  at::set_num_threads(1);
+  calls = 0;
+  parallel_chunks(0, 1000, 10, [&](int64_t, int64_t) { ++calls; });
+  EXPECT_EQ(calls.load(), 1) << "one thread: the caller alone";
+  at::set_num_threads(before);
 }
 
 // swiglu against fp64 from the same inputs, on both paths, in fp32 and bf16: h = silu(g)·u and

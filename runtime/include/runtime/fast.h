@@ -58,13 +58,13 @@ class TiledCausalAttentionKernel : public ch03::AttentionKernel {
 };
 
 /// RMSNorm as one pass forward (per row: Σx², then x·rstd·w) and one backward
-/// (∂x = rstd·(g − x·rstd²·mean(g·x)) with g = ∂y·w; ∂w = Σ_rows ∂y·x·rstd), over at::parallel_for,
-/// instead of the six operations forward and about a dozen backward that autograd records for the
-/// formula. x in float32 or float64; the weight in x's type or a narrower one (a bf16 weight,
-/// chapter 14's master weights, is read widened; its gradient returns in its own type). With the
-/// AVX-512 loops (`avx512_loops`) and x in fp32, sixteen numbers at a time, each sum in sixteen
-/// running parts; elsewhere plain loops, whose sums run one number after another (a compiler
-/// keeps a float sum's order).
+/// (∂x = rstd·(g − x·rstd²·mean(g·x)) with g = ∂y·w; ∂w = Σ_rows ∂y·x·rstd), on ATen's threads
+/// (parallel.h), instead of the six operations forward and about a dozen backward that autograd
+/// records for the formula. x in float32 or float64; the weight in x's type or a narrower one (a
+/// bf16 weight, chapter 14's master weights, is read widened; its gradient returns in its own
+/// type). With the AVX-512 loops (`avx512_loops`) and x in fp32, sixteen numbers at a time, each
+/// sum in sixteen running parts; elsewhere plain loops, whose sums run one number after another (a
+/// compiler keeps a float sum's order).
 class FusedRMSNormKernel : public ch03::NormKernel {
  public:
   torch::Tensor normalize(const torch::Tensor& x, const torch::Tensor& weight,
@@ -180,6 +180,13 @@ struct TileExp {
 /// as stored) when `with_sum`.
 TileExp causal_tile_exp(torch::Tensor& scores, const torch::Tensor& future, bool with_sum,
                         const torch::Tensor& shift = {});
+
+/// Softmax's backward over a tile, in place: `grad` holds ∂L/∂p [b, h, T, n] and becomes
+/// ∂L/∂s = p∘(∂L/∂p − δ), with p the tile's probabilities (its shape and type) and δ [b, h, T, 1]
+/// each query's Σ_j p_j·∂L/∂p_j (dO·O in attention). With the AVX-512 loops and contiguous fp32
+/// or bf16 tiles of one type, one loop in fp32 registers (δ read in fp32), each result rounded
+/// once; elsewhere ATen's subtraction and product, each rounded to the tile's type (δ too).
+void softmax_tile_backward(torch::Tensor& grad, const torch::Tensor& p, const torch::Tensor& delta);
 
 /// SwiGLU's product h = silu(gate)·up (gate, up [..., f], one shape), keeping gate and up for
 /// backward, which recomputes silu(gate) and its slope σ(g)·(1 + g·(1 − σ(g))) from them (ATen's
