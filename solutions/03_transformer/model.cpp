@@ -222,8 +222,9 @@ LanguageModelHeadImpl::LanguageModelHeadImpl(int64_t vocab, int64_t d_model,
 }
 
 torch::Tensor LanguageModelHeadImpl::logits(const torch::Tensor& hidden) {
-  // [..., d_model] x [d_model, vocab], in the hidden state's type (a bf16 table is widened).
-  return torch::matmul(hidden, weight.t().to(hidden.scalar_type()));
+  // [..., d_model] x [d_model, vocab] through `linear`, as every weight matrix (bf16 products
+  // under chapter 14's kernel); the logits at least in fp32, where softmax and the loss run.
+  return at_least_fp32(ch03::linear(hidden, weight));
 }
 
 int64_t ModelPart::end(int64_t n_layers) const {

@@ -287,9 +287,9 @@ torch::Tensor VocabParallelHeadImpl::local_logits(const torch::Tensor& hidden, i
   tp_->sequence = seq;
   // enter: f (the hidden state feeds every rank's rows; its gradient is their sum), or the
   // sequence all-gather whose backward reduce-scatters that sum.
-  // (The head keeps the gathered x, not this rank's part: its product is torch's matmul.)
+  // (The head keeps the gathered x, not this rank's part: its product is chapter 03's linear.)
   const auto x = tp_->enter(hidden).whole;
-  return torch::matmul(x, weight.t().to(x.scalar_type()));  // [batch, seq, rows]
+  return ch03::at_least_fp32(ch03::linear(x, weight));  // [batch, seq, rows], fp32 for the loss
 }
 
 torch::Tensor VocabParallelHeadImpl::logits(const torch::Tensor& hidden) {
