@@ -28,8 +28,9 @@ using RegionBody = void (*)(void* data);
 /// Runs body(data) on every thread of libgomp's team (ATen's threads) and returns when all have;
 /// false (nothing run) where the process has no libgomp.
 bool run_parallel_region(RegionBody body, void* data);
-/// Inside a region: this thread's number (0 the caller) and the team's size.
+/// Inside a region: this thread's number (0 the caller).
 int thread_number();
+/// Inside a region: how many threads its team has.
 int team_size();
 
 /// f(first, last) over [begin, end) split into one contiguous chunk per thread of ATen's team
