@@ -59,7 +59,8 @@ class TiledCausalAttention : public torch::autograd::Function<TiledCausalAttenti
     const auto type = at::promote_types(q.scalar_type(), torch::kFloat);
     // The operands laid out and converted once to the kernel's form (bf16 under chapter 14's
     // kernel); q is scaled in fp32 (a bf16 product with the scale would round the scale too),
-    // then rounded, as chapter 12's kernel does (the parity of cp layouts in bf16 rests on it).
+    // then rounded. (The scale inside the tiles' exponential instead, one copy of q fewer, moved
+    // the bf16 parity matrix past its tolerance: chapter 14's notes §6.)
     auto qs = matmul_operand(
         q.to(type, /*non_blocking=*/false, /*copy=*/true, c10::MemoryFormat::Contiguous)
             .mul_(scale));
