@@ -92,7 +92,6 @@ Result measure(const dist::CommunicatorPtr& world, const ModelConfig& config, Va
       waits.push_back(ddp ? ddp->stats().wait_seconds : 0.0);
     }
   }
-
   int64_t bytes = 0;
   if (zero || fsdp) {
     const auto m = zero ? zero->memory() : fsdp->memory();

@@ -79,17 +79,23 @@ FIVEFOLD_AVX512 float exp_row(T* s, int64_t seen, int64_t n, float* sum, const f
   return max;
 }
 
+// row(r) for every row r of a tile [rows, n], on ATen's threads (chunks of 32K numbers at least).
+template <typename Row>
+void each_row(int64_t rows, int64_t n, const Row& row) {
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
+  parallel_chunks(0, rows, grain, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) row(r);
+  });
+}
+
 // Every row of a tile [rows, n], row r the query r mod t of its head, seeing keys
 // 0 .. n − t + (r mod t); shifted by its max (written to max[r]) or, given `shift`, by shift[r].
 template <typename T>
 void exp_rows(T* scores, int64_t rows, int64_t n, int64_t t, float* max, float* sum,
               const float* shift) {
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-  parallel_chunks(0, rows, grain, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      max[r] = exp_row(scores + r * n, n - t + r % t + 1, n, sum + r,
-                       shift != nullptr ? shift + r : nullptr);
-    }
+  each_row(rows, n, [&](int64_t r) {
+    max[r] = exp_row(scores + r * n, n - t + r % t + 1, n, sum + r,
+                     shift != nullptr ? shift + r : nullptr);
   });
 }
 
@@ -282,11 +288,8 @@ void softmax_tile_backward(torch::Tensor& grad, const torch::Tensor& p,
     T* g = grad.data_ptr<T>();
     const T* probabilities = p.data_ptr<T>();
     const float* deltas = d.data_ptr<float>();
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1));
-    parallel_chunks(0, rows, grain, [&](int64_t first, int64_t last) {
-      for (int64_t r = first; r < last; ++r) {
-        softmax_backward_row(g + r * n, probabilities + r * n, deltas[r], n);
-      }
+    each_row(rows, n, [&](int64_t r) {
+      softmax_backward_row(g + r * n, probabilities + r * n, deltas[r], n);
     });
   });
 }
