@@ -188,8 +188,8 @@ class ZeroOptimizer {
   void zero_grad();
 
   /// The bytes this rank keeps, measured from the tensors it holds (the master weights' shard
-  /// with the optimizer's). Stage 1 also keeps the last step's gradient shard (Ψ/N numbers, read
-  /// by gradients()), which is not counted: ZeRO-1's formula counts the full gradients only.
+  /// with the optimizer's). Stage 1 keeps no gradient shard between steps: the reduced shard is
+  /// written back over this rank's range of the full gradients it keeps anyway.
   ZeroMemory memory() const;
 
   /// With master weights: the parameters become the whole masters (fp32, all-gathered;
@@ -213,7 +213,7 @@ class ZeroOptimizer {
   }
   /// The last step's gradient shards (the mean over the ranks, after clipping), whole, by
   /// parameter name; complete on every rank (collective).
-  io::TensorMap gradients() const { return unshard(layout_, grad_shard_, named_, *comm_); }
+  io::TensorMap gradients() const;
 
  private:
   std::shared_ptr<torch::nn::Module> model_;
@@ -224,12 +224,13 @@ class ZeroOptimizer {
   std::vector<std::pair<std::string, torch::Tensor>> named_;  // the same, with their names
   ShardLayout layout_;
   std::unique_ptr<ShardedAdamW> adam_;
-  torch::Tensor grad_shard_;  // [shard], kept after the step (stage 2's gradients; gradients())
+  torch::Tensor grad_shard_;  // [shard], stage 2's gradients, kept after the step (gradients())
   torch::Tensor master_;      // [shard] fp32 master weights; undefined: the parameters are fp32
   ModelParallelGroups groups_;
   torch::Tensor norm_mask_;  // undefined: every element counts
-  // This rank's shard of the parameters as they are now, a new fp32 [shard] (padding zero).
-  torch::Tensor shard_of_parameters() const;
+  // This rank's shard of the parameters as they are now, a new fp32 [shard] (padding zero); or
+  // (`gradients`) of their gradients, in the parameters' type (zeros where one has none).
+  torch::Tensor shard_of_parameters(bool gradients = false) const;
   // 1 for each parameter that has had a gradient on some rank: on one device its gradient then
   // stays (zeroed, not freed), so AdamW keeps stepping it even in a step that gives it none (an
   // expert no token chose). Stage 2 frees the full gradients, so it remembers here.

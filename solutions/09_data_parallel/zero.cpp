@@ -245,13 +245,20 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> model, dist::Com
   }
 }
 
-torch::Tensor ZeroOptimizer::shard_of_parameters() const {
-  auto shard = torch::zeros({layout_.shard});
+torch::Tensor ZeroOptimizer::shard_of_parameters(bool gradients) const {
+  auto shard = torch::zeros({layout_.shard}, gradients ? config_.param_dtype : torch::kFloat);
   for (const auto& s : layout_.segments) {
-    shard.narrow(0, s.begin, s.length)
-        .copy_(params_[static_cast<size_t>(s.param)].reshape(-1).narrow(0, s.first, s.length));
+    const auto& p = params_[static_cast<size_t>(s.param)];
+    const auto& source = gradients ? p.grad() : p;
+    if (source.defined())
+      shard.narrow(0, s.begin, s.length).copy_(source.reshape(-1).narrow(0, s.first, s.length));
   }
   return shard;
+}
+
+io::TensorMap ZeroOptimizer::gradients() const {
+  return unshard(layout_, stage_ == 1 ? shard_of_parameters(/*gradients=*/true) : grad_shard_,
+                 named_, *comm_);
 }
 
 void ZeroOptimizer::reveal_masters() {
@@ -302,9 +309,20 @@ double ZeroOptimizer::step(int64_t step) {
   // 2. Global-norm clipping, then 3. AdamW on this rank's shard of the parameters (the masters).
   const double norm =
       clip_sharded_gradient(grad_shard_, *comm_, config_.grad_clip, norm_mask_, groups_);
+  const auto grad = ch03::at_least_fp32(grad_shard_);
+  if (stage_ == 1) {
+    // Stage 1 keeps the full gradients until the next zero_grad anyway: the reduced shard goes
+    // back over this rank's range of them (where gradients() reads it), not kept beside them.
+    for (const auto& s : layout_.segments) {
+      auto& g = params_[static_cast<size_t>(s.param)].mutable_grad();
+      if (g.defined())
+        g.view(-1).narrow(0, s.first, s.length).copy_(grad_shard_.narrow(0, s.begin, s.length));
+    }
+    grad_shard_ = torch::Tensor();
+  }
   if (!std::isfinite(norm)) return norm;  // no update (the norm is global: every rank returns)
   torch::Tensor mine = master_.defined() ? master_ : shard_of_parameters();
-  adam_->step(mine, ch03::at_least_fp32(grad_shard_), has_gradient, step);
+  adam_->step(mine, grad, has_gradient, step);
 
   // 4. Everyone's updated shards, back into the model (in the parameters' type).
   auto gathered = comm_->all_gather(mine.to(config_.param_dtype));  // [shard * N]
@@ -322,8 +340,7 @@ ZeroMemory ZeroOptimizer::memory() const {
   for (const auto& p : params_) {
     if (p.grad().defined()) m.gradients += p.grad().numel() * p.grad().element_size();
   }
-  if (stage_ == 2 && grad_shard_.defined())
-    m.gradients += grad_shard_.numel() * grad_shard_.element_size();
+  if (grad_shard_.defined()) m.gradients += grad_shard_.numel() * grad_shard_.element_size();
   m.optimizer = adam_->state_bytes();
   if (master_.defined()) m.optimizer += master_.numel() * master_.element_size();
   return m;

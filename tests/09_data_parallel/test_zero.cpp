@@ -8,6 +8,7 @@
 #include "03_transformer/train.h"
 #include "09_data_parallel/zero.h"
 #include "fivefold/comm_stats.h"
+#include "fivefold/memory.h"
 #include "fivefold/seed.h"
 #include "fixtures.h"
 #include "testing.h"
@@ -71,6 +72,29 @@ TEST(Zero, KeepsExactlyTheBytesOfTheFormulas) {
   EXPECT_EQ(one.gradients, 4 * psi);
   EXPECT_EQ(two.gradients, 4 * shard);
   EXPECT_EQ(two.optimizer, 8 * shard);
+}
+
+// What a step leaves allocated is what the formulas count and nothing beside (but a flag a
+// parameter): stage 1 keeps its reduced shard in its own range of the full gradients (no [Ψ/N]
+// beside them), stage 2 the shard alone (4Ψ/N; the full gradients, allocated before, go).
+// Measured from the allocator.
+TEST(Zero, AStepKeepsNothingTheFormulasDoNotCount) {
+  const int64_t n = world()->size();
+  for (int stage : {1, 2}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    auto comm = world();
+    Transformer model(small_config(false));
+    ZeroOptimizer optimizer(model.ptr(), comm, stage, train_config());
+    optimizer.zero_grad();
+    loss_of(model, global_batches().batch(0, comm->rank(), comm->size())).backward();
+    fivefold::MemoryTracker kept;
+    optimizer.step(0);
+    // Besides: one float a parameter, whether it has had a gradient (had_gradient_).
+    const auto flags = static_cast<int64_t>(4 * model->parameters().size());
+    EXPECT_EQ(kept.current_bytes(), flags + (stage == 1 ? 0 : 4 * optimizer.shard_numel()));
+    EXPECT_EQ(optimizer.memory().gradients,
+              zero_memory_formula(optimizer.numel(), n, stage).gradients);
+  }
 }
 
 TEST(Zero, SendsWhatDdpSends) {
