@@ -4,7 +4,7 @@
 //
 //   build/bin/bench_train_throughput [--steps 20] [--threads 0] [--json] [--lesson-kernels]
 //                                    [--compare] [--bf16] [--parts] [--profile] [--loops]
-//                                    [--tiles] [--rope] [--shapes]
+//                                    [--tiles] [--rope] [--shapes] [--precisions]
 //
 // The step is the training run's: with the fast paths (runtime/fast.h) unless
 // --lesson-kernels asks for the lesson's code alone; --compare times both, alternating sizes.
@@ -395,6 +395,37 @@ void print_rope(const std::vector<Size>& sizes, int64_t steps,
       });
 }
 
+// --precisions: each size's step in fp32 and in bf16 (chapter 14's --precision bf16) on two
+// models, alternating step by step, the process-wide matmul kernel swapped with them: the median
+// ms of each and bf16's speed-up, a ratio the machine's swings reach both sides of alike.
+void print_precisions(const std::vector<Size>& sizes, int64_t steps,
+                      const std::shared_ptr<const fivefold::ch03::MatmulKernel>& kernel) {
+  using fivefold::ch03::set_matmul_kernel;
+  std::printf(
+      "threads %d; median step ms over %lld steps each, alternating, after 3 warm-up steps "
+      "each; with the fast paths\n\n%-22s %12s %12s %9s\n",
+      torch::get_num_threads(), static_cast<long long>(steps), "model", "fp32 ms", "bf16 ms",
+      "speed-up");
+  for (const Size& s : sizes) {
+    set_matmul_kernel(kernel);
+    Bench fp32 = prepare(s, true, false);
+    Bench bf16 = prepare(s, true, true);  // leaves chapter 14's bf16 kernel set
+    const std::shared_ptr<const fivefold::ch03::MatmulKernel> kernels[2] = {
+        set_matmul_kernel(kernel), kernel};  // bf16's, fp32's
+    std::vector<double> ms[2];
+    for (int64_t i = 0; i < 2 * (3 + steps); ++i) {
+      Bench& b = i % 2 == 0 ? bf16 : fp32;
+      set_matmul_kernel(kernels[i % 2]);
+      fivefold::Timer timer;
+      fivefold::ch03::train_step(b.model, *b.optimizer, b.train, {b.batch}, i / 2, b.masters.get());
+      if (i >= 2 * 3) ms[i % 2].push_back(timer.seconds() * 1e3);
+    }
+    const double bf16_ms = fivefold::median(ms[0]), fp32_ms = fivefold::median(ms[1]);
+    std::printf("%-22s %12.2f %12.2f %8.2fx\n", s.name, fp32_ms, bf16_ms, fp32_ms / bf16_ms);
+  }
+  set_matmul_kernel(kernel);
+}
+
 }  // namespace
 
 namespace {
@@ -427,6 +458,9 @@ int run(int argc, char** argv) {
   args.flag("tiles",
             "time each size's step with the tiled attention's queries in tiles of 64, 128 and "
             "256 instead, alternating step by step, in fp32 and bf16");
+  args.flag("precisions",
+            "time each size's step in fp32 and in bf16 instead, on two models alternating step "
+            "by step: bf16's speed-up over fp32 measured in one run");
   if (!args.parse(argc, argv)) return 0;
   fivefold::Runtime runtime;
   if (args.integer("threads") > 0)
@@ -465,6 +499,10 @@ int run(int argc, char** argv) {
   }
   if (args.on("loops")) {
     print_loops(sizes, args.integer("steps"), kernel);
+    return 0;
+  }
+  if (args.on("precisions")) {
+    print_precisions(sizes, args.integer("steps"), kernel);
     return 0;
   }
   if (args.on("profile")) {
