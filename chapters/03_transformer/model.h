@@ -93,6 +93,10 @@ class AttentionKernel {
   AttentionOutput attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                          const torch::Tensor& q_positions, const torch::Tensor& k_positions,
                          double scale) const;
+  /// True for a kernel that takes q, k and v in a narrower type as they come: one that rounds its
+  /// products' operands itself and keeps softmax's statistics and its output in fp32 (the fast
+  /// paths' tiled kernel); attend then does not widen them first.
+  virtual bool takes_narrow_inputs() const { return false; }
 
  protected:
   /// What the kernel does (attend's arguments; q, k and v of one type, fp32 or wider, unless
@@ -100,10 +104,6 @@ class AttentionKernel {
   virtual AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
                                   const torch::Tensor& v, const torch::Tensor& q_positions,
                                   const torch::Tensor& k_positions, double scale) const = 0;
-  /// True for a kernel that takes q, k and v in a narrower type as they come: one that rounds its
-  /// products' operands itself and keeps softmax's statistics and its output in fp32 (the fast
-  /// paths' tiled kernel); attend then does not widen them first.
-  virtual bool takes_narrow_inputs() const { return false; }
 };
 
 /// Chapter 03's kernel: causal_attention. It needs the layout causal_attention assumes (keys at

@@ -94,6 +94,9 @@ class RecomputedAttentionKernel : public ch03::AttentionKernel {
                                 const torch::Tensor& k_positions, double scale) const override;
   /// The kernel wrapped.
   const std::shared_ptr<const ch03::AttentionKernel>& inner() const { return inner_; }
+  /// As `inner`: q, k and v reach the checkpoint, and are kept, as `inner` takes them (bf16 as
+  /// they come for the fast paths' tiled kernel; widened to fp32 first for the lesson's).
+  bool takes_narrow_inputs() const override { return inner_->takes_narrow_inputs(); }
 
  private:
   std::shared_ptr<const ch03::AttentionKernel> inner_;

@@ -279,10 +279,20 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
                                const ch14::TensorParallelShare& tp,
                                const ch14::ContextParallelShare& cp) {
   // On a rank of cp, its s_r tokens of every row; under recomputation the kernel is checkpointed,
-  // and what the block keeps is the one-device count at s_r tokens.
+  // and what the block keeps is the one-device count at s_r tokens, except that chapter 12's
+  // kernel, which the checkpointed core runs here, takes q, k and v widened to fp32 (the tiled
+  // kernel as they come).
   const int64_t s_r = cp.tokens(seq);
-  if (cp.ranks > 1 && mode != ch14::Recompute::None)
-    return block_activation_bytes(whole, batch, s_r, precision, mode, tp);
+  if (cp.ranks > 1 && mode != ch14::Recompute::None) {
+    int64_t widened = 0;
+    if (mode == ch14::Recompute::Selective) {
+      const auto mine =
+          ch10::rank_shape(whole, static_cast<int>(tp.ranks), static_cast<int>(tp.rank));
+      widened = batch * s_r * (4 - ch14::bytes_per_number(precision)) *
+                (mine.n_heads + 2 * mine.n_kv_heads) * mine.head_dim;
+    }
+    return block_activation_bytes(whole, batch, s_r, precision, mode, tp) + widened;
+  }
   // On a rank of tp, its heads (key/value heads: one, shared, when there are fewer than ranks)
   // and its part of d_ff; with sequence parallelism its own tokens of the residual stream.
   const ch02::TransformerShape shape =
@@ -316,10 +326,11 @@ int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batc
                        batch * own * (4 * residual + rounded * norm_outputs);
   if (mode == ch14::Recompute::Full) return 4 * batch * own * d;  // the block's input
   if (mode == ch14::Recompute::None) return none;
-  // Selective: the checkpointed core keeps its inputs, q and k, v at their own heads, in fp32,
-  // instead of what the tiled kernel kept: its output, its log-sum-exp and q, k, v rounded and
-  // at every query head.
-  return none - tokens * (4 * (h * hd + h) + rounded * 3 * h * hd - 4 * (h + 2 * kv) * hd);
+  // Selective: the checkpointed core keeps its inputs, q and k, v at their own heads, as the tiled
+  // kernel inside takes them (rounded: bf16 as the products and the fused RoPE hand them on),
+  // instead of what the tiled kernel kept: its output, its log-sum-exp and q, k, v rounded and at
+  // every query head.
+  return none - tokens * (4 * (h * hd + h) + rounded * 3 * h * hd - rounded * (h + 2 * kv) * hd);
 }
 
 int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t batch, int64_t seq,
@@ -346,6 +357,11 @@ int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t
   // A dense layer's MLP on swiglu (tp = 1) keeps no silu(gate).
   const bool dense = !ch07::MoeConfig::from_json(config.extensions).is_moe_layer(layer);
   if (dense && tp.ranks == 1) bytes -= ch14::bytes_per_number(precision) * tokens * config.d_ff;
+  // Selective in bf16: the core takes its inputs as the tiled kernel inside does, so it keeps v as
+  // the bf16 view of kv_b_proj's whole output it is (n + dv a head, 2 bytes), not the lesson's
+  // widened fp32 copy of v (4dv); q and k reach it in fp32 either way (their rotary part is).
+  if (mode == ch14::Recompute::Selective && bf16 && cp.ranks == 1)
+    bytes += 2 * tokens * h * (n - dv);
   if (mode == ch14::Recompute::Selective || cp.ranks > 1) return bytes;  // no tiled kernel
   // The tiled kernel: no probabilities, no mask, no whole kv_b_proj output for one row; its own
   // contiguous v and its log-sum-exp; in bf16 q, k and v rounded.

@@ -96,8 +96,9 @@ class FusedAdamW : public torch::optim::AdamW {
 /// probability, no mask. In bf16 the linear maps' inputs and the attention's q, k and v are
 /// kept at 2 bytes. Plus RoPE's cos and sin, 4s·hd. With chapter 14's recomputation (`mode`):
 /// Full keeps the block's input alone, 4bsd; Selective checkpoints the attention core, which
-/// keeps its inputs (q and k, v at their own h_kv heads, in fp32) instead of what the tiled
-/// kernel kept (its output, its log-sum-exp, q, k and v rounded and at every query head).
+/// keeps its inputs as the tiled kernel inside takes them (q and k, v at their own h_kv heads, in
+/// bf16 as the products hand them on) instead of what the tiled kernel kept (its output, its
+/// log-sum-exp, q, k and v rounded and at every query head).
 /// On a rank of tp (`tp`): its heads and part of d_ff (chapter 10's rank_shape), and with sequence
 /// parallelism the norms' inputs and 1/rms for its own tokens only. On a rank of cp (`cp`, alone
 /// or with tp): its s_r tokens, chapter 12's kernel in the tiled one's place, which keeps q in
@@ -121,7 +122,9 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// s², no whole kv_b_proj output for a single row (4h·n a token); its own contiguous v and its
 /// log-sum-exp, 4h(dv + 1) a token; in bf16 q, k and v rounded, 2h(2(n + r) + dv) bytes fewer a
 /// token (h: the rank's heads under tp); a dense layer's MLP on swiglu at tp 1 keeps no
-/// silu(gate) (d_ff numbers a token fewer, in any mode but Full); under ep a MoE block's term for
+/// silu(gate) (d_ff numbers a token fewer, in any mode but Full); under selective recomputation
+/// in bf16 (without cp) the checkpointed core keeps v as the bf16 view of kv_b_proj's whole output
+/// it is, not a widened copy, 2h(n − dv) bytes more a token; under ep a MoE block's term for
 /// the rows the routing sent the rank's experts, as chapter 14 counts it (the fast paths do not
 /// touch the experts). Measured by the runtime's tests on one device and on every rank of tp, cp,
 /// tp x cp and ep, in fp32 and bf16.
