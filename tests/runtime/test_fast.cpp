@@ -5,21 +5,23 @@
 
 #include <atomic>
 #include <cmath>
+#include <map>
+#include <string>
 #include <tuple>
 
+#include "../10_tensor_parallel/fixtures.h"
+#include "../14_memory/fixtures.h"
 #include "02_flops_6np/flops.h"
 #include "03_transformer/train.h"
 #include "04_rope/rope.h"
 #include "07_moe/moe.h"
 #include "12_context_parallel/attention.h"
+#include "14_memory/recompute.h"
 #include "fivefold/error.h"
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
 #include "runtime/fast.h"
 #include "runtime/parallel.h"
-#include "../10_tensor_parallel/fixtures.h"
-#include "../14_memory/fixtures.h"
-#include "14_memory/recompute.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
@@ -715,6 +717,47 @@ TEST(FastPaths, KeepWhatTheirFormulaSays) {
               << to_string(mode);
         }
       }
+    }
+  }
+}
+
+// Recomputation on the fast paths in bf16 (bf16 products and parameters beside fp32 masters, as
+// the trainer runs it) gives the loss and every gradient of the run without it, bit for bit: the
+// checkpointed core takes q, k and v as the tiled kernel inside does, and runs it again on them.
+TEST(FastPaths, RecomputationInBf16GivesTheGradientsOfTheRunWithout) {
+  using fivefold::ch14::Recompute;
+  fivefold::ch14::testing::Fp32Afterwards restore;
+  ModelConfig c;
+  c.vocab_size = 61;
+  c.d_model = 64;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.rope_theta = 10000;
+  c.d_ff = 48;
+  c.n_layers = 2;
+  const auto tokens = torch::randint(c.vocab_size, {3, 20}, fivefold::generator_for(5, "t"));
+  auto run = [&](Recompute mode) {
+    Transformer model = fivefold::ch07::make_model(c);  // with RoPE
+    set_matmul_kernel(nullptr);
+    install_fast_paths(model);
+    fivefold::ch14::apply_recompute(model, {mode, 1, 0});
+    fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
+    MasterWeights masters(model, torch::kBFloat16);
+    const auto loss = loss_of(model, {tokens, tokens});
+    loss.backward();
+    std::map<std::string, torch::Tensor> grads;
+    for (const auto& p : model->named_parameters()) grads[p.key()] = p.value().grad();
+    return std::pair{loss.item<double>(), grads};
+  };
+  const auto [want_loss, want] = run(Recompute::None);
+  for (auto mode : {Recompute::Selective, Recompute::Full}) {
+    SCOPED_TRACE(fivefold::ch14::to_string(mode));
+    const auto [loss, grads] = run(mode);
+    EXPECT_EQ(loss, want_loss);
+    for (const auto& [name, grad] : want) {
+      SCOPED_TRACE(name);
+      ASSERT_EQ(grad.scalar_type(), torch::kBFloat16);
+      EXPECT_TENSOR_EQ(grads.at(name), grad);
     }
   }
 }
