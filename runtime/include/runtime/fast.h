@@ -47,8 +47,6 @@ class TiledCausalAttentionKernel : public ch03::AttentionKernel {
   ch03::AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const torch::Tensor& q_positions,
                                 const torch::Tensor& k_positions, double scale) const override;
-
- protected:
   /// On a MatmulKernel (chapter 14's bf16 one among them) the kernel rounds q, k and v to the
   /// products' operands itself: bf16 ones are laid out as they are, not widened and rounded back.
   bool takes_narrow_inputs() const override { return ch03::matmul_kernel() != nullptr; }
