@@ -85,15 +85,24 @@ std::string save_checkpoint(const RunConfig& c, TrainingStep& trainer, int64_t n
   };
   for (const auto& item : model->named_parameters()) check_finite(item.key(), item.value());
   for (const auto& [key, tensor] : optimizer) check_finite("optimizer state " + key, tensor);
-  fs::remove_all(temp);
-  fs::create_directories(temp);
-  save_model(temp.string(), model);
-  io::save_safetensors((temp / "optimizer.safetensors").string(), optimizer,
-                       {{"format", "fivefold-adamw"}});
-  io::save_safetensors((temp / "rng.safetensors").string(), {{"cpu", rng_state()}});
-  io::write_json((temp / "trainer_state.json").string(),
-                 {{"step", next_step}, {"run", run_to_json(c)}});
-  io::replace_directory(temp.string(), final_dir.string());  // an older one stays until then
+  try {
+    fs::remove_all(temp);
+    fs::create_directories(temp);
+    save_model(temp.string(), model);
+    io::save_safetensors((temp / "optimizer.safetensors").string(), optimizer,
+                         {{"format", "fivefold-adamw"}});
+    io::save_safetensors((temp / "rng.safetensors").string(), {{"cpu", rng_state()}});
+    io::write_json((temp / "trainer_state.json").string(),
+                   {{"step", next_step}, {"run", run_to_json(c)}});
+    io::replace_directory(temp.string(), final_dir.string());  // an older one stays until then
+  } catch (const std::exception& e) {
+    // A full disk, say: the part written goes (it would hold the space the next save needs).
+    std::error_code ignored;
+    fs::remove_all(temp, ignored);
+    throw Error(detail::concat("step ", next_step, ": checkpoint not saved: ", e.what(),
+                               " (the last checkpoint stays '", latest_checkpoint(c.out_dir),
+                               "')"));
+  }
   io::write_file_atomic((out / "latest").string(), std::string(name) + "\n");
   std::vector<fs::path> folders;
   for (const auto& entry : fs::directory_iterator(out)) {
@@ -105,6 +114,18 @@ std::string save_checkpoint(const RunConfig& c, TrainingStep& trainer, int64_t n
     if (folders[i] != final_dir) fs::remove_all(folders[i]);
   }
   return final_dir.string();
+}
+
+// Deletes the staging folders (.step-NNNNNNNN) of saves that never completed: a process killed
+// while it wrote one leaves it behind. Called by the writer once it holds the folder's lock, so no
+// other run is writing one.
+void remove_unfinished_checkpoints(const std::string& out_dir) {
+  for (const auto& entry : fs::directory_iterator(out_dir)) {
+    const std::string file = entry.path().filename().string();
+    if (!entry.is_directory() || file.rfind(".step-", 0) != 0) continue;
+    fs::remove_all(entry.path());
+    log0() << "removed '" << entry.path().string() << "', a checkpoint whose save did not complete";
+  }
 }
 
 // On resume, drops metrics written after the checkpoint (a run may have gone on past its last
@@ -255,6 +276,7 @@ void open_run_folder(const RunConfig& c, bool resume, int64_t first_step, std::o
       lock = std::make_unique<io::DirectoryLock>(c.out_dir);
       FIVEFOLD_CHECK(resume || !fs::exists(fs::path(c.out_dir) / "latest"), "'", c.out_dir,
                      "' already holds a training run: resume it or choose another output folder");
+      remove_unfinished_checkpoints(c.out_dir);
       const std::string path = c.out_dir + "/metrics.jsonl";
       if (resume) truncate_metrics(path, first_step);
       metrics.open(path, resume ? std::ios::app : std::ios::trunc);

@@ -1,9 +1,14 @@
 // The training run (runtime/run.h) on chapter 03's step: exact resume (bit for bit, also after a
 // run went past its last checkpoint), the output folder (metrics, checkpoints, `latest`,
-// pruning), and bad input that must fail before anything is written.
+// pruning, saves that fail), and bad input that must fail before anything is written.
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <string>
 
 #include "03_transformer/checkpoint.h"
 #include "fivefold/io.h"
@@ -52,6 +57,36 @@ std::vector<nlohmann::json> metrics(const std::string& out) {
     records.push_back(record);
   }
   return records;
+}
+
+// While alive, no file of this process grows past `bytes` (RLIMIT_FSIZE): a write beyond fails
+// with EFBIG, as one on a full disk fails with ENOSPC.
+class FileSizeLimit {
+ public:
+  explicit FileSizeLimit(rlim_t bytes) {
+    previous_signal_ = std::signal(SIGXFSZ, SIG_IGN);  // the write fails instead of the process
+    getrlimit(RLIMIT_FSIZE, &previous_);
+    rlimit limited = previous_;
+    limited.rlim_cur = bytes;
+    setrlimit(RLIMIT_FSIZE, &limited);
+  }
+  ~FileSizeLimit() {
+    setrlimit(RLIMIT_FSIZE, &previous_);
+    std::signal(SIGXFSZ, previous_signal_);
+  }
+  FileSizeLimit(const FileSizeLimit&) = delete;
+  FileSizeLimit& operator=(const FileSizeLimit&) = delete;
+
+ private:
+  rlimit previous_{};
+  void (*previous_signal_)(int) = nullptr;
+};
+
+// The names in a folder.
+std::set<std::string> entries_of(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+  return names;
 }
 
 void expect_same_files(const std::string& a, const std::string& b, const std::string& file) {
@@ -144,6 +179,32 @@ TEST(Trainer, WritesMetricsAndKeepsTheNewestCheckpoints) {
   EXPECT_DOUBLE_EQ(eval[1]["eval_loss"].get<double>(), r.eval.loss);
   // The checkpoint is a model folder like any other.
   EXPECT_EQ(load_model(resolve_checkpoint(out))->config().d_model, 32);
+}
+
+// A save that fails (a full disk; here a file-size limit) leaves nothing of itself and `latest`
+// on the checkpoint before, with a message that says so; a save that a killed process left half
+// written is deleted by the next run in the folder (either would hold the space the next save
+// needs: seen filling a 16 MB disk under mpirun).
+TEST(Trainer, ASaveThatFailsLeavesTheLastCheckpointAndNothingOfItself) {
+  ScratchDir scratch("full");
+  const std::string out = scratch.path("run");
+  run_training(tiny(out, 6));  // step-00000003 and step-00000006
+  fs::create_directories(out + "/.step-00000005");
+  io::write_file_atomic(out + "/.step-00000005/model.safetensors", "half");
+  {
+    const FileSizeLimit limit(16 * 1024);  // below the model's weights
+    EXPECT_TRUE(throws_error_containing(
+        [&] { run_training(tiny(out, 9), /*resume=*/true); },
+        "step 9: checkpoint not saved: writing '" + out + "/.step-00000009/model.safetensors"))
+        << "the save did not fail, or said nothing of it";
+  }
+  const std::set<std::string> kept{"latest", "metrics.jsonl", "step-00000003", "step-00000006"};
+  EXPECT_EQ(entries_of(out), kept);
+  EXPECT_EQ(io::read_file(out + "/latest"), "step-00000006\n");
+  // With room again, the run goes on from the checkpoint that stayed.
+  const RunResult rest = run_training(tiny(out, 9), /*resume=*/true);
+  EXPECT_EQ(rest.first_step, 6);
+  EXPECT_EQ(io::read_file(out + "/latest"), "step-00000009\n");
 }
 
 TEST(Trainer, OptimizerStateRoundTripsByName) {
