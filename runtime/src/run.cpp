@@ -5,8 +5,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -126,6 +128,18 @@ void remove_unfinished_checkpoints(const std::string& out_dir) {
     fs::remove_all(entry.path());
     log0() << "removed '" << entry.path().string() << "', a checkpoint whose save did not complete";
   }
+}
+
+// Appends one record to metrics.jsonl (when the run writes one). A row that cannot be written (a
+// full disk) stops the run: it would otherwise train on with its record cut short.
+void append_metrics(std::ofstream& metrics, const RunConfig& c, const nlohmann::json& record) {
+  if (!metrics.is_open()) return;
+  metrics << record.dump() << "\n" << std::flush;  // NaN is null
+  const int error = errno;
+  FIVEFOLD_CHECK(metrics.good(), "step ", record.value("step", int64_t{0}), ": writing '",
+                 c.out_dir, "/metrics.jsonl' failed: ", std::strerror(error),
+                 "; the run stops (the last checkpoint stays '", latest_checkpoint(c.out_dir),
+                 "')");
 }
 
 // On resume, drops metrics written after the checkpoint (a run may have gone on past its last
@@ -395,7 +409,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     }
     for (const auto& [key, value] : latest_extra.items())
       if (value.is_number()) line << ", " << key << " " << value.get<double>();
-    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;
+    append_metrics(metrics, c, record);
     bar.clear();
     log0() << line.str();
   };
@@ -434,7 +448,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
       latest_extra = requested.after_step(trainer->model());
       record.update(latest_extra);
     }
-    if (metrics.is_open()) metrics << record.dump() << "\n" << std::flush;  // NaN is null
+    append_metrics(metrics, c, record);
     // A non-finite norm means the step applied no update (StepResult); every rank sees the same
     // loss and norm, so every rank stops here, and nothing of this step is saved.
     if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm)) {

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "03_transformer/checkpoint.h"
+#include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "runtime/run.h"
 #include "testing.h"
@@ -205,6 +206,31 @@ TEST(Trainer, ASaveThatFailsLeavesTheLastCheckpointAndNothingOfItself) {
   const RunResult rest = run_training(tiny(out, 9), /*resume=*/true);
   EXPECT_EQ(rest.first_step, 6);
   EXPECT_EQ(io::read_file(out + "/latest"), "step-00000009\n");
+}
+
+// A metrics row that cannot be written stops the run (seen: on a full disk a run trained 360
+// steps on after its 240th row, and the record kept one row cut in half).
+TEST(Trainer, AMetricsRowThatCannotBeWrittenStopsTheRun) {
+  ScratchDir scratch("metrics");
+  const std::string out = scratch.path("run");
+  RunConfig c = tiny(out, 12);
+  c.save_every = 0;
+  std::string message;
+  {
+    const FileSizeLimit limit(1024);  // a few rows
+    try {
+      run_training(c);
+    } catch (const fivefold::Error& e) {
+      message = e.what();
+    }
+  }
+  EXPECT_NE(message.find(": writing '" + out +
+                         "/metrics.jsonl' failed: File too large; the run "
+                         "stops (the last checkpoint stays 'none')"),
+            std::string::npos)
+      << "the run did not stop, or said: " << message;
+  EXPECT_EQ(message.rfind("step ", 0), 0u) << message;
+  EXPECT_FALSE(fs::exists(out + "/latest"));
 }
 
 TEST(Trainer, OptimizerStateRoundTripsByName) {
