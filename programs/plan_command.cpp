@@ -39,7 +39,7 @@ namespace {
 // active ones (the FLOPs a token costs), memory from the total (every expert is stored).
 int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double mfu,
                   int64_t devices, int64_t dp, int64_t ep, int64_t rows, int64_t seq,
-                  bool as_json) {
+                  ch14::Precision precision, bool as_json) {
   const auto config = ch03::config_from_json(json);
   const auto p = ch07::count_parameters(config);
   const int64_t micro_tokens = rows * seq;
@@ -57,7 +57,7 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
     out["zero"] = zero_memory(p.total, dp);
     out["zero_bf16"] = zero_memory(p.total, dp, ch14::bytes_per_number(ch14::Precision::Bf16));
   }
-  out["activations"] = deepseek_activations(config, rows, seq);
+  out["activations"] = deepseek_activations(config, rows, seq, precision);
   if (ep > 0) {
     const auto e = ch13::expert_parallel_plan(config, ep, micro_tokens);
     out["expert_parallel"] = {{"ep", ep},
@@ -265,12 +265,16 @@ int plan_deepseek_config(const ArgParser& args, const nlohmann::json& config) {
   FIVEFOLD_CHECK(args.integer("tp") == 0,
                  "--tp: chapter 10's formulas are for Llama-shaped models (MLA and experts "
                  "split differently)");
+  FIVEFOLD_CHECK(args.real("activation-budget") <= 0,
+                 "--activation-budget: chapter 14's choice under a budget counts Llama-shaped "
+                 "blocks; for MLA and experts compare the modes the plan prints");
   try {
     FIVEFOLD_CHECK(args.integer("ep") >= 0, "--ep must be >= 0");
     const int64_t seq = args.given("seq") ? args.integer("seq") : 4096;
     return plan_deepseek(config, args.real("tokens"), args.real("peak"), args.real("mfu"),
                          args.integer("devices"), args.integer("dp"), args.integer("ep"),
-                         args.integer("micro-batch"), seq, args.on("json"));
+                         args.integer("micro-batch"), seq,
+                         ch14::parse_precision(args.str("precision")), args.on("json"));
   } catch (const Error& e) {
     throw Error(args.str("config") + ": " + e.what());
   }

@@ -82,16 +82,23 @@ nlohmann::json tensor_parallel_section(const ch02::TransformerShape& shape, int6
            ch10::sequence_parallel_activation_savings(shape, static_cast<int>(tp), 0, b, context)}};
 }
 
-// Chapter 14: what a block keeps for backward, and a step's FLOPs, in each recomputation mode.
-nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq) {
+// Chapter 14: what a block keeps for backward, in each recomputation mode, with the lesson's
+// kernels and with the trainer's fast ones.
+nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq,
+                                    ch14::Precision precision) {
   const auto moe = ch07::MoeConfig::from_json(config.extensions);
-  nlohmann::json a = {{"rows", rows}, {"tokens", seq}};
+  nlohmann::json a = {{"rows", rows}, {"tokens", seq}, {"precision", to_string(precision)}};
   const bool routed = ch07::has_routed_experts(config);
   try {  // the first dense and the first MoE layer, where the model has them
     for (int64_t layer = 0; layer < config.n_layers; ++layer) {
       const char* kind = routed && moe.is_moe_layer(layer) ? "moe_block" : "dense_block";
-      if (!a.contains(kind))
-        a[kind] = ch14::deepseek_block_activation_bytes(config, layer, rows, seq);
+      if (a.contains(kind)) continue;
+      for (auto mode : {ch14::Recompute::None, ch14::Recompute::Selective, ch14::Recompute::Full}) {
+        a[kind]["lesson"][to_string(mode)] = ch14::deepseek_block_activation_bytes(
+            config, layer, rows, seq, mode, {}, {}, precision);
+        a[kind]["fast_paths"][to_string(mode)] =
+            runtime::block_activation_bytes(config, layer, rows, seq, precision, mode);
+      }
     }
   } catch (const Error&) {  // routing the formula does not count (capacity, auxiliary loss)
     return nlohmann::json::object();
@@ -101,15 +108,20 @@ nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t row
 
 void print_deepseek_activations(const nlohmann::json& a) {
   if (a.empty()) return;
-  std::printf(
-      "activations     per block, micro-batch of %lld x %lld tokens (fp32, the lesson's "
-      "kernels, no recomputation; chapter 14):",
-      a["rows"].get<long long>(), a["tokens"].get<long long>());
-  if (a.contains("dense_block"))
-    std::printf(" dense %s", si(a["dense_block"].get<double>(), "B").c_str());
-  if (a.contains("moe_block"))
-    std::printf(" MoE %s", si(a["moe_block"].get<double>(), "B").c_str());
-  std::printf("\n");
+  auto modes = [](const nlohmann::json& bytes) {
+    return "none " + si(bytes["none"].get<double>(), "B") + ", selective " +
+           si(bytes["selective"].get<double>(), "B") + ", full " +
+           si(bytes["full"].get<double>(), "B");
+  };
+  std::printf("activations     per block, micro-batch of %lld x %lld tokens (%s; chapter 14):\n",
+              a["rows"].get<long long>(), a["tokens"].get<long long>(),
+              a["precision"].get<std::string>().c_str());
+  for (const auto& [kind, name] : {std::pair{"dense_block", "dense"}, {"moe_block", "MoE"}}) {
+    if (!a.contains(kind)) continue;
+    std::printf("  %-5s the lesson's kernels: %s\n", name, modes(a[kind]["lesson"]).c_str());
+    std::printf("        the fast kernels (the trainer's default): %s\n",
+                modes(a[kind]["fast_paths"]).c_str());
+  }
 }
 
 void add_activation_choices(nlohmann::json& activations, const ch02::TransformerShape& shape,

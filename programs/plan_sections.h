@@ -59,8 +59,11 @@ nlohmann::json context_parallel_section(const ch02::TransformerShape& shape, int
 void print_context_parallel(const nlohmann::json& c, int64_t context);
 
 /// Chapter 14: what a dense and a MoE block of a deepseek_v3 config keep for a micro-batch of
-/// `rows` x `seq` tokens (ch14::deepseek_block_activation_bytes); empty where not derived.
-nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq);
+/// `rows` x `seq` tokens in `precision`, with each recomputation, for the lesson's kernels
+/// (ch14::deepseek_block_activation_bytes) and the trainer's fast ones
+/// (runtime::block_activation_bytes); empty where not derived.
+nlohmann::json deepseek_activations(const ch03::ModelConfig& config, int64_t rows, int64_t seq,
+                                    ch14::Precision precision);
 /// Its line of the table (none when empty).
 void print_deepseek_activations(const nlohmann::json& a);
 

@@ -99,15 +99,39 @@ if(NOT status EQUAL 0 OR NOT both_none EQUAL 167829504 OR NOT both_sp EQUAL 5038
    OR NOT both_fast EQUAL 41993216)
   message(FATAL_ERROR "fivefold plan --cp 4 --tp 8's activation figures are not the formulas'")
 endif()
-# DeepSeek-V3 (MLA, MoE): a dense and a MoE block at 4096 tokens (notes §1, "MLA and MoE").
+# DeepSeek-V3 (MLA, MoE): a dense and a MoE block at 4096 tokens (notes §1, "MLA and MoE"), with
+# the lesson's kernels and the fast ones, in fp32 and (--precision, not ignored) bf16.
+foreach(precision fp32 bf16)
+  execute_process(COMMAND ${FIVEFOLD} plan --config ${CMAKE_CURRENT_LIST_DIR}/../07_moe/configs/deepseek-v3.json
+                          --seq 4096 --precision ${precision} --json
+                  OUTPUT_VARIABLE plan RESULT_VARIABLE status)
+  if(NOT status EQUAL 0)
+    message(FATAL_ERROR "fivefold plan --precision ${precision} failed on DeepSeek-V3")
+  endif()
+  string(JSON ds_precision GET "${plan}" activations precision)
+  set(ds_${precision} "")
+  foreach(block dense_block moe_block)
+    foreach(kernels lesson fast_paths)
+      foreach(mode none selective full)
+        string(JSON bytes GET "${plan}" activations ${block} ${kernels} ${mode})
+        list(APPEND ds_${precision} ${bytes})
+      endforeach()
+    endforeach()
+  endforeach()
+  message("plan --precision ${ds_precision}: DeepSeek-V3 blocks (dense, MoE; lesson, fast; none, "
+          "selective, full) keep ${ds_${precision}} bytes")
+endforeach()
+if(NOT ds_fp32 STREQUAL "12501188608;3894476800;117440512;3056664576;3054567424;117440512;15325413376;6718701568;117833728;6182879232;6180782080;117833728"
+   OR NOT ds_bf16 STREQUAL "11359289344;2752577536;117440512;1798373376;2064711680;117440512;13361430528;4754718720;117833728;3951509504;4217847808;117833728")
+  message(FATAL_ERROR "fivefold plan's DeepSeek-V3 activation figures are not the formulas'")
+endif()
+# Chapter 14's choice under a budget counts Llama-shaped blocks: refused for DeepSeek-V3, not
+# ignored.
 execute_process(COMMAND ${FIVEFOLD} plan --config ${CMAKE_CURRENT_LIST_DIR}/../07_moe/configs/deepseek-v3.json
-                        --seq 4096 --json
-                OUTPUT_VARIABLE plan RESULT_VARIABLE status)
-string(JSON ds_dense GET "${plan}" activations dense_block)
-string(JSON ds_moe GET "${plan}" activations moe_block)
-message("plan: a DeepSeek-V3 block keeps ${ds_dense} bytes (dense), ${ds_moe} (MoE)")
-if(NOT status EQUAL 0 OR NOT ds_dense EQUAL 12501188608 OR NOT ds_moe EQUAL 15325413376)
-  message(FATAL_ERROR "fivefold plan's DeepSeek-V3 activation figures are not the formula's")
+                        --activation-budget 50e9
+                OUTPUT_VARIABLE plan ERROR_VARIABLE error RESULT_VARIABLE status)
+if(status EQUAL 0 OR NOT error MATCHES "--activation-budget: chapter 14's choice under a budget counts Llama-shaped")
+  message(FATAL_ERROR "fivefold plan --activation-budget on DeepSeek-V3 was not refused: ${error}")
 endif()
 # Under a budget for the 32 blocks of one micro-batch: 50 GB rules out no recomputation (118 GB)
 # and selective (48.9 GB) fits with the fewest FLOPs; 1 GB is below full recomputation's 2.1 GB.
