@@ -267,6 +267,9 @@ int generate(int argc, char** argv) {
     if (!args.given("stop-ids")) options.stop_tokens = {'\n'};
   }
   const int64_t max_new = args.integer("max-new-tokens");
+  // Refused before the prompt is echoed: a refusal prints nothing on stdout.
+  FIVEFOLD_CHECK(max_new >= 0, "--max-new-tokens must be >= 0, got ", max_new);
+  options.validate();
   const int64_t trained = model->config().max_position_embeddings;
   if (static_cast<int64_t>(prompt.size()) + max_new > trained) {
     log(LogLevel::Warn) << "generating up to " << static_cast<int64_t>(prompt.size()) + max_new

@@ -46,7 +46,11 @@ void write_bin(const std::string& path, const std::vector<int>& ids) {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) fail("cannot write '" + tmp + "'");
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out.flush()) fail("cannot write '" + tmp + "'");
+    if (!out.flush()) {
+      std::error_code ignored;
+      std::filesystem::remove(tmp, ignored);  // a full disk leaves no part of the file
+      fail("cannot write '" + path + "' (disk full?)");
+    }
   }
   std::filesystem::rename(tmp, path);
 }
@@ -74,7 +78,8 @@ int run(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    fail(std::string(e.what()) + " (see --help)");   // as every other command says it, exit 1
   }
   if (tokenizer.empty() == train_tokenizer.empty())
     fail("give exactly one of --tokenizer and --train-tokenizer");

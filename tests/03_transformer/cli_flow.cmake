@@ -99,6 +99,18 @@ refused("neither a checkpoint folder" generate --checkpoint ${WORK} --prompt-ids
 refused("outside the checkpoint's vocabulary" generate --checkpoint ${out} --prompt-ids 3,259)
 refused("expects integers" generate --checkpoint ${out} --prompt-ids 3,x)
 refused("exactly one of --prompt and --prompt-ids" generate --checkpoint ${out})
+# Bad sampling settings are refused before the prompt is echoed: nothing on stdout.
+foreach(case "--max-new-tokens;-1;--max-new-tokens must be >= 0"
+             "--temperature;0;temperature must be positive" "--top-k;-2;top_k must be >= 0")
+  list(GET case 0 flag)
+  list(GET case 1 value)
+  list(GET case 2 expect)
+  execute_process(COMMAND ${FIVEFOLD} generate --checkpoint ${out} --prompt "12+" ${flag} ${value}
+                  RESULT_VARIABLE status OUTPUT_VARIABLE printed ERROR_VARIABLE err TIMEOUT 120)
+  if(status EQUAL 0 OR NOT err MATCHES "${expect}" OR NOT printed STREQUAL "")
+    message(FATAL_ERROR "generate ${flag} ${value}: exit ${status}, stdout '${printed}', ${err}")
+  endif()
+endforeach()
 refused("go together" eval --checkpoint ${out} --ids 1,2)
 file(WRITE ${WORK}/bad/config.json "{\"model_type\": \"llama\", \"hidden_size\": 32")
 refused("not valid JSON" eval --checkpoint ${WORK}/bad)

@@ -172,6 +172,13 @@ message("${text}")
 if(NOT status EQUAL 0 OR NOT EXISTS ${WORK}/corpus.bin OR NOT text MATCHES "--vocab 400")
   message(FATAL_ERROR "fivefold tokenize failed (exit ${status})")
 endif()
+# A bad flag is refused as every command refuses one: "fivefold tokenize: error: ...", exit 1.
+execute_process(COMMAND ${FIVEFOLD} tokenize --tokenizer ${WORK}/course.model
+                        --input ${WORK}/absent.txt
+                RESULT_VARIABLE status OUTPUT_VARIABLE text ERROR_VARIABLE text)
+if(NOT status EQUAL 1 OR NOT text MATCHES "fivefold tokenize: error: --input: .*absent.txt")
+  message(FATAL_ERROR "fivefold tokenize on a missing file: exit ${status}, ${text}")
+endif()
 train(2 ${WORK}/sentencepiece --data ${WORK}/corpus.bin --vocab 400 --tp 2 --steps 3
       --batch 4 --seq 32 --eval-every 0 --eval-batches 1 --peak-gflops 100 --no-progress)
 curve(${WORK}/sentencepiece got)
