@@ -339,6 +339,11 @@ int eval(int argc, char** argv) {
   const std::string split_name = args.str("split");
   FIVEFOLD_CHECK(split_name == "held-out" || split_name == "train",
                  "--split must be held-out or train, got '", split_name, "'");
+  const int64_t examples =
+      args.given("exact-match") ? args.integer("exact-match") : (data.path.empty() ? 200 : 0);
+  FIVEFOLD_CHECK(examples >= 0, "--exact-match must be >= 0, got ", examples);
+  FIVEFOLD_CHECK(examples == 0 || data.path.empty(),
+                 "--exact-match needs the synthetic corpus (no --data)");
   const Split split = split_name == "train" ? Split::Train : Split::HeldOut;
   const auto datasets = load_datasets(data, seq);
   const TokenDataset& tokens = split == Split::Train ? datasets.first : datasets.second;
@@ -350,10 +355,7 @@ int eval(int argc, char** argv) {
   const LossReport loss = evaluate_loss(model, sampler, args.integer("batches"));
   std::printf("checkpoint %s\n%s loss %.4f  perplexity %.3f  (%lld tokens)\n", dir.c_str(),
               split_name.c_str(), loss.loss, loss.perplexity, static_cast<long long>(loss.tokens));
-  const int64_t examples =
-      args.given("exact-match") ? args.integer("exact-match") : (data.path.empty() ? 200 : 0);
   if (examples > 0) {
-    FIVEFOLD_CHECK(data.path.empty(), "--exact-match needs the synthetic corpus (no --data)");
     const ExactMatchReport exact = exact_match(model, data.seed, split, examples);
     std::printf("exact match %.3f over %lld %s prompts:", exact.accuracy(),
                 static_cast<long long>(examples), split_name.c_str());

@@ -122,6 +122,13 @@ Setting at_least(Setting s, Ref ref, int64_t minimum) {
   return s;
 }
 
+// A row of a whole number, as `field` makes it, that must be at least `minimum`.
+template <class Ref>
+Setting at_least(const char* flag, const char* key, OnResume on_resume, const char* help, Ref ref,
+                 int64_t minimum) {
+  return at_least(field(flag, key, on_resume, help, ref), ref, minimum);
+}
+
 // A flag that turns a setting, on by default, off.
 template <class Ref>
 Setting turns_off(const char* flag, const char* help, Ref ref) {
@@ -136,34 +143,39 @@ std::vector<Setting> make_table() {
   std::vector<Setting> t;
   t.push_back(field("out", "", now, "output folder (metrics, checkpoints)",
                     [](auto& c) -> auto& { return c.out_dir; }));
-  t.push_back(field("steps", "steps", now, "train until this many optimizer steps are done",
-                    [](auto& c) -> auto& { return c.steps; }));
+  t.push_back(at_least(
+      "steps", "steps", now, "train until this many optimizer steps are done",
+      [](auto& c) -> auto& { return c.steps; }, 1));
   t.push_back(field("data", "data.path", fixed,
                     "text file or .bin of uint16 token ids (default: the synthetic corpus)",
                     [](auto& c) -> auto& { return c.data.path; }, Kind::Path));
   t.push_back(field("data-seed", "data.seed", fixed, "synthetic corpus and batch order seed",
                     [](auto& c) -> auto& { return c.data.seed; }));
-  t.push_back(field("synthetic-examples", "data.synthetic_examples", fixed,
-                    "lines of synthetic training text",
-                    [](auto& c) -> auto& { return c.data.synthetic_examples; }));
-  t.push_back(field("val-fraction", "data.val_fraction", fixed,
-                    "share of a data file held out (its end)",
-                    [](auto& c) -> auto& { return c.data.val_fraction; }));
-  t.push_back(field("seq", "seq_len", fixed, "tokens per sequence",
-                    [](auto& c) -> auto& { return c.seq_len; }));
-  t.push_back(field("batch", "batch", fixed,
-                    "sequences per optimizer step, over all ranks (the global batch)",
-                    [](auto& c) -> auto& { return c.batch; }));
-  t.push_back(field("accum", "micro_batches", kept,
-                    "micro-batches per data-parallel rank and step (gradient accumulation, and "
-                    "the pipeline's micro-batches; dp x accum divides --batch)",
-                    [](auto& c) -> auto& { return c.micro_batches; }));
-  t.push_back(one_of(field("recompute", "recompute", kept,
-                           "activation recomputation (chapter 14): none, full (whole blocks: "
-                           "keep each block's input, run it again in backward) or selective "
-                           "(the attention core)",
-                           [](auto& c) -> auto& { return c.recompute; }),
-                     [](const std::string& v) { return ch14::to_string(ch14::parse_recompute(v)); }));
+  t.push_back(at_least(
+      "synthetic-examples", "data.synthetic_examples", fixed, "lines of synthetic training text",
+      [](auto& c) -> auto& { return c.data.synthetic_examples; }, 10));
+  t.push_back(field(
+      "val-fraction", "data.val_fraction", fixed, "share of a data file held out (its end)",
+      [](auto& c) -> auto& { return c.data.val_fraction; }));
+  t.push_back(at_least(
+      "seq", "seq_len", fixed, "tokens per sequence", [](auto& c) -> auto& { return c.seq_len; },
+      1));
+  t.push_back(at_least(
+      "batch", "batch", fixed, "sequences per optimizer step, over all ranks (the global batch)",
+      [](auto& c) -> auto& { return c.batch; }, 1));
+  t.push_back(at_least(
+      "accum", "micro_batches", kept,
+      "micro-batches per data-parallel rank and step (gradient accumulation, and "
+      "the pipeline's micro-batches; dp x accum divides --batch)",
+      [](auto& c) -> auto& { return c.micro_batches; }, 1));
+  t.push_back(
+      one_of(field(
+                 "recompute", "recompute", kept,
+                 "activation recomputation (chapter 14): none, full (whole blocks: "
+                 "keep each block's input, run it again in backward) or selective "
+                 "(the attention core)",
+                 [](auto& c) -> auto& { return c.recompute; }),
+             [](const std::string& v) { return ch14::to_string(ch14::parse_recompute(v)); }));
   const auto every = [](auto& c) -> auto& { return c.recompute_every; };
   t.push_back(at_least(field("recompute-every", "recompute_every", kept,
                              "with --recompute full: every K-th block only (blocks 0, K, 2K, ...)",
@@ -186,12 +198,14 @@ std::vector<Setting> make_table() {
                     [](auto& c) -> auto& { return c.train.lr; }));
   t.push_back(field("min-lr", "train.min_lr", fixed, "final learning rate",
                     [](auto& c) -> auto& { return c.train.min_lr; }));
-  t.push_back(field("warmup", "train.warmup_steps", fixed, "linear warm-up steps",
-                    [](auto& c) -> auto& { return c.train.warmup_steps; }));
-  t.push_back(or_else(field("decay-steps", "train.total_steps", fixed,
-                            "steps of the cosine decay (default: --steps)",
-                            [](auto& c) -> auto& { return c.train.total_steps; }),
-                      [](RunConfig& c) { c.train.total_steps = c.steps; }));
+  t.push_back(at_least(
+      "warmup", "train.warmup_steps", fixed, "linear warm-up steps",
+      [](auto& c) -> auto& { return c.train.warmup_steps; }, 0));
+  t.push_back(or_else(
+      field(
+          "decay-steps", "train.total_steps", fixed, "steps of the cosine decay (default: --steps)",
+          [](auto& c) -> auto& { return c.train.total_steps; }),
+      [](RunConfig& c) { c.train.total_steps = c.steps; }));
   t.push_back(field("weight-decay", "train.weight_decay", fixed,
                     "AdamW decoupled weight decay (matrices only)",
                     [](auto& c) -> auto& { return c.train.weight_decay; }));
@@ -242,19 +256,26 @@ std::vector<Setting> make_table() {
   t.push_back(model);
   t.push_back(field("seed", "", fixed, "initialisation seed",
                     [](auto& c) -> auto& { return c.model.seed; }));
-  t.push_back(field("save-every", "save_every", kept, "checkpoint interval (0: at the end)",
-                    [](auto& c) -> auto& { return c.save_every; }));
-  t.push_back(field("keep", "keep_checkpoints", kept, "checkpoints kept",
-                    [](auto& c) -> auto& { return c.keep_checkpoints; }));
-  t.push_back(field("eval-every", "eval_every", kept, "evaluation interval (0: at the end)",
-                    [](auto& c) -> auto& { return c.eval_every; }));
-  t.push_back(field("eval-batches", "eval_batches", kept, "held-out batches per evaluation",
-                    [](auto& c) -> auto& { return c.eval_batches; }));
-  t.push_back(or_else(field("exact-match", "exact_match_examples", kept,
-                            "held-out prompts answered per evaluation (synthetic corpus; default "
-                            "100, 0 with --data)",
-                            [](auto& c) -> auto& { return c.exact_match_examples; }),
-                      [](RunConfig& c) { c.exact_match_examples = c.data.path.empty() ? 100 : 0; }));
+  t.push_back(at_least(
+      "save-every", "save_every", kept, "checkpoint interval (0: at the end)",
+      [](auto& c) -> auto& { return c.save_every; }, 0));
+  t.push_back(at_least(
+      "keep", "keep_checkpoints", kept, "checkpoints kept",
+      [](auto& c) -> auto& { return c.keep_checkpoints; }, 1));
+  t.push_back(at_least(
+      "eval-every", "eval_every", kept, "evaluation interval (0: at the end)",
+      [](auto& c) -> auto& { return c.eval_every; }, 0));
+  t.push_back(at_least(
+      "eval-batches", "eval_batches", kept, "held-out batches per evaluation",
+      [](auto& c) -> auto& { return c.eval_batches; }, 1));
+  const auto exact = [](auto& c) -> auto& { return c.exact_match_examples; };
+  t.push_back(at_least(
+      or_else(field("exact-match", "exact_match_examples", kept,
+                    "held-out prompts answered per evaluation (synthetic corpus; "
+                    "default 100, 0 with --data)",
+                    exact),
+              [](RunConfig& c) { c.exact_match_examples = c.data.path.empty() ? 100 : 0; }),
+      exact, 0));
   t.push_back(field("peak-gflops", "", now, "matmul peak for MFU (0: measured at start)",
                     [](auto& c) -> auto& { return c.peak_gflops; }));
   t.push_back(turns_off("no-progress", "no progress bar",

@@ -91,6 +91,11 @@ refused("GB available" train --out ${WORK}/never --vocab 1000000000000)
 # In bf16 the state it prices is chapter 14's: bf16 weights and gradients, fp32 master weights.
 refused("bf16, with fp32 master weights\\) take" train --out ${WORK}/never --n-layers 1000000000
         --precision bf16)
+# A count out of range is refused naming its flag and value (it named five fields at once).
+refused("--keep must be >= 1, got 0" train --out ${WORK}/never --keep 0)
+refused("--steps must be >= 1, got 0" train --out ${WORK}/never --steps 0)
+refused("--warmup must be >= 0, got -1" train --out ${WORK}/never --warmup -1)
+refused("--eval-batches must be >= 1, got 0" train --out ${WORK}/never --eval-batches 0)
 refused("already holds a training run" train --out ${out} --steps 8 ${model})
 if(EXISTS ${WORK}/never)
   message(FATAL_ERROR "a refused run created its output folder")
@@ -115,3 +120,4 @@ refused("go together" eval --checkpoint ${out} --ids 1,2)
 file(WRITE ${WORK}/bad/config.json "{\"model_type\": \"llama\", \"hidden_size\": 32")
 refused("not valid JSON" eval --checkpoint ${WORK}/bad)
 refused("--split must be held-out or train" eval --checkpoint ${out} --split test)
+refused("--exact-match must be >= 0, got -5" eval --checkpoint ${out} --exact-match -5)
