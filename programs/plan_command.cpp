@@ -19,6 +19,7 @@
 #include "03_transformer/checkpoint.h"
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
+#include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
 #include "11_pipeline_parallel/plan.h"
 #include "12_context_parallel/plan.h"
@@ -295,7 +296,13 @@ nlohmann::json with_layout_sections(const ArgParser& args, const nlohmann::json&
     result["zero"] = zero_memory(psi, dp);
     result["zero_bf16"] = zero_memory(psi, dp, ch14::bytes_per_number(ch14::Precision::Bf16));
   }
-  if (tp > 0) result["tensor_parallel"] = tensor_parallel_section(shape, tp, psi, b, context);
+  if (tp > 0) {
+    ch03::ModelConfig heads;  // the trainer's refusal, in its words
+    heads.n_heads = shape.n_heads;
+    heads.n_kv_heads = shape.n_kv_heads;
+    ch10::check_tensor_parallel(heads, static_cast<int>(tp), false);
+    result["tensor_parallel"] = tensor_parallel_section(shape, tp, psi, b, context);
+  }
   FIVEFOLD_CHECK(pp >= 0, "--pp must be >= 0");
   if (pp > 0)
     result["pipeline"] =

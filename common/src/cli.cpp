@@ -52,8 +52,9 @@ ArgParser& ArgParser::flag(const std::string& name, const std::string& help) {
   return *this;
 }
 
-ArgParser& ArgParser::config_file(const std::string& help) {
+ArgParser& ArgParser::config_file(const std::string& help, const std::string& flag) {
   config_help_ = help;
+  config_flag_ = flag;
   return *this;
 }
 
@@ -75,7 +76,7 @@ bool ArgParser::parse(int argc, const char* const* argv) {
     o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);  // a later value wins
     parsed_->options[name] = o;
   }
-  if (!config_help_.empty()) app.add_option("--config", parsed_->config, config_help_);
+  if (!config_help_.empty()) app.add_option("--" + config_flag_, parsed_->config, config_help_);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -109,7 +110,7 @@ std::string number_text(double value) {
 // unclosed table header, a key given twice) with its line; each key must be a declared option
 // holding one value. Values the command line also gave are the command line's.
 void ArgParser::read_config(const std::string& file) {
-  const std::string where = program_ + ": --config '" + file + "'";
+  const std::string where = program_ + ": --" + config_flag_ + " '" + file + "'";
   std::error_code error;
   FIVEFOLD_CHECK(std::filesystem::is_regular_file(file, error), where,
                  ": not readable (no such file, or not a file)");
@@ -228,7 +229,9 @@ std::string ArgParser::help() const {
     out << "\n";
   }
   if (!config_help_.empty()) {
-    out << "  --config FILE" << std::string(28 - 15, ' ') << config_help_ << "\n";
+    const std::string left = "  --" + config_flag_ + " FILE";
+    out << left << std::string(left.size() < 28 ? 28 - left.size() : 1, ' ') << config_help_
+        << "\n";
   }
   out << "  --help                    this text\n";
   return out.str();

@@ -94,8 +94,8 @@ ch15::Cluster read_cluster(const std::string& path) {
       file.option(collective_key(link, op, "latency-us"), "",
                   "microseconds a message of this collective's own line (with its GB/s)");
     }
-  file.config_file("the cluster's TOML file");
-  const std::string at = "--config";
+  file.config_file("the cluster's TOML file", "cluster");
+  const std::string at = "--cluster";
   const char* argv[] = {"cluster", at.c_str(), path.c_str()};
   file.parse(3, argv);
   ch15::Cluster cluster;

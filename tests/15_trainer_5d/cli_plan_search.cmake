@@ -150,12 +150,21 @@ function(expect_refused what expect)
 endfunction()
 expect_refused("no cluster" "give --cluster FILE" ${model})
 file(WRITE ${WORK}/typo.toml "name = \"x\"\ndevice = 4\n")
-expect_refused("a cluster file's typo" "unknown setting 'device'" --cluster ${WORK}/typo.toml
-               ${model})
+expect_refused("a cluster file's typo" "--cluster '[^']*typo.toml' line 2: 'device': unknown setting 'device'"
+               --cluster ${WORK}/typo.toml ${model})
+expect_refused("a missing cluster file" "--cluster '[^']*absent.toml': not readable"
+               --cluster ${WORK}/absent.toml ${model})
 expect_refused("GPT-2" "Llama-shaped" --cluster ${cluster} ${model} --gpt2)
 expect_refused("ep without experts" "no routed experts" --cluster ${cluster} ${model} --ep 2)
 expect_refused("an unknown recomputation" "'some' is not one of none, full, selective"
                --cluster ${cluster} ${model} --recompute some)
+# A tp the heads do not split over: the trainer's refusal, not a formula's internal one.
+execute_process(COMMAND ${FIVEFOLD} plan --d-model 64 --n-layers 4 --n-heads 4 --tp 3
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "--tp 3: the model's 4 attention heads do not split")
+  message(FATAL_ERROR "plan --tp 3 on 4 heads: expected the trainer's refusal, got exit ${rc}:\n"
+                      "${out}${err}")
+endif()
 # The planner's options without --search would be ignored: refused, naming it.
 execute_process(COMMAND ${FIVEFOLD} plan --d-model 64 --n-layers 4 --n-heads 4 --recompute full
                 RESULT_VARIABLE rc

@@ -46,7 +46,9 @@ class ArgParser {
   /// which win. Anything else is an error naming the file, the line and the key: malformed TOML
   /// (toml++'s message), an unknown key (as an unknown option is), a table or an array, a flag
   /// given something other than true/false. An option set by the file counts as given().
-  ArgParser& config_file(const std::string& help);
+  /// `flag` names the option (`--config` unless a file of another kind is read this way, such as
+  /// `fivefold plan --cluster`'s), in the help and in every error about the file.
+  ArgParser& config_file(const std::string& help, const std::string& flag = "config");
 
   /// Parses the arguments after argv[0]. Throws fivefold::Error for an unknown option, a missing
   /// value or a stray positional argument. Returns false if `--help` was given (help is printed).
@@ -85,6 +87,7 @@ class ArgParser {
   std::string program_;
   std::string description_;
   std::string config_help_;  // non-empty: --config is accepted
+  std::string config_flag_ = "config";  // its name
   std::vector<std::string> order_;
   std::map<std::string, Spec> specs_;
   std::unique_ptr<Parsed> parsed_;
