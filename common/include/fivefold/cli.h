@@ -86,7 +86,7 @@ class ArgParser {
   const Spec& spec(const std::string& name) const;
   std::string program_;
   std::string description_;
-  std::string config_help_;  // non-empty: --config is accepted
+  std::string config_help_;             // non-empty: --config is accepted
   std::string config_flag_ = "config";  // its name
   std::vector<std::string> order_;
   std::map<std::string, Spec> specs_;
