@@ -52,9 +52,19 @@ std::string resolve_checkpoint(const std::string& path) {
   std::string name = io::read_file(latest.string());
   name.erase(name.find_last_not_of(" \n\r\t") + 1);
   const fs::path dir = fs::path(path) / name;
-  FIVEFOLD_CHECK(fs::exists(dir / "config.json"), "'", latest.string(), "' names '", name,
-                 "', which is not a checkpoint folder");
-  return dir.string();
+  if (fs::exists(dir / "config.json")) return dir.string();
+  // The newest checkpoint folder there is, for the user to point `latest` at.
+  std::string newest;
+  for (const auto& entry : fs::directory_iterator(path)) {
+    const std::string folder = entry.path().filename().string();
+    if (folder.rfind("step-", 0) == 0 && fs::exists(entry.path() / "config.json"))
+      newest = std::max(newest, folder);
+  }
+  throw Error("'" + latest.string() + "' names '" + name + "', which is not a checkpoint folder" +
+              (newest.empty()
+                   ? std::string(" (and the folder holds none)")
+                   : "; the newest checkpoint there is '" + newest + "': write its name into '" +
+                         latest.string() + "' to resume from it"));
 }
 
 namespace {

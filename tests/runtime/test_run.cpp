@@ -319,6 +319,13 @@ TEST(Trainer, RefusesBadInputBeforeWritingAnything) {
   io::save_safetensors(rng_file, {{"other", torch::zeros({1})}});
   refused(tiny(out, 6), "rng.safetensors' has no 'cpu' generator state", /*resume=*/true);
   io::write_file_atomic(rng_file, rng);
+  // A `latest` that names no checkpoint (a folder deleted by hand): the newest one there is named.
+  io::write_file_atomic(out + "/latest", "step-00000099\n");
+  refused(tiny(out, 6),
+          "names 'step-00000099', which is not a checkpoint folder; the newest checkpoint there "
+          "is 'step-00000003'",
+          /*resume=*/true);
+  io::write_file_atomic(out + "/latest", "step-00000003\n");
   // Data that names a folder.
   RunConfig folder = tiny(scratch.path("elsewhere"), 3);
   folder.data.path = scratch.root();
