@@ -46,6 +46,9 @@ void set_rng_state(const torch::Tensor& state) {
 std::string resolve_checkpoint(const std::string& path) {
   if (fs::exists(fs::path(path) / "config.json")) return path;
   const fs::path latest = fs::path(path) / "latest";
+  FIVEFOLD_CHECK(fs::exists(latest) || !fs::exists(fs::path(path) / "settings.toml"), "'", path,
+                 "' holds a training run that stopped before its first checkpoint (no 'latest'): "
+                 "nothing to resume or load; train it again from the start");
   FIVEFOLD_CHECK(fs::exists(latest), "'", path,
                  "' is neither a checkpoint folder (no config.json) nor a training output folder "
                  "(no 'latest')");

@@ -285,6 +285,13 @@ TEST(Trainer, RefusesBadInputBeforeWritingAnything) {
   accumulation.micro_batches = 3;
   refused(accumulation, "must split into 1 data-parallel ranks x 3 micro-batches");
   refused(tiny(out, 3), "'" + out + "'", /*resume=*/true);  // nothing to resume
+  // A run stopped before its first checkpoint (its settings written, no `latest`).
+  fs::create_directories(scratch.path("early"));
+  io::write_file_atomic(scratch.path("early") + "/settings.toml", "steps = 3\n");
+  refused(tiny(scratch.path("early"), 3),
+          "holds a training run that stopped before its first checkpoint (no 'latest'): nothing "
+          "to resume or load",
+          /*resume=*/true);
   EXPECT_FALSE(fs::exists(out)) << "a refused run created its output folder";
 
   run_training(tiny(out, 3));
