@@ -35,6 +35,25 @@ namespace fivefold::commands {
 
 namespace {
 
+// Chapter 13's section of a deepseek_v3 plan: what each of the ep ranks holds and sends.
+void print_expert_parallel(const nlohmann::json& e) {
+  std::printf(
+      "expert parallel ep %lld: %lld of each MoE layer's experts per rank (%lld MoE layers); "
+      "per rank %s parameters (%s in experts, %s replicated), %s fp32 training state\n",
+      e["ep"].get<long long>(), e["experts_per_rank"].get<long long>(),
+      e["moe_layers"].get<long long>(), si(e["parameters_per_rank"].get<double>()).c_str(),
+      si(e["expert_parameters_per_rank"].get<double>()).c_str(),
+      si(e["replicated_parameters"].get<double>()).c_str(),
+      si(e["memory_per_rank_bytes"].get<double>(), "B").c_str());
+  const auto& a = e["all_to_all_per_micro_batch"];
+  std::printf(
+      "                all-to-all per micro-batch of %lld tokens (even routing, fp32, forward "
+      "and backward): %lld calls, %s handed over, %s to other ranks\n",
+      e["micro_batch_tokens"].get<long long>(), a["calls"].get<long long>(),
+      si(a["payload_bytes"].get<double>(), "B").c_str(),
+      si(a["wire_bytes"].get<double>(), "B").c_str());
+}
+
 // `fivefold plan` for a deepseek_v3 config (MLA and experts, chapters 06-07), which chapter 02's
 // shape does not describe: parameters total and active (count_parameters), the 6N rule on the
 // active ones (the FLOPs a token costs), memory from the total (every expert is stored).
@@ -92,24 +111,7 @@ int plan_deepseek(const nlohmann::json& json, double tokens, double peak, double
     print_zero_memory(out["zero_bf16"], dp, "bf16 weights + gradients, fp32 masters + Adam");
   }
   print_deepseek_activations(out["activations"]);
-  if (ep > 0) {
-    const auto& e = out["expert_parallel"];
-    std::printf(
-        "expert parallel ep %lld: %lld of each MoE layer's experts per rank (%lld MoE layers); "
-        "per rank %s parameters (%s in experts, %s replicated), %s fp32 training state\n",
-        static_cast<long long>(ep), e["experts_per_rank"].get<long long>(),
-        e["moe_layers"].get<long long>(), si(e["parameters_per_rank"].get<double>()).c_str(),
-        si(e["expert_parameters_per_rank"].get<double>()).c_str(),
-        si(e["replicated_parameters"].get<double>()).c_str(),
-        si(e["memory_per_rank_bytes"].get<double>(), "B").c_str());
-    const auto& a = e["all_to_all_per_micro_batch"];
-    std::printf(
-        "                all-to-all per micro-batch of %lld tokens (even routing, fp32, forward "
-        "and backward): %lld calls, %s handed over, %s to other ranks\n",
-        static_cast<long long>(micro_tokens), a["calls"].get<long long>(),
-        si(a["payload_bytes"].get<double>(), "B").c_str(),
-        si(a["wire_bytes"].get<double>(), "B").c_str());
-  }
+  if (ep > 0) print_expert_parallel(out["expert_parallel"]);
   if (out.contains("training")) {
     std::printf(
         "training        %s tokens: %s FLOPs; %.1f days on %lld devices at %s FLOP/s, "
