@@ -1,6 +1,9 @@
 // fivefold plan --search: the layouts of a cluster for a model, fastest first (chapter 15's
 // planner), as a table or JSON.
+#include <unistd.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 
@@ -8,6 +11,7 @@
 #include "14_memory/recompute.h"
 #include "15_trainer_5d/planner.h"
 #include "fivefold/cli.h"
+#include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
@@ -167,6 +171,25 @@ int plan_search(const ArgParser& args, const ch03::ModelConfig& model, int64_t c
   return 0;
 }
 
+namespace {
+
+// Why a file cannot be written at `path` (its folder missing or not writable, or `path` a
+// folder), or "" when it can.
+std::string unwritable(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  if (fs::is_directory(path, error)) return "--cluster-out '" + path + "' is a folder: give a file";
+  const fs::path folder =
+      fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path();
+  if (!fs::is_directory(folder, error))
+    return "--cluster-out '" + path + "': the folder '" + folder.string() + "' does not exist";
+  if (::access(folder.c_str(), W_OK) != 0)
+    return "--cluster-out '" + path + "': the folder '" + folder.string() + "' is not writable";
+  return "";
+}
+
+}  // namespace
+
 int calibrate(int argc, char** argv) {
   ArgParser args("fivefold calibrate",
                  "This machine as chapter 15's planner describes a cluster, measured on the ranks "
@@ -191,7 +214,18 @@ int calibrate(int argc, char** argv) {
   options.steps = args.integer("timed-steps");
   FIVEFOLD_CHECK(options.steps >= 1, "--timed-steps must be at least 1");
   options.sizes = args.integers("sizes");
+  FIVEFOLD_CHECK(options.sizes.size() >= 2,
+                 "--sizes needs two message sizes or more (a line "
+                 "through their times gives a link's latency and bandwidth)");
+  for (const int64_t size : options.sizes)
+    FIVEFOLD_CHECK(size >= 4, "--sizes: each message holds one float at least, got ", size);
   Runtime runtime;
+  // Rank 0 writes the file: its verdict on where, agreed by every rank before minutes of
+  // measuring.
+  std::string refused;
+  if (runtime.world()->rank() == 0) refused = unwritable(args.str("cluster-out"));
+  for (const std::string& said : all_gather_strings(refused, *runtime.world()))
+    FIVEFOLD_CHECK(said.empty(), said);
   const runtime::Calibration found = runtime::calibrate(runtime.world(), options);
   if (runtime.world()->rank() == 0) {
     io::write_file_atomic(args.str("cluster-out"), "# fivefold calibrate (" +

@@ -134,6 +134,23 @@ execute_process(COMMAND ${FIVEFOLD} plan --search --cluster ${WORK}/here.toml ${
 if(NOT rc EQUAL 0 OR NOT table MATCHES "this machine, 4 ranks")
   message(FATAL_ERROR "plan --search did not read the calibrated file (exit ${rc}):\n${table}${err}")
 endif()
+# Where the file cannot go, and sizes no line fits, are refused on every rank before the
+# measuring (the folder's was found only when the file was written, after it).
+foreach(case "--cluster-out;${WORK}/absent/x.toml|the folder '${WORK}/absent' does not exist"
+             "--cluster-out;${WORK}|is a folder: give a file"
+             "--cluster-out;${WORK}/one.toml;--sizes;4096|--sizes needs two message sizes or more")
+  string(REPLACE "|" ";" parts "${case}")
+  list(POP_BACK parts expect)
+  execute_process(COMMAND ${MPIRUN} -np 2 ${FIVEFOLD} calibrate ${parts} --d-model 64
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(REGEX MATCHALL "fivefold calibrate: error: [^\n]*${expect}" said
+         "${out}${err}")
+  list(LENGTH said ranks)
+  if(rc EQUAL 0 OR NOT ranks EQUAL 2 OR "${out}${err}" MATCHES "wrote ")
+    message(FATAL_ERROR "calibrate ${parts}: expected a refusal on both ranks mentioning "
+                        "'${expect}', got exit ${rc}:\n${out}${err}")
+  endif()
+endforeach()
 execute_process(COMMAND ${FIVEFOLD} calibrate --cluster-out ${WORK}/alone.toml --d-model 64
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(rc EQUAL 0 OR NOT "${out}${err}" MATCHES "a link needs two ranks" OR EXISTS ${WORK}/alone.toml)
