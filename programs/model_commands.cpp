@@ -205,8 +205,7 @@ int train(int argc, char** argv) {
   layout = ch15::resolve_layout(layout, world_size, workload_of(c));
   if (plan_world > 0)
     return print_plan(layout, workload_of(c), ch14::parse_precision(c.precision), world_size);
-  check_fits_in_memory(c.model, layout, runtime->launch().local_size,
-                       ch14::parse_precision(c.precision));
+  check_fits_in_memory(c, layout, runtime->launch().local_size, world_size);
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
   use_layout(layout, world, c);
   StepMeter meter;  // what this rank's steps did, for the report below

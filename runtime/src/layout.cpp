@@ -2,6 +2,7 @@
 
 #include "runtime/layout.h"
 
+#include <algorithm>
 #include <fstream>
 #include <string>
 
@@ -96,25 +97,45 @@ int64_t available_memory() {
   return 0;
 }
 
-void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& layout,
-                          int local_ranks, ch14::Precision precision) {
+void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int local_ranks,
+                          int64_t world_size) {
   const int64_t available = available_memory();
   if (available <= 0) return;
-  const int64_t psi = ch07::count_parameters(model).total;
+  const ch14::Precision precision = ch14::parse_precision(run.precision);
+  const int64_t psi = ch07::count_parameters(run.model).total;
   const int64_t dp = layout.dp * layout.cp;
   const bool bf16 = precision == ch14::Precision::Bf16;
   const auto m =
       ch09::zero_memory_formula(psi, dp, layout.zero, ch14::bytes_per_number(precision));
   const double per_rank = static_cast<double>(m.parameters + m.gradients + m.optimizer);
   const double need = per_rank * local_ranks;
-  FIVEFOLD_CHECK(need <= static_cast<double>(available), "the model has ", psi,
+  const double gb = 1e9, free = static_cast<double>(available);
+  FIVEFOLD_CHECK(need <= free, "the model has ", psi,
                  " parameters: its weights, gradients and AdamW state (",
-                 bf16 ? "bf16, with fp32 master weights" : "fp32", ") take ", per_rank / 1e9,
+                 bf16 ? "bf16, with fp32 master weights" : "fp32", ") take ", per_rank / gb,
                  " GB per rank (ZeRO-", layout.zero, " over ", dp, " ranks) x ", local_ranks,
-                 " ranks on this machine = ", need / 1e9, " GB, more than the ",
-                 static_cast<double>(available) / 1e9,
+                 " ranks on this machine = ", need / gb, " GB, more than the ", free / gb,
                  " GB available (activations not counted); use a smaller model, more ranks or a "
                  "higher --zero stage");
+  // The blocks' activations on the rank that keeps the most (pipeline stage 0 under 1F1B).
+  int64_t kept = 0;
+  try {
+    const ch15::Workload work = workload_of(run);
+    for (int64_t rank = 0; rank < world_size; ++rank)
+      kept = std::max(kept, ch15::predicted_activations(layout, work, rank, precision).peak());
+  } catch (const Error&) {
+    return;  // no formula for this architecture and recomputation
+  }
+  const double with_kept = (per_rank + static_cast<double>(kept)) * local_ranks;
+  FIVEFOLD_CHECK(with_kept <= free, "each rank's weights, gradients and AdamW state take ",
+                 per_rank / gb, " GB and the blocks' activations up to ",
+                 static_cast<double>(kept) / gb, " GB more (chapter 14's formulas: ",
+                 run.batch / (layout.dp * run.micro_batches), " rows of ", run.seq_len,
+                 " tokens a micro-batch, --recompute ", run.recompute, ", ", run.precision,
+                 ") x ", local_ranks, " ranks on this machine = ", with_kept / gb,
+                 " GB, more than the ", free / gb,
+                 " GB available; use --recompute full, more --accum (smaller micro-batches), a "
+                 "shorter --seq or more ranks");
 }
 
 void use_layout(const ch15::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run) {

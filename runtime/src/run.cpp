@@ -403,6 +403,10 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   nlohmann::json latest_extra;  // what after_step reported last (its numbers join the eval lines)
   auto evaluate = [&](int64_t done) {
     Transformer& model = trainer->full_model();
+    // The whole model of a step that trains a part (tp, pp: chapter 10's ModelPartStep) is built
+    // apart from the one trained: it evaluates on the same kernels, not the lesson's s² softmax
+    // (seen: pp 2 at 16,384 tokens killed by the OOM killer in its first evaluation).
+    if (c.fast) install_fast_paths(model);
     result.eval = evaluate_loss(model, eval_batches, c.eval_batches);
     nlohmann::json record = {{"kind", "eval"},
                              {"step", done},

@@ -13,6 +13,7 @@
 #include "03_transformer/checkpoint.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
+#include "runtime/fast.h"
 #include "runtime/run.h"
 #include "testing.h"
 
@@ -231,6 +232,46 @@ TEST(Trainer, AMetricsRowThatCannotBeWrittenStopsTheRun) {
       << "the run did not stop, or said: " << message;
   EXPECT_EQ(message.rfind("step ", 0), 0u) << message;
   EXPECT_FALSE(fs::exists(out + "/latest"));
+}
+
+// A step whose whole model is built apart from the model it trains, as chapter 10's
+// ModelPartStep (tp, pp) builds it: the weights copied over at each full_model(). `whole` is the
+// test's, so that it outlives the run.
+class SeparateWholeModelStep : public SingleProcessStep {
+ public:
+  SeparateWholeModelStep(Transformer model, const TrainConfig& config, Transformer& whole)
+      : SingleProcessStep(std::move(model), config), whole_(whole) {}
+  Transformer& full_model() override {
+    Transformer& trained = SingleProcessStep::full_model();
+    if (!whole_) whole_ = build_model(trained->config());
+    torch::NoGradGuard no_grad;
+    auto from = trained->named_parameters();
+    for (auto& item : whole_->named_parameters()) item.value().copy_(from[item.key()]);
+    return whole_;
+  }
+
+ private:
+  Transformer& whole_;
+};
+
+// The run evaluates a whole model on the kernels it trains with: the fast paths go into a whole
+// model built apart too (they did not: a pp run's evaluation at 16,384 tokens kept the lesson's
+// s x s probabilities and was killed for memory), and its loss is the trained model's.
+TEST(Trainer, EvaluatesTheWholeModelOnTheKernelsItTrainsWith) {
+  RunConfig c = tiny("", 2);
+  const RunResult same = run_training(c);
+  Transformer whole{nullptr};
+  c.make_step = [&whole](Transformer model, const TrainConfig& train) {
+    return std::make_unique<SeparateWholeModelStep>(std::move(model), train, whole);
+  };
+  const RunResult apart = run_training(c);
+  ASSERT_TRUE(whole);
+  for (int64_t layer = 0; layer < c.model.n_layers; ++layer) {
+    const AttentionKernel* kernel = whole->block(layer).self_attn->kernel.get();
+    EXPECT_NE(dynamic_cast<const fivefold::runtime::TiledCausalAttentionKernel*>(kernel), nullptr)
+        << "layer " << layer << " of the whole model evaluates on the lesson's kernel";
+  }
+  EXPECT_EQ(apart.eval.loss, same.eval.loss);
 }
 
 TEST(Trainer, OptimizerStateRoundTripsByName) {

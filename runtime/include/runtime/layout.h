@@ -30,13 +30,16 @@ ch15::Workload workload_of(const RunConfig& run);
 /// Bytes of memory the system can still give (MemAvailable in /proc/meminfo); 0 when unknown.
 int64_t available_memory();
 
-/// Refuses, before anything is allocated, a model whose weights, gradients and AdamW state
-/// (chapter 09's ZeRO formula over the layout's dp x cp ranks; in bf16 with chapter 14's master
-/// weights) for `local_ranks` processes on this machine do not fit in its available memory
-/// (MemAvailable in /proc/meminfo; unknown: no check). Activations come on top: passing is
-/// necessary, not sufficient.
-void check_fits_in_memory(const ch03::ModelConfig& model, const ch15::Layout& layout,
-                          int local_ranks, ch14::Precision precision = ch14::Precision::Fp32);
+/// Refuses, before anything is allocated, a run that cannot fit in this machine's available
+/// memory (MemAvailable in /proc/meminfo; unknown: no check) for `local_ranks` processes on it:
+/// first the model's weights, gradients and AdamW state (chapter 09's ZeRO formula over the
+/// layout's dp x cp ranks; in bf16 with chapter 14's master weights), then those plus what the
+/// blocks keep for backward on the rank of `layout` (resolved, `world_size` ranks) that keeps
+/// the most (chapter 15's predicted_activations: chapter 14's formulas for the kernels `run`
+/// computes with, its recomputation and precision; no formula, no activations counted). The
+/// head, the loss and transient buffers come on top: passing is necessary, not sufficient.
+void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int local_ranks,
+                          int64_t world_size);
 
 /// Makes `run` train this rank's part of `layout` (from ch15::resolve_layout) on `world`:
 /// ch15::apply_layout's model builder, step, balancing update and placement. Collective over
