@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/ScopeExit.h>
 
 #include <algorithm>
 #include <cmath>
@@ -381,8 +382,12 @@ FastPaths install_fast_paths(Transformer& model) {
     auto* layer = dynamic_cast<AttentionLayer*>(item.value().get());
     if (layer != nullptr && dynamic_cast<const CausalAttentionKernel*>(layer->kernel.get())) {
       if (!checked) {
-        // The tiled kernel against the lesson's on a small grouped-query input with two tiles.
+        // The tiled kernel against the lesson's on a small grouped-query input with two tiles,
+        // in fp32 whatever `linear` multiplies with now (a bf16 run installs the fast paths in
+        // the whole model it evaluates after its bf16 kernel is set).
         torch::NoGradGuard no_grad;
+        const auto put_back = c10::make_scope_exit(
+            [kernel = set_matmul_kernel(nullptr)] { set_matmul_kernel(kernel); });
         auto generator = at::detail::createCPUGenerator(17);
         auto q = torch::randn({1, 4, 5, 8}, generator), k = torch::randn({1, 2, 7, 8}, generator);
         auto v = torch::randn({1, 2, 7, 6}, generator);
