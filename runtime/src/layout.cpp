@@ -105,8 +105,7 @@ void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int 
   const int64_t psi = ch07::count_parameters(run.model).total;
   const int64_t dp = layout.dp * layout.cp;
   const bool bf16 = precision == ch14::Precision::Bf16;
-  const auto m =
-      ch09::zero_memory_formula(psi, dp, layout.zero, ch14::bytes_per_number(precision));
+  const auto m = ch09::zero_memory_formula(psi, dp, layout.zero, ch14::bytes_per_number(precision));
   const double per_rank = static_cast<double>(m.parameters + m.gradients + m.optimizer);
   const double need = per_rank * local_ranks;
   const double gb = 1e9, free = static_cast<double>(available);
@@ -117,23 +116,27 @@ void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int 
                  " ranks on this machine = ", need / gb, " GB, more than the ", free / gb,
                  " GB available (activations not counted); use a smaller model, more ranks or a "
                  "higher --zero stage");
-  // The blocks' activations on the rank that keeps the most (pipeline stage 0 under 1F1B).
+  // What every rank's blocks keep for backward (pipeline stage 0 keeps the most under 1F1B),
+  // over the world: a machine holds its local ranks' share, at least the mean over machines.
   int64_t kept = 0;
   try {
     const ch15::Workload work = workload_of(run);
     for (int64_t rank = 0; rank < world_size; ++rank)
-      kept = std::max(kept, ch15::predicted_activations(layout, work, rank, precision).peak());
+      kept += ch15::predicted_activations(layout, work, rank, precision).peak();
   } catch (const Error&) {
     return;  // no formula for this architecture and recomputation
   }
-  const double with_kept = (per_rank + static_cast<double>(kept)) * local_ranks;
-  FIVEFOLD_CHECK(with_kept <= free, "each rank's weights, gradients and AdamW state take ",
-                 per_rank / gb, " GB and the blocks' activations up to ",
-                 static_cast<double>(kept) / gb, " GB more (chapter 14's formulas: ",
-                 run.batch / (layout.dp * run.micro_batches), " rows of ", run.seq_len,
-                 " tokens a micro-batch, --recompute ", run.recompute, ", ", run.precision,
-                 ") x ", local_ranks, " ranks on this machine = ", with_kept / gb,
-                 " GB, more than the ", free / gb,
+  const double share = static_cast<double>(local_ranks) / static_cast<double>(world_size);
+  const double activations = static_cast<double>(kept) * share;
+  const double with_kept = need + activations;
+  FIVEFOLD_CHECK(with_kept <= free, "the weights, gradients and AdamW state take ", need / gb,
+                 " GB for the ", local_ranks,
+                 " ranks on this machine, and the blocks' "
+                 "activations ",
+                 activations / gb,
+                 " GB more (chapter 14's formulas: ", run.batch / (layout.dp * run.micro_batches),
+                 " rows of ", run.seq_len, " tokens a micro-batch, --recompute ", run.recompute,
+                 ", ", run.precision, "): ", with_kept / gb, " GB, more than the ", free / gb,
                  " GB available; use --recompute full, more --accum (smaller micro-batches), a "
                  "shorter --seq or more ranks");
 }

@@ -34,10 +34,12 @@ int64_t available_memory();
 /// memory (MemAvailable in /proc/meminfo; unknown: no check) for `local_ranks` processes on it:
 /// first the model's weights, gradients and AdamW state (chapter 09's ZeRO formula over the
 /// layout's dp x cp ranks; in bf16 with chapter 14's master weights), then those plus what the
-/// blocks keep for backward on the rank of `layout` (resolved, `world_size` ranks) that keeps
-/// the most (chapter 15's predicted_activations: chapter 14's formulas for the kernels `run`
-/// computes with, its recomputation and precision; no formula, no activations counted). The
-/// head, the loss and transient buffers come on top: passing is necessary, not sufficient.
+/// blocks of every rank of `layout` (resolved, `world_size` ranks) keep for backward (chapter
+/// 15's predicted_activations: chapter 14's formulas for the kernels `run` computes with, its
+/// recomputation and precision; no formula, no activations counted), this machine's share of
+/// them being local_ranks / world_size (the mean over machines, which the fullest one reaches
+/// at least). The head, the loss and transient buffers come on top: passing is necessary, not
+/// sufficient.
 void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int local_ranks,
                           int64_t world_size);
 
