@@ -222,10 +222,9 @@ int calibrate(int argc, char** argv) {
   Runtime runtime;
   // Rank 0 writes the file: its verdict on where, agreed by every rank before minutes of
   // measuring.
-  std::string refused;
-  if (runtime.world()->rank() == 0) refused = unwritable(args.str("cluster-out"));
-  for (const std::string& said : all_gather_strings(refused, *runtime.world()))
-    FIVEFOLD_CHECK(said.empty(), said);
+  const std::string refused = first_said(
+      runtime.world()->rank() == 0 ? unwritable(args.str("cluster-out")) : "", *runtime.world());
+  FIVEFOLD_CHECK(refused.empty(), refused);
   const runtime::Calibration found = runtime::calibrate(runtime.world(), options);
   if (runtime.world()->rank() == 0) {
     io::write_file_atomic(args.str("cluster-out"), "# fivefold calibrate (" +

@@ -51,6 +51,12 @@ std::vector<std::string> all_gather_strings(const std::string& mine, dist::Commu
   return out;
 }
 
+std::string first_said(const std::string& mine, dist::Communicator& comm) {
+  for (std::string& said : all_gather_strings(mine, comm))
+    if (!said.empty()) return said;
+  return "";
+}
+
 std::vector<nlohmann::json> all_gather_json(const nlohmann::json& mine, dist::Communicator& comm) {
   std::vector<nlohmann::json> out;
   for (const std::string& text : all_gather_strings(mine.dump(), comm))

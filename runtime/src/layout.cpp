@@ -2,7 +2,6 @@
 
 #include "runtime/layout.h"
 
-#include <algorithm>
 #include <fstream>
 #include <string>
 

@@ -100,11 +100,7 @@ RankSetup apply_layout(const Layout& layout, const dist::CommunicatorPtr& world)
   setup.processes = world->size();
   setup.writer = world->rank() == 0;
   // The writer's verdict on the run's folder, agreed before the first step (one all-gather).
-  setup.agree = [world](const std::string& mine) {
-    for (const std::string& said : all_gather_strings(mine, *world))
-      if (!said.empty()) return said;
-    return std::string();
-  };
+  setup.agree = [world](const std::string& mine) { return first_said(mine, *world); };
   return setup;
 }
 

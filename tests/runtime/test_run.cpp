@@ -152,9 +152,7 @@ TEST(Trainer, WritesMetricsAndKeepsTheNewestCheckpoints) {
   const RunResult r = run_training(c);
   EXPECT_EQ(r.checkpoint, out + "/step-00000012");
   EXPECT_EQ(io::read_file(out + "/latest"), "step-00000012\n");
-  std::set<std::string> entries;
-  for (const auto& e : fs::directory_iterator(out)) entries.insert(e.path().filename().string());
-  EXPECT_EQ(entries,
+  EXPECT_EQ(entries_of(out),
             (std::set<std::string>{"latest", "metrics.jsonl", "step-00000009", "step-00000012"}));
   for (const char* file : {"config.json", "model.safetensors", "optimizer.safetensors",
                            "rng.safetensors", "trainer_state.json"})

@@ -25,6 +25,11 @@ io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator
 /// lengths then the bytes).
 std::vector<std::string> all_gather_strings(const std::string& mine, dist::Communicator& comm);
 
+/// The first non-empty `mine` in rank order, on every rank of `comm` ("" when all are empty):
+/// how one rank's refusal (the writer's verdict on a file it alone can see) becomes every rank's,
+/// so that all refuse together. Collective (all_gather_strings).
+std::string first_said(const std::string& mine, dist::Communicator& comm);
+
 /// Every rank's `mine`, in rank order, on every rank of `comm`: how JSON crosses ranks (its text
 /// through all_gather_strings). Collective.
 std::vector<nlohmann::json> all_gather_json(const nlohmann::json& mine, dist::Communicator& comm);
