@@ -94,8 +94,9 @@ class AttentionKernel {
                          const torch::Tensor& q_positions, const torch::Tensor& k_positions,
                          double scale) const;
   /// True for a kernel that takes q, k and v in a narrower type as they come: one that rounds its
-  /// products' operands itself and keeps softmax's statistics and its output in fp32 (the fast
-  /// paths' tiled kernel); attend then does not widen them first.
+  /// products' operands itself (k and v read only as matmul_operand gives them) and keeps
+  /// softmax's statistics and its output in fp32 (the fast paths' tiled kernel); attend then does
+  /// not widen them first.
   virtual bool takes_narrow_inputs() const { return false; }
 
  protected:

@@ -39,8 +39,16 @@ using Region = std::function<std::vector<torch::Tensor>(const std::vector<torch:
 /// generator and ch03::LossWeightScope), back-propagates the outputs' gradients through that second
 /// run (the parameters it uses get theirs in .grad), and hands on the inputs' gradients. When no
 /// input requires a gradient, or autograd is off, it is just region(inputs).
+///
+/// `kept` (empty, or one per input; an undefined one keeps its input) is what forward keeps of
+/// an input in its place, for a region that reads that input only in a narrower or more compact
+/// form: a bf16 copy of an fp32 input the region rounds to bf16 on entry, a view's own copy
+/// without the rest of the storage it views. The second run gets it back in the input's own
+/// type, so the region must give from it what it gives from the input, and the input's gradient
+/// goes back in its own type (not rounded to the kept copy's).
 std::vector<torch::Tensor> checkpoint(const Region& region,
-                                      const std::vector<torch::Tensor>& inputs);
+                                      const std::vector<torch::Tensor>& inputs,
+                                      const std::vector<torch::Tensor>& kept = {});
 
 /// What recomputation covers.
 enum class Recompute {
@@ -84,7 +92,10 @@ bool recomputes_attention(const RecomputeConfig& config, int64_t layer);
 void apply_recompute(ch03::Transformer& model, const RecomputeConfig& config);
 
 /// Selective recomputation: `inner`'s attend run through `checkpoint` with q, k and v its inputs,
-/// so that what the kernel computes (scores, probabilities) is not kept for backward.
+/// so that what the kernel computes (scores, probabilities) is not kept for backward. For a kernel
+/// that takes narrow inputs, under products narrower than fp32 (chapter 14's bf16), it keeps k
+/// and v as that kernel reads them, the products' operands (ch03::matmul_operand), in storage of
+/// their own; q as it comes (the tiled kernel scales it before rounding).
 class RecomputedAttentionKernel : public ch03::AttentionKernel {
  public:
   /// Wraps `inner` (not null).

@@ -358,11 +358,11 @@ int64_t block_activation_bytes(const ModelConfig& config, int64_t layer, int64_t
   // A dense layer's MLP on swiglu (tp = 1) keeps no silu(gate).
   const bool dense = !ch07::MoeConfig::from_json(config.extensions).is_moe_layer(layer);
   if (dense && tp.ranks == 1) bytes -= ch14::bytes_per_number(precision) * tokens * config.d_ff;
-  // Selective in bf16: the core takes its inputs as the tiled kernel inside does, so it keeps v as
-  // the bf16 view of kv_b_proj's whole output it is (n + dv a head, 2 bytes), not the lesson's
-  // widened fp32 copy of v (4dv); q and k reach it in fp32 either way (their rotary part is).
+  // Selective in bf16: the core keeps k and v as the tiled kernel inside reads them, rounded to
+  // bf16 (2 bytes a number where the lesson's kernel keeps k and v widened to fp32: 2h(n + r + dv)
+  // fewer a token); q reaches it in fp32 either way (its rotary part is).
   if (mode == ch14::Recompute::Selective && bf16 && cp.ranks == 1)
-    bytes += 2 * tokens * h * (n - dv);
+    bytes -= 2 * tokens * h * (n + r + dv);
   if (mode == ch14::Recompute::Selective || cp.ranks > 1) return bytes;  // no tiled kernel
   // The tiled kernel: no probabilities, no mask, no whole kv_b_proj output for one row; its own
   // contiguous v and its log-sum-exp; in bf16 q, k and v rounded.

@@ -25,6 +25,14 @@ std::string to_string(Recompute mode) {
   return "none";
 }
 
+namespace {
+// `t`, or a copy of it where it views only part of its storage.
+torch::Tensor own_storage(const torch::Tensor& t) {
+  const auto bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  return t.storage().nbytes() > bytes ? t.clone(c10::MemoryFormat::Contiguous) : t;
+}
+}  // namespace
+
 RecomputedAttentionKernel::RecomputedAttentionKernel(
     std::shared_ptr<const ch03::AttentionKernel> inner)
     : inner_(std::move(inner)) {
@@ -38,12 +46,23 @@ ch03::AttentionOutput RecomputedAttentionKernel::compute(const torch::Tensor& q,
                                                          const torch::Tensor& k_positions,
                                                          double scale) const {
   const auto inner = inner_;
+  // A kernel that takes narrow inputs reads k and v only as its products' operands: where those
+  // are narrower than fp32 (chapter 14's bf16; MLA's k arrives in fp32), keep k and v so, each in
+  // storage of its own (MLA's v is a view of kv_b_proj's whole output).
+  std::vector<torch::Tensor> kept;
+  if (inner->takes_narrow_inputs()) {
+    const auto narrow = [](const torch::Tensor& t) {
+      const auto operand = ch03::matmul_operand(t);
+      return operand.element_size() < 4 ? own_storage(operand) : torch::Tensor();
+    };
+    kept = {torch::Tensor(), narrow(k), narrow(v)};
+  }
   const auto out = checkpoint(
       [inner, q_positions, k_positions, scale](const std::vector<torch::Tensor>& in) {
         const auto o = inner->attend(in[0], in[1], in[2], q_positions, k_positions, scale);
         return std::vector<torch::Tensor>{o.output, o.lse};
       },
-      {q, k, v});
+      {q, k, v}, kept);
   return {out[0], out[1]};
 }
 

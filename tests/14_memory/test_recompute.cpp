@@ -80,6 +80,39 @@ TEST(Checkpoint, KeepsOnlyItsInputsUntilBackward) {
   EXPECT_EQ(kept[1], 4);
 }
 
+// A region that reads its input only rounded to bf16 (the value of x.to(bf16), the gradient of
+// x itself, as the fast paths' tiled kernel reads k) can keep that rounding in x's place: half the
+// bytes, and the same gradient, in x's type.
+TEST(Checkpoint, KeepsANarrowerCopyAndHandsTheGradientBackInTheInputsType) {
+  const auto w = torch::randn({32, 8}, generator_for(5, "w"));
+  const Region region = [&w](const std::vector<Tensor>& in) {
+    const auto rounded =
+        in[0] + (in[0].to(torch::kBFloat16).to(in[0].scalar_type()) - in[0]).detach();
+    return std::vector<Tensor>{torch::tanh(rounded.matmul(w)).pow(2).sum()};
+  };
+  Tensor grads[2];
+  int64_t kept[2];
+  for (bool narrow : {false, true}) {
+    auto x = torch::randn({64, 32}, generator_for(6, "x")).requires_grad_();
+    MemoryTracker memory;
+    auto out = narrow ? checkpoint(region, {x}, {x.detach().to(torch::kBFloat16)})
+                      : checkpoint(region, {x});
+    kept[narrow] = memory.current_bytes();
+    out[0].backward();
+    grads[narrow] = x.grad();
+  }
+  EXPECT_EQ(kept[0], 4);                // the scalar output (x was alive before)
+  EXPECT_EQ(kept[1], 64 * 32 * 2 + 4);  // and the bf16 copy kept in x's place
+  ASSERT_EQ(grads[1].scalar_type(), torch::kFloat);
+  EXPECT_TENSOR_EQ(grads[1], grads[0]);  // not rounded to bf16 on its way back
+  EXPECT_GT((grads[0] - grads[0].to(torch::kBFloat16).to(torch::kFloat)).abs().max().item<double>(),
+            0.0)
+      << "the test needs a gradient that bf16 cannot hold";
+  auto x = torch::randn({4, 32}).requires_grad_();
+  EXPECT_THROW(checkpoint(region, {x}, {torch::zeros({4, 31})}), Error);  // another shape
+  EXPECT_THROW(checkpoint(region, {x}, {x, x}), Error);                   // one per input
+}
+
 TEST(Checkpoint, RunsAgainWithTheForwardsRandomNumbersAndLossWeight) {
   // A dropout-like mask drawn inside the region, and a factor read from the loss weight of the
   // forward's micro-batch (chapter 07's auxiliary loss reads it so); backward runs outside both.

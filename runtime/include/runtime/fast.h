@@ -121,8 +121,8 @@ int64_t block_activation_bytes(const ch02::TransformerShape& shape, int64_t batc
 /// log-sum-exp, 4h(dv + 1) a token; in bf16 q, k and v rounded, 2h(2(n + r) + dv) bytes fewer a
 /// token (h: the rank's heads under tp); a dense layer's MLP on swiglu at tp 1 keeps no
 /// silu(gate) (d_ff numbers a token fewer, in any mode but Full); under selective recomputation
-/// in bf16 (without cp) the checkpointed core keeps v as the bf16 view of kv_b_proj's whole output
-/// it is, not a widened copy, 2h(n − dv) bytes more a token; under ep a MoE block's term for
+/// in bf16 (without cp) the checkpointed core keeps k and v rounded to bf16, as the tiled kernel
+/// inside reads them, not widened, 2h(n + r + dv) bytes fewer a token; under ep a MoE block's term for
 /// the rows the routing sent the rank's experts, as chapter 14 counts it (the fast paths do not
 /// touch the experts). Measured by the runtime's tests on one device and on every rank of tp, cp,
 /// tp x cp and ep, in fp32 and bf16.
