@@ -33,11 +33,11 @@ void save_model(const std::string& dir, Transformer& model);
 Transformer load_model(const std::string& dir, const ModelBuilder& build = {},
                        const ModelPart& part = {});
 
-/// Writes AdamW's state (optimizer_state, train.h: by parameter name) atomically to `path`, a
+/// Writes AdamW's state (by parameter name: fivefold/adamw_state.h) atomically to `path`, a
 /// safetensors file.
 void save_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer);
 
-/// Restores the state written by save_optimizer (load_optimizer_state, train.h).
+/// Restores the state written by save_optimizer (adamw::load_state).
 void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer);
 
 }  // namespace fivefold::ch03

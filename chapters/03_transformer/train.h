@@ -71,7 +71,7 @@ class MasterWeights {
   /// The masters under the parameters' names: what the optimizer steps.
   const std::vector<std::pair<std::string, torch::Tensor>>& masters() const { return masters_; }
   /// Before the update: each parameter's gradient, widened to fp32, becomes its master's. A
-  /// master with a gradient already (a resumed state, ch03::load_optimizer_state) and a parameter
+  /// master with a gradient already (a resumed state, adamw::load_state) and a parameter
   /// without one gets zeros, as AdamW steps a zeroed gradient.
   void load_gradients();
   /// After the update (and before the next forward): every parameter becomes its master's
@@ -171,7 +171,7 @@ class TrainingStep {
   /// The whole model with its current parameters, for evaluation and checkpoints. A sharded step
   /// gathers it: collective, every rank calls it.
   virtual Transformer& full_model() = 0;
-  /// The optimizer's state under parameter names (optimizer_state's layout), complete on every
+  /// The optimizer's state under parameter names (fivefold/adamw_state.h), complete on every
   /// rank. Collective.
   virtual io::TensorMap optimizer_state() = 0;
   /// Restores a state in that layout (read from `source`, named in errors); each rank keeps its
@@ -210,30 +210,5 @@ class SingleProcessStep : public TrainingStep {
 /// Makes the training step for a model (the training run calls it once).
 using StepFactory =
     std::function<std::unique_ptr<TrainingStep>(Transformer model, const TrainConfig& config)>;
-
-/// AdamW's state under the parameters' names: `{name}.exp_avg`, `{name}.exp_avg_sq` (float32, the
-/// parameter's shape) and `{name}.step` (int64). Names, not positions in a list, so that a run
-/// with another layout can read it. Parameters without state yet (no step taken) are left out.
-io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer);
-/// The same for an optimizer over `params` (name, the tensor it steps).
-io::TensorMap optimizer_state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                              torch::optim::AdamW& optimizer);
-/// Checks a state in optimizer_state's layout (read from `source`) against `params` (name,
-/// parameter): each parameter with an `{name}.exp_avg` has its three entries, the moments with the
-/// parameter's shape, and every entry belongs to one of them. Throws fivefold::Error naming
-/// `source`. Returns, per parameter, whether the state has it (a parameter not stepped yet has
-/// none).
-std::vector<bool> check_optimizer_state(
-    const io::TensorMap& state, const std::string& source,
-    const std::vector<std::pair<std::string, torch::Tensor>>& params);
-/// Restores a state written by optimizer_state into `optimizer`, whose parameters are `model`'s.
-/// A tensor of the wrong shape, a missing one or a name the model lacks is a fivefold::Error
-/// naming `source`.
-void load_optimizer_state(const io::TensorMap& state, const std::string& source, Transformer& model,
-                          torch::optim::AdamW& optimizer);
-/// The same for an optimizer over `params` (name, the tensor it steps).
-void load_optimizer_state(const io::TensorMap& state, const std::string& source,
-                          const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                          torch::optim::AdamW& optimizer);
 
 }  // namespace fivefold::ch03

@@ -120,7 +120,7 @@ double clip_sharded_gradient(torch::Tensor& grad_shard, dist::Communicator& comm
                              const torch::Tensor& mask = {},
                              const ModelParallelGroups& groups = {});
 
-/// 1 for each of `params` that `state` (optimizer_state's layout) holds moments for, else 0: the
+/// 1 for each of `params` that `state` (adamw::state_by_name's layout) holds moments for, else 0: the
 /// parameters that had a gradient before the state was saved. One device's AdamW keeps stepping
 /// those (LibTorch's zero_grad zeroes a gradient, it does not drop it), so a resumed ZeRO step
 /// must too.
@@ -142,7 +142,7 @@ class ShardedAdamW {
   /// Bytes of the two moments (8 per element of the shard).
   int64_t state_bytes() const { return (exp_avg_.numel() + exp_avg_sq_.numel()) * 4; }
 
-  /// The whole state under parameter names, in ch03::optimizer_state's layout, on every rank of
+  /// The whole state under parameter names, in adamw::state_by_name's layout, on every rank of
   /// `comm` (collective, unshard). `params`: (name, parameter) in index order (the parameters'
   /// shapes are read; their storage may be freed).
   io::TensorMap state(const std::vector<std::pair<std::string, torch::Tensor>>& params,

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <set>
 
+#include "fivefold/adamw_state.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 
@@ -157,99 +158,13 @@ Transformer load_model(const std::string& dir, const ModelBuilder& build, const 
   return model;
 }
 
-namespace {
-// LibTorch keys an optimizer's per-parameter state by the address of the parameter's storage.
-std::string state_key(const torch::Tensor& p) {
-  return c10::guts::to_string(p.unsafeGetTensorImpl());
-}
-}  // namespace
-
-io::TensorMap optimizer_state(Transformer& model, torch::optim::AdamW& optimizer) {
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
-  return optimizer_state(params, optimizer);
-}
-
-io::TensorMap optimizer_state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                              torch::optim::AdamW& optimizer) {
-  io::TensorMap tensors;
-  for (const auto& [name, p] : params) {
-    auto found = optimizer.state().find(state_key(p));
-    if (found == optimizer.state().end()) continue;
-    const auto& state = static_cast<const torch::optim::AdamWParamState&>(*found->second);
-    tensors[name + ".exp_avg"] = state.exp_avg();
-    tensors[name + ".exp_avg_sq"] = state.exp_avg_sq();
-    tensors[name + ".step"] = torch::tensor(state.step(), torch::kLong);
-  }
-  return tensors;
-}
-
-std::vector<bool> check_optimizer_state(
-    const io::TensorMap& state, const std::string& path,
-    const std::vector<std::pair<std::string, torch::Tensor>>& params) {
-  std::vector<bool> has(params.size(), false);
-  size_t used = 0;
-  for (size_t k = 0; k < params.size(); ++k) {
-    const auto& [name, p] = params[k];
-    if (!state.count(name + ".exp_avg")) continue;  // no step taken for this parameter yet
-    for (const char* suffix : {".exp_avg", ".exp_avg_sq", ".step"}) {
-      auto found = state.find(name + suffix);
-      FIVEFOLD_CHECK(found != state.end(), "optimizer state '", path, "': '", name, suffix,
-                     "' is missing");
-      const bool scalar = std::string(suffix) == ".step";
-      FIVEFOLD_CHECK(scalar ? found->second.numel() == 1 : found->second.sizes() == p.sizes(),
-                     "optimizer state '", path, "': '", name, suffix, "' has shape ",
-                     found->second.sizes(), ", the parameter has ", p.sizes());
-      ++used;
-    }
-    has[k] = true;
-  }
-  if (used != state.size()) {
-    std::set<std::string> known;
-    for (const auto& [name, p] : params)
-      for (const char* suffix : {".exp_avg", ".exp_avg_sq", ".step"}) known.insert(name + suffix);
-    for (const auto& [name, tensor] : state) {
-      FIVEFOLD_CHECK(known.count(name), "optimizer state '", path, "': '", name,
-                     "' belongs to no parameter of this model");
-    }
-  }
-  return has;
-}
-
-void load_optimizer_state(const io::TensorMap& tensors, const std::string& path, Transformer& model,
-                          torch::optim::AdamW& optimizer) {
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
-  load_optimizer_state(tensors, path, params, optimizer);
-}
-
-void load_optimizer_state(const io::TensorMap& tensors, const std::string& path,
-                          const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                          torch::optim::AdamW& optimizer) {
-  const std::vector<bool> has = check_optimizer_state(tensors, path, params);
-  for (size_t k = 0; k < params.size(); ++k) {
-    if (!has[k]) continue;
-    const std::string& name = params[k].first;
-    auto state = std::make_unique<torch::optim::AdamWParamState>();
-    state->step(tensors.at(name + ".step").item<int64_t>());
-    state->exp_avg(tensors.at(name + ".exp_avg").to(torch::kFloat).clone());
-    state->exp_avg_sq(tensors.at(name + ".exp_avg_sq").to(torch::kFloat).clone());
-    optimizer.state()[state_key(params[k].second)] = std::move(state);
-    // It had a gradient before the checkpoint. LibTorch's zero_grad zeroes a gradient rather than
-    // dropping it, so in the run never interrupted AdamW keeps stepping this parameter (momentum
-    // and weight decay) even in a step whose tokens do not reach it (an expert no token chose):
-    // give it the zero gradient it would have, or the resumed run would skip it there.
-    auto& p = params[k].second;
-    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-  }
-}
-
 void save_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
-  io::save_safetensors(path, optimizer_state(model, optimizer), {{"format", "fivefold-adamw"}});
+  io::save_safetensors(path, adamw::state_by_name(adamw::parameters_by_name(*model), optimizer),
+                       {{"format", "fivefold-adamw"}});
 }
 
 void load_optimizer(const std::string& path, Transformer& model, torch::optim::AdamW& optimizer) {
-  load_optimizer_state(io::load_safetensors(path), path, model, optimizer);
+  adamw::load_state(io::load_safetensors(path), path, adamw::parameters_by_name(*model), optimizer);
 }
 
 }  // namespace fivefold::ch03

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "03_transformer/checkpoint.h"
+#include "fivefold/adamw_state.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -32,9 +33,7 @@ double learning_rate(const TrainConfig& c, int64_t step) {
 }
 
 std::unique_ptr<torch::optim::AdamW> make_optimizer(Transformer& model, const TrainConfig& c) {
-  std::vector<std::pair<std::string, torch::Tensor>> params;
-  for (const auto& item : model->named_parameters()) params.emplace_back(item.key(), item.value());
-  return make_optimizer(params, c);
+  return make_optimizer(adamw::parameters_by_name(*model), c);
 }
 
 std::unique_ptr<torch::optim::AdamW> make_optimizer(
@@ -234,15 +233,17 @@ io::TensorMap SingleProcessStep::gradients() {
   return out;
 }
 
+// The optimizer steps the master weights where there are some, else the model's parameters.
 io::TensorMap SingleProcessStep::optimizer_state() {
-  if (masters_) return ch03::optimizer_state(masters_->masters(), *optimizer_);
-  return ch03::optimizer_state(model_, *optimizer_);
+  return adamw::state_by_name(masters_ ? masters_->masters() : adamw::parameters_by_name(*model_),
+                              *optimizer_);
 }
 
 void SingleProcessStep::load_optimizer_state(const io::TensorMap& state,
                                              const std::string& source) {
-  if (masters_) return ch03::load_optimizer_state(state, source, masters_->masters(), *optimizer_);
-  ch03::load_optimizer_state(state, source, model_, *optimizer_);
+  adamw::load_state(state, source,
+                    masters_ ? masters_->masters() : adamw::parameters_by_name(*model_),
+                    *optimizer_);
 }
 
 }  // namespace fivefold::ch03

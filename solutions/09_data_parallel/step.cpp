@@ -6,6 +6,7 @@
 #include <optional>
 #include <utility>
 
+#include "fivefold/adamw_state.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch09 {
@@ -82,9 +83,7 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
   result.lr = ch03::learning_rate(config_, step);
   if (ddp_) {
     ddp_->finish_gradient_sync();  // every gradient is now the mean over the ranks
-    std::vector<std::pair<std::string, torch::Tensor>> named;
-    for (const auto& item : model_->named_parameters())
-      named.emplace_back(item.key(), item.value());
+    const auto named = adamw::parameters_by_name(*model_);
     reduce_partial_gradients(named, groups_);  // partial sums over tp (chapter 10)
     result.grad_norm = clip_gradients(named, config_.grad_clip, groups_);
     for (auto& group : adam_->param_groups())
@@ -116,15 +115,15 @@ ch03::Transformer& DataParallelStep::full_model() {
 io::TensorMap DataParallelStep::optimizer_state() {
   if (zero_) return zero_->optimizer_state();
   if (fsdp_) return fsdp_->optimizer_state();
-  if (masters_) return ch03::optimizer_state(masters_->masters(), *adam_);
-  return ch03::optimizer_state(model_, *adam_);
+  return adamw::state_by_name(masters_ ? masters_->masters() : adamw::parameters_by_name(*model_),
+                              *adam_);
 }
 
 void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const std::string& source) {
   if (zero_) return zero_->load_optimizer_state(state, source);
   if (fsdp_) return fsdp_->load_optimizer_state(state, source);
-  if (masters_) return ch03::load_optimizer_state(state, source, masters_->masters(), *adam_);
-  ch03::load_optimizer_state(state, source, model_, *adam_);
+  adamw::load_state(state, source,
+                    masters_ ? masters_->masters() : adamw::parameters_by_name(*model_), *adam_);
 }
 
 ch03::StateBytes DataParallelStep::state_bytes() {

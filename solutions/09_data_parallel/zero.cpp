@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "fivefold/adamw_state.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch09 {
@@ -203,7 +204,7 @@ torch::Tensor had_gradients(const io::TensorMap& state,
 void ShardedAdamW::load_state(const io::TensorMap& state,
                               const std::vector<std::pair<std::string, torch::Tensor>>& params,
                               const std::string& source) {
-  const std::vector<bool> has = ch03::check_optimizer_state(state, source, params);
+  const std::vector<bool> has = adamw::check_state(state, source, params);
   for (size_t k = 0; k < params.size(); ++k)
     steps_[k] = has[k] ? state.at(params[k].first + ".step").item<int64_t>() : 0;
   for (const auto& s : layout_.segments) {

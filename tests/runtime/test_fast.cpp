@@ -17,6 +17,7 @@
 #include "07_moe/moe.h"
 #include "12_context_parallel/attention.h"
 #include "14_memory/recompute.h"
+#include "fivefold/adamw_state.h"
 #include "fivefold/error.h"
 #include "fivefold/memory.h"
 #include "fivefold/seed.h"
@@ -477,7 +478,10 @@ TEST(FusedAdamW, StepsAsTorchsAdamWInBothGroups) {
       EXPECT_TENSOR_CLOSE(fast_params[i], lesson_params[i], 1e-6, 1e-6);
   }
   // The state is AdamW's own: the same names, steps and moments.
-  const auto want = optimizer_state(lesson, *reference), got = optimizer_state(fast, *fused);
+  const auto want =
+      fivefold::adamw::state_by_name(fivefold::adamw::parameters_by_name(*lesson), *reference);
+  const auto got =
+      fivefold::adamw::state_by_name(fivefold::adamw::parameters_by_name(*fast), *fused);
   ASSERT_EQ(got.size(), want.size());
   for (const auto& [name, tensor] : want) EXPECT_TENSOR_CLOSE(got.at(name), tensor, 1e-6, 1e-6);
 }

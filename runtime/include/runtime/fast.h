@@ -72,7 +72,7 @@ class FusedRMSNormKernel : public ch03::NormKernel {
 /// torch::optim::AdamW with each parameter's update done in one pass over its elements
 /// (decay, both moments, bias corrections and the step), instead of the seven tensor operations of
 /// LibTorch's loop. The state is AdamW's own (AdamWParamState under the same keys), so
-/// optimizer_state, load_optimizer_state and every step that holds a torch::optim::AdamW work
+/// adamw::state_by_name, adamw::load_state and every step that holds a torch::optim::AdamW work
 /// unchanged. amsgrad is not supported (refused). The training run makes chapter 03's
 /// make_optimizer build it (TrainConfig::make_adamw = fused_adamw).
 class FusedAdamW : public torch::optim::AdamW {
