@@ -470,16 +470,16 @@ int run(int argc, char** argv) {
   // step multiplies with (oneDNN with the fast paths, at::mm for the lesson's code).
   const auto kernel = args.on("lesson-kernels") ? nullptr : fivefold::runtime::fast_matmul_kernel();
   fivefold::ch03::set_matmul_kernel(kernel);
-  const double peak =
-      std::max(fivefold::ch03::matmul_peak_gflops(1024), fivefold::ch03::matmul_peak_gflops(2048)) *
-      1e9;
+  const double peak = std::max(fivefold::runtime::matmul_peak_gflops(1024),
+                               fivefold::runtime::matmul_peak_gflops(2048)) *
+                      1e9;
   const char* library = kernel != nullptr ? "oneDNN" : "at::mm";
   // With --bf16, the same for chapter 14's bf16 products (oneDNN's bf16 GEMM through at::mm).
   double bf16_peak = 0;
   if (args.on("bf16")) {
     fivefold::ch14::use_precision(fivefold::ch14::Precision::Bf16, nullptr);
-    bf16_peak = std::max(fivefold::ch03::matmul_peak_gflops(1024),
-                         fivefold::ch03::matmul_peak_gflops(2048)) *
+    bf16_peak = std::max(fivefold::runtime::matmul_peak_gflops(1024),
+                         fivefold::runtime::matmul_peak_gflops(2048)) *
                 1e9;
     fivefold::ch03::set_matmul_kernel(kernel);
   }

@@ -102,10 +102,6 @@ torch::Tensor matmul_operand(const torch::Tensor& t);
 /// carry it (chapter 10's g, chapter 13's combine).
 torch::Tensor at_least_fp32(const torch::Tensor& t);
 
-/// GFLOP/s of an n x n float product on the kernel `linear` multiplies with now (best of 3): the
-/// peak that MFU is measured against, so that a faster library raises the peak with the step.
-double matmul_peak_gflops(int n);
-
 /// The computation of an RMSNorm, x and weight -> the normalised x: the slot a faster
 /// implementation of the same formula fills (the training run's fast paths, runtime/fast.h).
 class NormKernel {

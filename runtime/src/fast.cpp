@@ -19,6 +19,7 @@
 #include "07_moe/moe.h"
 #include "10_tensor_parallel/layers.h"
 #include "10_tensor_parallel/plan.h"
+#include "fivefold/blas.h"
 #include "fivefold/error.h"
 #include "runtime/parallel.h"
 
@@ -273,6 +274,13 @@ std::shared_ptr<const MatmulKernel> fast_matmul_kernel() {
   FIVEFOLD_CHECK(gap < 1e-4, "oneDNN's matrix product and at::mm differ by ", gap,
                  " on a test input (run with --lesson-kernels to multiply with at::mm alone)");
   return onednn;
+}
+
+double matmul_peak_gflops(int n) {
+  const MatmulKernel* kernel = matmul_kernel();
+  if (kernel == nullptr) return measure_matmul_gflops(n);
+  return measure_matmul_gflops(
+      n, [kernel](const torch::Tensor& a, const torch::Tensor& b) { return kernel->mm(a, b); });
 }
 
 int64_t block_activation_bytes(const ch02::TransformerShape& whole, int64_t batch, int64_t seq,

@@ -7,7 +7,6 @@
 #include <utility>
 
 #include "03_transformer/model.h"
-#include "fivefold/blas.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch03 {
@@ -113,13 +112,6 @@ torch::Tensor matmul_operand(const torch::Tensor& t) { return g_matmul ? g_matmu
 
 torch::Tensor at_least_fp32(const torch::Tensor& t) {
   return t.to(at::promote_types(t.scalar_type(), torch::kFloat));
-}
-
-double matmul_peak_gflops(int n) {
-  const auto kernel = g_matmul;
-  if (!kernel) return measure_matmul_gflops(n);
-  return measure_matmul_gflops(
-      n, [&kernel](const torch::Tensor& a, const torch::Tensor& b) { return kernel->mm(a, b); });
 }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,

@@ -162,6 +162,11 @@ std::unique_ptr<torch::optim::AdamW> fused_adamw(
 /// in a build without oneDNN.
 std::shared_ptr<const ch03::MatmulKernel> fast_matmul_kernel();
 
+/// GFLOP/s of an n x n float product on the kernel `linear` multiplies with now
+/// (ch03::matmul_kernel, or at::mm; fivefold::measure_matmul_gflops): the peak that MFU is
+/// measured against, so that a faster library raises the peak with the step.
+double matmul_peak_gflops(int n);
+
 /// A tile's softmax statistics per query, [b, h, T, 1] in fp32 at least: the max of its scores
 /// and the sum of e = exp(s − max).
 struct TileExp {
