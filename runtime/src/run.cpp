@@ -486,16 +486,25 @@ RunResult run_training(const RunConfig& requested, bool resume) {
                   static_cast<double>(peak_resident_bytes()) / 1e6);
     bar.update(step + 1 - result.first_step, status);
 
+    // The checkpoint first: an evaluation that fails never takes the step's checkpoint with it.
     const int64_t done = step + 1;
     const bool last = done == c.steps;
-    if (last || (c.eval_every > 0 && done % c.eval_every == 0)) {
-      trace::Span span("evaluate", "eval");
-      evaluate(done);
-      for (RunObserver* o : c.observers) o->gathered_whole_model();
-    }
     if (!c.out_dir.empty() && (last || (c.save_every > 0 && done % c.save_every == 0))) {
       trace::Span span("checkpoint", "checkpoint");
       result.checkpoint = save_checkpoint(c, *trainer, done);
+      for (RunObserver* o : c.observers) o->gathered_whole_model();
+    }
+    if (last || (c.eval_every > 0 && done % c.eval_every == 0)) {
+      trace::Span span("evaluate", "eval");
+      try {
+        evaluate(done);
+      } catch (const c10::Error& e) {  // LibTorch's, without its backtrace; ours say what they are
+        throw Error("step " + std::to_string(done) +
+                    ": the evaluation failed: " + e.what_without_backtrace() + "; the run stops" +
+                    (c.out_dir.empty()
+                         ? std::string()
+                         : " (the last checkpoint is '" + latest_checkpoint(c.out_dir) + "')"));
+      }
       for (RunObserver* o : c.observers) o->gathered_whole_model();
     }
   }

@@ -138,8 +138,9 @@ torch::Tensor MultiHeadLatentAttentionImpl::forward_absorbed(const torch::Tensor
   // Multi-query attention over the cache: keys [c | k^R], values c.
   auto out_latent = attend(torch::cat({q_latent, q_rope}, -1), cache.keys,
                            cache.keys.narrow(-1, 0, d_c), positions, cached);  // [b, h, s, d_c]
-  // W^UV after attention (softmax weights sum the latents; W^UV is linear): [b, h, s, dv].
-  auto out = torch::matmul(out_latent, w_uv.transpose(1, 2));
+  // W^UV after attention (softmax weights sum the latents; W^UV is linear): [b, h, s, dv], in
+  // the attention output's type (fp32 at least, where chapter 14's products hand on bf16).
+  auto out = torch::matmul(out_latent, w_uv.transpose(1, 2).to(out_latent.scalar_type()));
   return o_proj(out.transpose(1, 2).reshape({batch, seq, heads * dv}));
 }
 

@@ -3,6 +3,7 @@
 // state in fp32, and lands near the fp32 step (bf16 keeps 8 bits of mantissa: ~0.4% a product).
 
 #include "../10_tensor_parallel/fixtures.h"
+#include "03_transformer/generate.h"
 #include "03_transformer/train.h"
 #include "07_moe/moe.h"
 #include "fixtures.h"
@@ -120,6 +121,33 @@ TEST(Precision, AModelWithBf16ParametersKeepsAnFp32ResidualStream) {
     for (const auto& [name, want] : grads[0]) {
       if (want.norm().item<double>() == 0) continue;
       EXPECT_LT(relative(grads[1].at(name), want), 5e-2) << name;
+    }
+  }
+}
+
+// Generation under bf16 products (a bf16 run's exact-match evaluation generates): the KV cache's
+// path gives the logits of the path without it, within bf16's rounding, whether the parameters
+// are fp32 (the run evaluates its fp32 masters) or bf16. MLA's cache path multiplies the
+// attention's fp32 output by W^UV; with W^UV in bf16 that product threw (seen: every DeepSeek run
+// in bf16 stopped at its first evaluation, before the step's checkpoint).
+TEST(Precision, TheKvCacheGivesTheLogitsWithoutItUnderBf16Products) {
+  ch14::testing::Fp32Afterwards restore;
+  use_precision(Precision::Bf16, nullptr);
+  const auto tokens = ch10::testing::tp_batches().batch(0, 0, 1).inputs.narrow(0, 0, 1);
+  for (const auto& config : {ch10::testing::tp_config(true), ch10::testing::deepseek_config()}) {
+    for (bool bf16_parameters : {false, true}) {
+      SCOPED_TRACE(std::string(config.extensions.empty() ? "Llama" : "MLA + MoE") +
+                   (bf16_parameters ? ", bf16 parameters" : ", fp32 parameters"));
+      ch03::Transformer model = ch07::make_model(config);
+      torch::NoGradGuard no_grad;
+      if (bf16_parameters)
+        for (auto& p : model->parameters())
+          if (p.requires_grad()) p.set_data(p.to(torch::kBFloat16));
+      const auto want = model->forward(tokens);
+      ch03::KVCache cache;
+      const auto got = model->forward(tokens, &cache);
+      EXPECT_LT(relative(got.to(torch::kFloat), want.to(torch::kFloat)), 2e-2);
+      EXPECT_EQ(ch03::generate(model, {1, 2, 3}, 4).size(), 4u);
     }
   }
 }

@@ -207,6 +207,35 @@ TEST(Trainer, ASaveThatFailsLeavesTheLastCheckpointAndNothingOfItself) {
   EXPECT_EQ(io::read_file(out + "/latest"), "step-00000009\n");
 }
 
+// An evaluation that fails stops the run after the step's checkpoint, which it names (seen: every
+// DeepSeek run in bf16 threw in its first evaluation, which came before the save, so the run's
+// last steps were lost with it). Here an attention kernel that throws outside training.
+TEST(Trainer, AnEvaluationThatFailsLeavesTheStepsCheckpoint) {
+  struct ThrowsInEvaluation : AttentionKernel {
+    AttentionOutput compute(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                            const torch::Tensor& qp, const torch::Tensor& kp,
+                            double scale) const override {
+      if (!torch::GradMode::is_enabled()) TORCH_CHECK(false, "no evaluation here");
+      return CausalAttentionKernel().attend(q, k, v, qp, kp, scale);
+    }
+  };
+  ScratchDir scratch("eval");
+  const std::string out = scratch.path("run");
+  RunConfig c = tiny(out, 4);
+  c.save_every = 0;
+  c.fast = false;
+  c.make_step = [](Transformer model, const TrainConfig& train) {
+    model->set_attention_kernel(std::make_shared<ThrowsInEvaluation>());
+    return std::make_unique<SingleProcessStep>(std::move(model), train);
+  };
+  EXPECT_TRUE(throws_error_containing(
+      [&] { run_training(c); },
+      "step 4: the evaluation failed: no evaluation here; the run stops (the last checkpoint is '" +
+          out + "/step-00000004')"));
+  EXPECT_EQ(io::read_file(out + "/latest"), "step-00000004\n");
+  EXPECT_EQ(metrics(out).size(), 4u);  // the four steps' rows, no evaluation row
+}
+
 // A metrics row that cannot be written stops the run (seen: on a full disk a run trained 360
 // steps on after its 240th row, and the record kept one row cut in half).
 TEST(Trainer, AMetricsRowThatCannotBeWrittenStopsTheRun) {
