@@ -11,9 +11,11 @@
 #include <string>
 
 #include "03_transformer/checkpoint.h"
+#include "07_moe/moe.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "runtime/fast.h"
+#include "runtime/layout.h"
 #include "runtime/run.h"
 #include "testing.h"
 
@@ -234,6 +236,34 @@ TEST(Trainer, AnEvaluationThatFailsLeavesTheStepsCheckpoint) {
           out + "/step-00000004')"));
   EXPECT_EQ(io::read_file(out + "/latest"), "step-00000004\n");
   EXPECT_EQ(metrics(out).size(), 4u);  // the four steps' rows, no evaluation row
+}
+
+// The memory check counts what ZeRO-3 gathers on every rank: the whole model at the last step's
+// evaluation, and AdamW's moments too at a checkpoint (measured: 27.5M parameters over 4 ranks
+// peaked at 500 MB a rank without a checkpoint, 800 with one). A model whose ZeRO-3 state on 4
+// ranks takes 40% of this machine's free memory (16 bytes a parameter) passes without an output
+// folder (16 + 4 x 4 = 32 bytes a parameter in all: 80%) and is refused with one (16 + 4 x 12 =
+// 64: 160%); ZeRO-2 over the same ranks (7 bytes a parameter a rank: 70%) gathers no whole copy.
+TEST(Trainer, TheMemoryCheckCountsWhatZeRO3GathersOnEveryRank) {
+  const int64_t available = available_memory();
+  if (available == 0) GTEST_SKIP() << "no MemAvailable in /proc/meminfo";
+  RunConfig c = tiny("", 1);
+  c.model.d_model = 1024;
+  c.model.n_heads = c.model.n_kv_heads = 16;
+  c.model.d_ff = 2816;
+  c.model.n_layers = 1;
+  const int64_t per_layer = fivefold::ch07::count_parameters(c.model).total;  // about 12.6M
+  c.model.n_layers = std::max<int64_t>(1, available / 40 / per_layer);
+  fivefold::ch15::Layout layout;
+  layout.dp = 4;
+  layout.zero = 3;
+  EXPECT_NO_THROW(check_fits_in_memory(c, layout, 4, 4));
+  c.out_dir = "run";
+  EXPECT_TRUE(throws_error_containing([&] { check_fits_in_memory(c, layout, 4, 4); },
+                                      "each checkpoint gathers the whole model and AdamW's "
+                                      "moments on every rank"));
+  layout.zero = 2;
+  EXPECT_NO_THROW(check_fits_in_memory(c, layout, 4, 4));
 }
 
 // A metrics row that cannot be written stops the run (seen: on a full disk a run trained 360

@@ -38,8 +38,10 @@ int64_t available_memory();
 /// 15's predicted_activations: chapter 14's formulas for the kernels `run` computes with, its
 /// recomputation and precision; no formula, no activations counted), this machine's share of
 /// them being local_ranks / world_size (the mean over machines, which the fullest one reaches
-/// at least). The head, the loss and transient buffers come on top: passing is necessary, not
-/// sufficient.
+/// at least); under ZeRO-3, the state plus what the last step's evaluation gathers on every rank
+/// (the whole model, 4 bytes a parameter) and, with an output folder, a checkpoint (AdamW's
+/// moments too, 12). The head, the loss and transient buffers come on top: passing is necessary,
+/// not sufficient.
 void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int local_ranks,
                           int64_t world_size);
 
