@@ -90,6 +90,12 @@ class MasterWeights {
   torch::Dtype dtype_;
 };
 
+/// What AdamW steps, under the parameters' names: the master weights where there are some
+/// (`masters` not null), else `model`'s parameters. A step's optimizer, its saved state and its
+/// loaded state all name this list.
+std::vector<std::pair<std::string, torch::Tensor>> stepped_parameters(Transformer& model,
+                                                                      const MasterWeights* masters);
+
 /// Mean next-token cross-entropy of `batch`.
 torch::Tensor loss_of(Transformer& model, const Batch& batch);
 

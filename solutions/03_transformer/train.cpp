@@ -99,6 +99,11 @@ void MasterWeights::reveal() {
   for (size_t k = 0; k < params_.size(); ++k) params_[k].second.set_data(masters_[k].second);
 }
 
+std::vector<std::pair<std::string, torch::Tensor>> stepped_parameters(
+    Transformer& model, const MasterWeights* masters) {
+  return masters != nullptr ? masters->masters() : adamw::parameters_by_name(*model);
+}
+
 int64_t MasterWeights::bytes() const {
   int64_t total = 0;
   for (const auto& [name, m] : masters_) total += m.numel() * m.element_size();
@@ -185,12 +190,9 @@ StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const 
 SingleProcessStep::SingleProcessStep(Transformer model, const TrainConfig& config)
     : model_(std::move(model)), config_(config) {
   config_.validate();
-  if (config_.param_dtype == torch::kFloat) {
-    optimizer_ = make_optimizer(model_, config_);
-    return;
-  }
-  masters_ = std::make_unique<MasterWeights>(model_, config_.param_dtype);
-  optimizer_ = make_optimizer(masters_->masters(), config_);
+  if (config_.param_dtype != torch::kFloat)
+    masters_ = std::make_unique<MasterWeights>(model_, config_.param_dtype);
+  optimizer_ = make_optimizer(stepped_parameters(model_, masters_.get()), config_);
 }
 
 StepResult SingleProcessStep::step(const std::vector<Batch>& micro_batches, int64_t step) {
@@ -233,17 +235,13 @@ io::TensorMap SingleProcessStep::gradients() {
   return out;
 }
 
-// The optimizer steps the master weights where there are some, else the model's parameters.
 io::TensorMap SingleProcessStep::optimizer_state() {
-  return adamw::state_by_name(masters_ ? masters_->masters() : adamw::parameters_by_name(*model_),
-                              *optimizer_);
+  return adamw::state_by_name(stepped_parameters(model_, masters_.get()), *optimizer_);
 }
 
 void SingleProcessStep::load_optimizer_state(const io::TensorMap& state,
                                              const std::string& source) {
-  adamw::load_state(state, source,
-                    masters_ ? masters_->masters() : adamw::parameters_by_name(*model_),
-                    *optimizer_);
+  adamw::load_state(state, source, stepped_parameters(model_, masters_.get()), *optimizer_);
 }
 
 }  // namespace fivefold::ch03

@@ -115,15 +115,13 @@ ch03::Transformer& DataParallelStep::full_model() {
 io::TensorMap DataParallelStep::optimizer_state() {
   if (zero_) return zero_->optimizer_state();
   if (fsdp_) return fsdp_->optimizer_state();
-  return adamw::state_by_name(masters_ ? masters_->masters() : adamw::parameters_by_name(*model_),
-                              *adam_);
+  return adamw::state_by_name(ch03::stepped_parameters(model_, masters_.get()), *adam_);
 }
 
 void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const std::string& source) {
   if (zero_) return zero_->load_optimizer_state(state, source);
   if (fsdp_) return fsdp_->load_optimizer_state(state, source);
-  adamw::load_state(state, source,
-                    masters_ ? masters_->masters() : adamw::parameters_by_name(*model_), *adam_);
+  adamw::load_state(state, source, ch03::stepped_parameters(model_, masters_.get()), *adam_);
 }
 
 ch03::StateBytes DataParallelStep::state_bytes() {
