@@ -38,7 +38,7 @@ io::TensorMap state_by_name(const NamedParameters& params, torch::optim::AdamW& 
   return tensors;
 }
 
-std::vector<bool> check_state(const io::TensorMap& state, const std::string& path,
+std::vector<bool> check_state(const io::TensorMap& state, const std::string& source,
                               const NamedParameters& params) {
   std::vector<bool> has(params.size(), false);
   size_t used = 0;
@@ -47,11 +47,11 @@ std::vector<bool> check_state(const io::TensorMap& state, const std::string& pat
     if (!state.count(name + ".exp_avg")) continue;  // no step taken for this parameter yet
     for (const char* suffix : kSuffixes) {
       auto found = state.find(name + suffix);
-      FIVEFOLD_CHECK(found != state.end(), "optimizer state '", path, "': '", name, suffix,
+      FIVEFOLD_CHECK(found != state.end(), "optimizer state '", source, "': '", name, suffix,
                      "' is missing");
       const bool scalar = std::string(suffix) == ".step";
       FIVEFOLD_CHECK(scalar ? found->second.numel() == 1 : found->second.sizes() == p.sizes(),
-                     "optimizer state '", path, "': '", name, suffix, "' has shape ",
+                     "optimizer state '", source, "': '", name, suffix, "' has shape ",
                      found->second.sizes(), ", the parameter has ", p.sizes());
       ++used;
     }
@@ -62,24 +62,24 @@ std::vector<bool> check_state(const io::TensorMap& state, const std::string& pat
     for (const auto& [name, p] : params)
       for (const char* suffix : kSuffixes) known.insert(name + suffix);
     for (const auto& [name, tensor] : state) {
-      FIVEFOLD_CHECK(known.count(name), "optimizer state '", path, "': '", name,
+      FIVEFOLD_CHECK(known.count(name), "optimizer state '", source, "': '", name,
                      "' belongs to no parameter of this model");
     }
   }
   return has;
 }
 
-void load_state(const io::TensorMap& tensors, const std::string& path,
+void load_state(const io::TensorMap& state, const std::string& source,
                 const NamedParameters& params, torch::optim::AdamW& optimizer) {
-  const std::vector<bool> has = check_state(tensors, path, params);
+  const std::vector<bool> has = check_state(state, source, params);
   for (size_t k = 0; k < params.size(); ++k) {
     if (!has[k]) continue;
     const std::string& name = params[k].first;
-    auto state = std::make_unique<torch::optim::AdamWParamState>();
-    state->step(tensors.at(name + ".step").item<int64_t>());
-    state->exp_avg(tensors.at(name + ".exp_avg").to(torch::kFloat).clone());
-    state->exp_avg_sq(tensors.at(name + ".exp_avg_sq").to(torch::kFloat).clone());
-    optimizer.state()[state_key(params[k].second)] = std::move(state);
+    auto adam = std::make_unique<torch::optim::AdamWParamState>();
+    adam->step(state.at(name + ".step").item<int64_t>());
+    adam->exp_avg(state.at(name + ".exp_avg").to(torch::kFloat).clone());
+    adam->exp_avg_sq(state.at(name + ".exp_avg_sq").to(torch::kFloat).clone());
+    optimizer.state()[state_key(params[k].second)] = std::move(adam);
     // It had a gradient before the checkpoint. LibTorch's zero_grad zeroes a gradient rather than
     // dropping it, so in the run never interrupted AdamW keeps stepping this parameter (momentum
     // and weight decay) even in a step whose tokens do not reach it (an expert no token chose):
