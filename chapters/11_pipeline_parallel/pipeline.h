@@ -83,8 +83,8 @@ class PipelineExecutor {
   double run(const Schedule& schedule, const std::vector<ch03::Batch>& micro_batches);
   /// The compute actions of the last run, in order, timed from the run's start on this rank.
   const std::vector<ExecutedAction>& timeline() const { return timeline_; }
-  /// When the last run started, in seconds of the steady clock (one clock for every process
-  /// on one machine: what lines the ranks' timelines up).
+  /// When the last run started, in seconds of the monotonic clock (Timer::started: one clock for
+  /// every process on one machine, what lines the ranks' timelines up).
   double started() const { return started_; }
   /// The most micro-batches (of one virtual stage each) whose activations this rank held at
   /// once in the last run.

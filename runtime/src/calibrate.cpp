@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <array>
-#include <chrono>
 #include <cmath>
 #include <map>
 #include <tuple>
@@ -34,15 +33,14 @@ double slowest(double seconds, dist::Communicator& world) {
 // Each step's seconds, from the loop's hooks.
 class StepClock : public RunObserver {
  public:
-  void step_begins(int64_t) override { start_ = std::chrono::steady_clock::now(); }
+  void step_begins(int64_t) override { timer_.reset(); }
   void step_ended(int64_t, ch03::TrainingStep&, const ch03::StepResult&) override {
-    seconds.push_back(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count());
+    seconds.push_back(timer_.seconds());
   }
   std::vector<double> seconds;
 
  private:
-  std::chrono::steady_clock::time_point start_;
+  Timer timer_;
 };
 
 // Each collective the chapters run, over `whole`'s ranks, at each size (`bytes` the whole

@@ -2,11 +2,11 @@
 
 #include "11_pipeline_parallel/pipeline.h"
 
-#include <chrono>
 #include <set>
 
 #include "fivefold/error.h"
 #include "fivefold/seed.h"
+#include "fivefold/timer.h"
 
 namespace fivefold::ch11 {
 
@@ -210,11 +210,9 @@ double PipelineExecutor::run(const Schedule& schedule,
   loss_ = 0;
   in_flight_ = peak_in_flight_ = 0;
   timeline_.clear();
-  const auto begin = std::chrono::steady_clock::now();
-  started_ = std::chrono::duration<double>(begin.time_since_epoch()).count();
-  auto seconds = [&] {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-  };
+  const Timer clock;
+  started_ = clock.started();
+  auto seconds = [&] { return clock.seconds(); };
   const int64_t p = pp.size();
   for (const Action& a : schedule.lists[static_cast<size_t>(pp.rank())]) {
     const std::pair<int64_t, int64_t> key{a.stage, a.micro_batch};

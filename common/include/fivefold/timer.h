@@ -18,6 +18,12 @@ class Timer {
   double seconds() const { return std::chrono::duration<double>(Clock::now() - start_).count(); }
   /// Microseconds elapsed.
   double microseconds() const { return seconds() * 1e6; }
+  /// When the measurement started, in seconds of the monotonic clock (CLOCK_MONOTONIC: since an
+  /// instant fixed at boot, the same for every process of a machine): how processes on one
+  /// machine line up their timelines (chapter 11's pipeline ranks).
+  double started() const {
+    return std::chrono::duration<double>(start_.time_since_epoch()).count();
+  }
 
  private:
   using Clock = std::chrono::steady_clock;
