@@ -263,8 +263,9 @@ nlohmann::json context_parallel_section(const ch02::TransformerShape& shape, int
     const auto t = context_parallel_traffic(cp, r, b, context, shape.n_kv_heads, shape.head_dim,
                                             shape.head_dim, layout, attention);
     nlohmann::json ops;
-    const std::pair<const char*, CpOps> kinds[] = {
-        {"all_gather", t.all_gather}, {"send_recv", t.send_recv}, {"all_to_all", t.all_to_all}};
+    const std::pair<const char*, CpOps> kinds[] = {{"all_gather", t.all_gather},
+                                                   {"send_recv", t.send_recv},
+                                                   {"reduce_scatter", t.reduce_scatter}};
     int64_t bytes = 0;
     for (const auto& [name, k] : kinds) {
       ops[name] = {{"calls", k.calls}, {"payload_bytes", k.payload_bytes}};

@@ -87,7 +87,7 @@ constexpr int64_t kAllGatherBlock = 128;
 
 /// All-gather attention: every rank's keys and values gathered (all_gather, uneven parts allowed),
 /// then blockwise_attention over them with blocks of `block` keys; in backward their gradients are
-/// summed back to their owners (an all-to-all and a sum: a reduce-scatter with uneven parts).
+/// summed back to their owners (a reduce-scatter, with the gather's uneven parts).
 ch03::AttentionOutput all_gather_attention(const torch::Tensor& q, const torch::Tensor& k,
                                            const torch::Tensor& v, const torch::Tensor& q_positions,
                                            const torch::Tensor& k_positions, double scale,

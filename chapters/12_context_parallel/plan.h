@@ -21,10 +21,10 @@ struct CpOps {
 /// One attention layer's context-parallel communication for one micro-batch, forward and backward,
 /// on rank `rank` of `cp` (fp32: 4-byte floats, 8-byte positions).
 struct CpTraffic {
-  CpOps all_gather;  ///< both kernels: 2 per forward (key counts, key positions); all-gather:
-                     ///< the keys and values too
-  CpOps send_recv;   ///< ring: keys and values around the ring, and their gradients back
-  CpOps all_to_all;  ///< all-gather kernel's backward: the key/value gradients to their owners
+  CpOps all_gather;      ///< both kernels: 2 per forward (key counts, key positions); all-gather:
+                         ///< the keys and values too
+  CpOps send_recv;       ///< ring: keys and values around the ring, and their gradients back
+  CpOps reduce_scatter;  ///< all-gather kernel's backward: the key/value gradients to their owners
   /// Of the three, the bytes forward hands over (the counts and positions, the ring's forward
   /// pass or the all-gather of keys and values): what recomputing the attention (chapter 14)
   /// hands over again.
@@ -37,7 +37,7 @@ struct CpTraffic {
 /// value_dim)·4 bytes per token and n_j the tokens rank j holds: the ring sends, forward, the
 /// blocks of every rank but r + 1 (cp − 1 steps), backward the same blocks again and every
 /// rank's gradient once (cp steps): W·(2·(seq − n_{r+1}) + seq); all-gather gathers W·seq forward
-/// and hands W·seq to the all-to-all backward. Both gather cp counts and seq positions.
+/// and hands W·seq to the reduce-scatter backward. Both gather cp counts and seq positions.
 CpTraffic context_parallel_traffic(int64_t cp, int64_t rank, int64_t rows, int64_t seq,
                                    int64_t kv_heads, int64_t key_dim, int64_t value_dim,
                                    CpLayout layout, CpAttention attention);

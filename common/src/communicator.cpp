@@ -286,11 +286,18 @@ Work Communicator::all_gather_async(torch::Tensor tensor, std::vector<int64_t> d
   return issue(Op::AllGather, nbytes(out), (n - 1) / n * nbytes(out), out, std::move(body), -1, -1);
 }
 
-Work Communicator::reduce_scatter_async(torch::Tensor tensor, ReduceOp op) {
+Work Communicator::reduce_scatter_async(torch::Tensor tensor, ReduceOp op,
+                                        std::vector<int64_t> dim0_sizes) {
   check_cpu(tensor, "reduce_scatter");
   FIVEFOLD_CHECK(tensor.dim() >= 1, "reduce_scatter on '", name_,
                  "': needs at least one dimension");
-  auto sizes = fivefold::split_sizes(tensor.size(0), size_);  // seed.h: one rule everywhere
+  if (dim0_sizes.empty()) dim0_sizes = fivefold::split_sizes(tensor.size(0), size_);  // seed.h
+  FIVEFOLD_CHECK(static_cast<int>(dim0_sizes.size()) == size_, "reduce_scatter on '", name_,
+                 "': ", dim0_sizes.size(), " sizes given for ", size_, " ranks");
+  const int64_t rows = std::accumulate(dim0_sizes.begin(), dim0_sizes.end(), int64_t{0});
+  FIVEFOLD_CHECK(rows == tensor.size(0), "reduce_scatter on '", name_, "': parts of ", rows,
+                 " rows in all for a tensor of ", tensor.size(0));
+  const std::vector<int64_t> sizes = std::move(dim0_sizes);
   torch::Tensor out = rows_like(tensor, sizes[rank_]);
   const double n = size_;
   auto body = [this, tensor, out, sizes, op]() mutable {
@@ -412,6 +419,13 @@ torch::Tensor Communicator::reduce_scatter(const torch::Tensor& tensor, ReduceOp
   return reduce_scatter_async(tensor, op).wait();
 }
 
+torch::Tensor Communicator::reduce_scatter(const torch::Tensor& tensor,
+                                           const std::vector<int64_t>& dim0_sizes, ReduceOp op) {
+  FIVEFOLD_CHECK(!dim0_sizes.empty(), "reduce_scatter on '", name_, "': dim0_sizes is empty");
+  InlineScope now;
+  return reduce_scatter_async(tensor, op, dim0_sizes).wait();
+}
+
 torch::Tensor all_gather_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
                                const std::vector<int64_t>& sizes) {
   const auto rows = tensor.movedim(dim, 0).contiguous();
@@ -420,8 +434,11 @@ torch::Tensor all_gather_along(Communicator& comm, const torch::Tensor& tensor, 
 }
 
 torch::Tensor reduce_scatter_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
-                                   ReduceOp op) {
-  return comm.reduce_scatter(tensor.movedim(dim, 0).contiguous(), op).movedim(0, dim).contiguous();
+                                   const std::vector<int64_t>& sizes, ReduceOp op) {
+  const auto rows = tensor.movedim(dim, 0).contiguous();
+  const auto part =
+      sizes.empty() ? comm.reduce_scatter(rows, op) : comm.reduce_scatter(rows, sizes, op);
+  return part.movedim(0, dim).contiguous();
 }
 
 torch::Tensor Communicator::all_to_all(const torch::Tensor& tensor,

@@ -18,7 +18,7 @@ CpTraffic context_parallel_traffic(int64_t cp, int64_t rank, int64_t rows, int64
   if (attention == CpAttention::AllGather) {
     t.all_gather.calls += 1;
     t.all_gather.payload_bytes += per_token * seq;
-    t.all_to_all = {1, per_token * seq};
+    t.reduce_scatter = {1, per_token * seq};
     t.forward_payload_bytes = t.all_gather.payload_bytes;
     return t;
   }

@@ -137,7 +137,7 @@ class RingAttention : public torch::autograd::Function<RingAttention> {
 };
 
 // [batch, heads, seq_r, w] on each rank -> [batch, heads, Σ seq_r, w], rank 0's first; backward:
-// each rank's rows of the gradient summed over the ranks (an all-to-all, then a sum).
+// each rank's rows of the gradient summed over the ranks (a reduce-scatter with the same sizes).
 class GatherSequence : public torch::autograd::Function<GatherSequence> {
  public:
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
@@ -149,13 +149,10 @@ class GatherSequence : public torch::autograd::Function<GatherSequence> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     std::vector<int64_t> sizes;
     for (const auto& size : ctx->saved_data["sizes"].toIntList()) sizes.push_back(size);
+    // Every rank's queries read every rank's keys: the gradient of rank j's keys is the sum of
+    // its rows over the ranks, summed where j gets its part (the gather's conjugate).
     auto cp = ch10::saved_communicator(ctx);
-    const int64_t mine = sizes[static_cast<size_t>(cp->rank())];
-    auto rows = grads[0].permute({2, 0, 1, 3}).contiguous();  // [Σ seq_r, batch, heads, w]
-    // Rank j gets the rows of its keys from every rank; it sums the cp copies.
-    auto received = cp->all_to_all(rows, sizes, std::vector<int64_t>(sizes.size(), mine));
-    auto summed = received.unflatten(0, {cp->size(), mine}).sum(0);
-    return {summed.permute({1, 2, 0, 3}).contiguous(), torch::Tensor(), torch::Tensor()};
+    return {dist::reduce_scatter_along(*cp, grads[0], 2, sizes), torch::Tensor(), torch::Tensor()};
   }
 };
 

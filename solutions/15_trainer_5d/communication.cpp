@@ -72,7 +72,7 @@ std::pair<double, double> cp_seconds(const Workload& work, const ModelTerms& ter
   const double scale = share.element / 4.0;
   const double payload =
       static_cast<double>(traffic.send_recv.payload_bytes + traffic.all_gather.payload_bytes +
-                          traffic.all_to_all.payload_bytes);
+                          traffic.reduce_scatter.payload_bytes);
   const double forward_share = traffic.forward_payload_bytes / payload;
   const int64_t layers = stage.last - stage.first;
   const double block_attention = attention / layers;  // forward; backward twice that
@@ -86,8 +86,9 @@ std::pair<double, double> cp_seconds(const Workload& work, const ModelTerms& ter
   } else {
     forward = link.seconds(dist::Op::AllGather, static_cast<double>(traffic.all_gather.calls),
                            gather_wire(traffic.all_gather.payload_bytes * scale, c));
-    backward = link.seconds(dist::Op::AllToAll, static_cast<double>(traffic.all_to_all.calls),
-                            gather_wire(traffic.all_to_all.payload_bytes * scale, c));
+    backward =
+        link.seconds(dist::Op::ReduceScatter, static_cast<double>(traffic.reduce_scatter.calls),
+                     gather_wire(traffic.reduce_scatter.payload_bytes * scale, c));
   }
   return {forward * layers, backward * layers};
 }

@@ -73,10 +73,10 @@ void cp_traffic(Bytes& bytes, const Layout& layout, const Workload& run, const R
     const auto t = ch12::context_parallel_traffic(layout.cp, work.at.cp, rows / m, run.seq_len,
                                                   heads / layout.tp, key_dim, value_dim,
                                                   layout.cp_layout, layout.cp_attention);
-    bytes["cp"] =
-        held_layers * m *
-            (t.all_gather.payload_bytes + t.send_recv.payload_bytes + t.all_to_all.payload_bytes) +
-        cores_again * m * t.forward_payload_bytes;  // chapter 14: attention re-run
+    bytes["cp"] = held_layers * m *
+                      (t.all_gather.payload_bytes + t.send_recv.payload_bytes +
+                       t.reduce_scatter.payload_bytes) +
+                  cores_again * m * t.forward_payload_bytes;  // chapter 14: attention re-run
   }
 }
 

@@ -273,7 +273,8 @@ TEST(ContextParallel, TrafficEqualsTheFormula) {
       const auto want = context_parallel_traffic(n, r, 4, seq, 4, 4, 4, split, attention);
       const std::pair<dist::Op, CpOps> ops[] = {{dist::Op::AllGather, want.all_gather},
                                                 {dist::Op::SendRecv, want.send_recv},
-                                                {dist::Op::AllToAll, want.all_to_all}};
+                                                {dist::Op::ReduceScatter, want.reduce_scatter},
+                                                {dist::Op::AllToAll, CpOps{}}};
       for (const auto& [op, formula] : ops) {
         SCOPED_TRACE(dist::op_name(op));
         const auto got = dist::comm_counts(mesh.comm("cp")->name(), op);

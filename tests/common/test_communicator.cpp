@@ -148,7 +148,18 @@ TEST(Communicator, GatherAndScatterAlongAnyDimension) {
     const auto total = torch::stack(all).sum(0);
     EXPECT_TENSOR_CLOSE(reduce_scatter_along(*comm, equal, dim),
                         torch::tensor_split(total, n, dim)[comm->rank()], 1e-5, 1e-6);
+    // Uneven parts of the sum, the sizes the gather above took (its conjugate).
+    std::vector<int64_t> shape = {2, 3, 4, 5};
+    int64_t& extent = shape[static_cast<size_t>(dim < 0 ? dim + 4 : dim)];
+    extent = n * (n + 1) / 2;
+    std::vector<torch::Tensor> wholes;
+    for (int r = 0; r < n; ++r) wholes.push_back(input_of(r, "along-uneven", shape));
+    EXPECT_TENSOR_CLOSE(reduce_scatter_along(*comm, wholes[comm->rank()], dim, sizes),
+                        torch::stack(wholes).sum(0).split_with_sizes(sizes, dim)[comm->rank()],
+                        1e-5, 1e-6);
   }
+  EXPECT_THROW(comm->reduce_scatter(torch::zeros({n + 1, 2}), std::vector<int64_t>(n, 1)), Error);
+  EXPECT_THROW(comm->reduce_scatter(torch::zeros({n, 2}), std::vector<int64_t>(n + 1, 0)), Error);
 }
 
 TEST(Communicator, AllToAllWithSplitSizes) {

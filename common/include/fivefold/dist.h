@@ -115,6 +115,11 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   /// dim 0. Parts follow torch::tensor_split: for n rows, the first n % size ranks get one extra
   /// row.
   torch::Tensor reduce_scatter(const torch::Tensor& tensor, ReduceOp op = ReduceOp::Sum);
+  /// Reduces `tensor` (same shape on every rank) and returns this rank's part along dim 0 when the
+  /// parts differ in size: rank i's part has `dim0_sizes[i]` rows (same list on every rank,
+  /// summing to the rows of `tensor`). The conjugate of all_gather with dim0_sizes.
+  torch::Tensor reduce_scatter(const torch::Tensor& tensor, const std::vector<int64_t>& dim0_sizes,
+                               ReduceOp op = ReduceOp::Sum);
   /// Sends rows [offset_j, offset_j + send_sizes[j]) of `tensor` (dim 0) to rank j and returns the
   /// rows received, concatenated in rank order; rank i sends this rank recv_sizes[i] rows.
   torch::Tensor all_to_all(const torch::Tensor& tensor, const std::vector<int64_t>& send_sizes,
@@ -142,8 +147,9 @@ class Communicator : public std::enable_shared_from_this<Communicator> {
   Work all_reduce_async(torch::Tensor tensor, ReduceOp op = ReduceOp::Sum);
   /// Asynchronous all_gather; empty `dim0_sizes` means equal sizes.
   Work all_gather_async(torch::Tensor tensor, std::vector<int64_t> dim0_sizes = {});
-  /// Asynchronous reduce_scatter.
-  Work reduce_scatter_async(torch::Tensor tensor, ReduceOp op = ReduceOp::Sum);
+  /// Asynchronous reduce_scatter; empty `dim0_sizes` means torch::tensor_split's parts.
+  Work reduce_scatter_async(torch::Tensor tensor, ReduceOp op = ReduceOp::Sum,
+                            std::vector<int64_t> dim0_sizes = {});
   /// Asynchronous all_to_all.
   Work all_to_all_async(torch::Tensor tensor, std::vector<int64_t> send_sizes,
                         std::vector<int64_t> recv_sizes);
@@ -231,9 +237,11 @@ using CommunicatorPtr = std::shared_ptr<Communicator>;
 /// a sequence, a vocabulary or a weight split along some dimension.
 torch::Tensor all_gather_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
                                const std::vector<int64_t>& sizes = {});
-/// Communicator::reduce_scatter along dimension `dim`: this rank's part (torch::tensor_split's)
-/// of the reduction over the ranks of `tensor` (the same shape on every rank).
+/// Communicator::reduce_scatter along dimension `dim`: this rank's part of the reduction over
+/// the ranks of `tensor` (the same shape on every rank): `sizes[rank]` of that dimension (empty:
+/// torch::tensor_split's part). The conjugate of all_gather_along with the same sizes.
 torch::Tensor reduce_scatter_along(Communicator& comm, const torch::Tensor& tensor, int64_t dim,
+                                   const std::vector<int64_t>& sizes = {},
                                    ReduceOp op = ReduceOp::Sum);
 
 /// A communicator that only knows its place: rank `rank` of `size`, named `name`. Every operation
