@@ -54,14 +54,17 @@ ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
 /// model's; collective) and select (the whole model's -> this rank's).
 class ModelPartStep : public ch03::TrainingStep {
  public:
-  /// The inner step's.
+  /// The inner step's. The whole model full_model() built goes first: the update makes it stale,
+  /// and it would cost every rank the whole model's memory through every step after an
+  /// evaluation (a derived step that overrides this calls it, not inner_->step).
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override {
+    full_ = ch03::Transformer(nullptr);
     return inner_->step(micro_batches, step);
   }
   /// This rank's part.
   ch03::Transformer& model() override { return inner_->model(); }
-  /// The single-device model with the gathered parameters (collective). Built on first use: it
-  /// costs the whole model's memory on every rank.
+  /// The single-device model with the gathered parameters (collective). Built when asked and
+  /// kept until the next step: it costs the whole model's memory on every rank meanwhile.
   ch03::Transformer& full_model() override;
   /// AdamW's state gathered by parameter name: the single process's layout (collective).
   io::TensorMap optimizer_state() override { return gather(inner_->optimizer_state()); }

@@ -28,7 +28,7 @@ ch03::StepResult ExpertParallelStep::step(const std::vector<ch03::Batch>& micro_
   const auto ep = static_cast<double>(group_.ep->size());
   auto mine = micro_batches;
   for (auto& b : mine) b.loss_weight /= ep;  // the ep ranks' losses add up to their mean
-  auto result = inner_->step(mine, step);
+  auto result = ModelPartStep::step(mine, step);
   auto loss = torch::tensor({result.loss}, torch::kDouble);
   group_.ep->all_reduce(loss);  // the edp mean of each ep rank's share, summed over ep
   result.loss = loss.item<double>();

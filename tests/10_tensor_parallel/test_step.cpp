@@ -92,5 +92,10 @@ TEST(TensorParallelStep, FollowsTheSingleProcessCurve) {
     }
     fivefold::testing::expect_same_optimizer_state(resumed->optimizer_state(),
                                                    single.optimizer_state(), "resumed: ");
+    // The whole model full_model() built is let go at the next step, stale by then: kept, it
+    // would cost every rank the whole model's memory through training after an evaluation.
+    ch03::Transformer whole = resumed->full_model();
+    resumed->step({tp_batches().batch(steps + 2, dp->rank(), dp->size())}, steps + 2);
+    EXPECT_EQ(whole.ptr().use_count(), 1) << "the step still holds the whole model";
   }
 }

@@ -422,6 +422,10 @@ TEST(ExpertParallel, FollowsTheSingleProcessCurve) {
       }
       fivefold::testing::expect_same_optimizer_state(again.step->optimizer_state(),
                                                      single.optimizer_state(), "resumed: ");
+      // The whole model goes at the next step, through ep's own step too (ModelPartStep::step).
+      ch03::Transformer whole = again.step->full_model();
+      again.step->step({batches().batch(5, again.dp->rank(), n)}, 5);
+      EXPECT_EQ(whole.ptr().use_count(), 1) << "the step still holds the whole model";
     }
   }
 }
