@@ -180,6 +180,11 @@ class TrainingStep {
   /// The optimizer's state under parameter names (fivefold/adamw_state.h), complete on every
   /// rank. Collective.
   virtual io::TensorMap optimizer_state() = 0;
+  /// The same state on rank 0 of the world (rank 0 of every group the step gathers over: what
+  /// a checkpoint's writer saves); on the other ranks, nothing where a step gathers the state
+  /// from parts (they take part in the collectives without keeping the whole of it, which
+  /// would cost each of them 8 bytes a parameter). Collective. Here: optimizer_state().
+  virtual io::TensorMap optimizer_state_for_writer() { return optimizer_state(); }
   /// Restores a state in that layout (read from `source`, named in errors); each rank keeps its
   /// part.
   virtual void load_optimizer_state(const io::TensorMap& state, const std::string& source) = 0;

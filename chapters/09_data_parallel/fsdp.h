@@ -91,8 +91,11 @@ class FullyShardedDataParallel {
   /// before using it without this wrapper.
   ch03::Transformer& model() { return model_; }
 
-  /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state).
-  io::TensorMap optimizer_state() const { return adam_->state(named_, *comm_); }
+  /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state),
+  /// or, with `keep` false, on the others only.
+  io::TensorMap optimizer_state(bool keep = true) const {
+    return adam_->state(named_, *comm_, keep);
+  }
   /// Keeps this rank's part of a state in that layout. A parameter with moments there had a
   /// gradient before it was saved: it is stepped from now on, as in the run never interrupted.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) {

@@ -49,6 +49,9 @@ class DataParallelStep : public ch03::TrainingStep {
   /// them (fp32, gathered by stages 1-3) until the next step.
   ch03::Transformer& full_model() override;
   io::TensorMap optimizer_state() override;
+  /// On this group's rank 0 alone (an empty map elsewhere): ZeRO's ranks take part in the
+  /// gathers and keep nothing.
+  io::TensorMap optimizer_state_for_writer() override;
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override;
   /// DDP: the model's parameters, gradients and AdamW moments; ZeRO and FSDP: their memory().
   ch03::StateBytes state_bytes() override;

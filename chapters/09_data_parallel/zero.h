@@ -144,9 +144,10 @@ class ShardedAdamW {
 
   /// The whole state under parameter names, in adamw::state_by_name's layout, on every rank of
   /// `comm` (collective, unshard). `params`: (name, parameter) in index order (the parameters'
-  /// shapes are read; their storage may be freed).
+  /// shapes are read; their storage may be freed). `keep` false: this rank takes part and keeps
+  /// nothing (an empty map), holding one moment at a time while it does.
   io::TensorMap state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                      dist::Communicator& comm) const;
+                      dist::Communicator& comm, bool keep = true) const;
   /// Keeps this rank's pieces of `state` (that layout, read from `source`, named in errors).
   void load_state(const io::TensorMap& state,
                   const std::vector<std::pair<std::string, torch::Tensor>>& params,
@@ -203,8 +204,11 @@ class ZeroOptimizer {
   /// Numbers per shard (ceil(Ψ / N)).
   int64_t shard_numel() const { return layout_.shard; }
 
-  /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state).
-  io::TensorMap optimizer_state() const { return adam_->state(named_, *comm_); }
+  /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state),
+  /// or, with `keep` false, on the others only.
+  io::TensorMap optimizer_state(bool keep = true) const {
+    return adam_->state(named_, *comm_, keep);
+  }
   /// Keeps this rank's part of a state in that layout. A parameter with moments there had a
   /// gradient before it was saved: it is stepped from now on, as in the run never interrupted.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) {

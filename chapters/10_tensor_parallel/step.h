@@ -23,10 +23,11 @@ namespace fivefold::ch10 {
 
 /// `local` (tensors by name, each a slice as `shards` says, or whole) -> the whole tensors,
 /// gathered over `tp` (collective: every rank of tp passes the same names). A name ending in
-/// ".exp_avg" or ".exp_avg_sq" (optimizer state) is a slice as its parameter is.
+/// ".exp_avg" or ".exp_avg_sq" (optimizer state) is a slice as its parameter is. `to_rank0`:
+/// only tp rank 0 keeps them (the others take part, one tensor at a time, and get nothing).
 io::TensorMap gather_shards(const io::TensorMap& local,
                             const std::map<std::string, ch03::TensorShard>& shards,
-                            dist::Communicator& tp);
+                            dist::Communicator& tp, bool to_rank0 = false);
 
 /// The inverse: this rank's slices of whole tensors (the same naming).
 io::TensorMap slice_shards(const io::TensorMap& whole,
@@ -67,13 +68,18 @@ class ModelPartStep : public ch03::TrainingStep {
   /// kept until the next step: it costs the whole model's memory on every rank meanwhile.
   ch03::Transformer& full_model() override;
   /// AdamW's state gathered by parameter name: the single process's layout (collective).
-  io::TensorMap optimizer_state() override { return gather(inner_->optimizer_state()); }
+  io::TensorMap optimizer_state() override { return gather(inner_->optimizer_state(), false); }
+  /// The same on world rank 0 alone: each level gathers to its group's rank 0 what the inner
+  /// step kept there (the ranks of a group all kept something or all nothing).
+  io::TensorMap optimizer_state_for_writer() override {
+    return gather(inner_->optimizer_state_for_writer(), true);
+  }
   /// Keeps this rank's part of a state in that layout.
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override {
     inner_->load_optimizer_state(select(state), source);
   }
   /// The gradients the last step applied (after clipping), whole, by name (collective).
-  io::TensorMap gradients() override { return gather(inner_->gradients()); }
+  io::TensorMap gradients() override { return gather(inner_->gradients(), false); }
   /// The inner step's: this rank's part.
   ch03::StateBytes state_bytes() override { return inner_->state_bytes(); }
   /// The step it wraps.
@@ -83,8 +89,9 @@ class ModelPartStep : public ch03::TrainingStep {
   /// `whole` builds the single-device model that full_model() fills; the derived step sets
   /// `inner_`.
   explicit ModelPartStep(ch03::ModelBuilder whole) : whole_(std::move(whole)) {}
-  /// This rank's tensors by name -> the whole model's (collective).
-  virtual io::TensorMap gather(const io::TensorMap& mine) = 0;
+  /// This rank's tensors by name -> the whole model's (collective), on every rank of the step's
+  /// groups or, with `to_rank0`, on rank 0 of each alone (an empty map elsewhere).
+  virtual io::TensorMap gather(const io::TensorMap& mine, bool to_rank0) = 0;
   /// The whole model's tensors by name -> this rank's.
   virtual io::TensorMap select(const io::TensorMap& whole) = 0;
 
@@ -107,7 +114,7 @@ class TensorParallelStep : public ModelPartStep {
                      const ch09::StepHooks& hooks = {});
 
  protected:
-  io::TensorMap gather(const io::TensorMap& mine) override;
+  io::TensorMap gather(const io::TensorMap& mine, bool to_rank0) override;
   io::TensorMap select(const io::TensorMap& whole) override;
 
  private:

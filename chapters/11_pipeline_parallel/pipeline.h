@@ -144,7 +144,7 @@ class PipelineParallelStep : public ch10::ModelPartStep {
   const PipelineExecutor& executor() const { return *executor_; }
 
  protected:
-  io::TensorMap gather(const io::TensorMap& mine) override;  // tp slices, then pp parts
+  io::TensorMap gather(const io::TensorMap& mine, bool to_rank0) override;  // tp, then pp
   io::TensorMap select(const io::TensorMap& whole) override;
 
  private:

@@ -133,6 +133,9 @@ class ContextParallelStep : public ch03::TrainingStep {
   /// selective recomputation).
   ch03::Transformer& full_model() override;
   io::TensorMap optimizer_state() override { return inner_->optimizer_state(); }
+  io::TensorMap optimizer_state_for_writer() override {
+    return inner_->optimizer_state_for_writer();
+  }
   void load_optimizer_state(const io::TensorMap& state, const std::string& source) override {
     inner_->load_optimizer_state(state, source);
   }

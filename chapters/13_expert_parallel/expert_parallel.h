@@ -141,7 +141,7 @@ class ExpertParallelStep : public ch10::ModelPartStep {
   ch03::StepResult step(const std::vector<ch03::Batch>& micro_batches, int64_t step) override;
 
  protected:
-  io::TensorMap gather(const io::TensorMap& mine) override;  // by name over ep
+  io::TensorMap gather(const io::TensorMap& mine, bool to_rank0) override;  // by name over ep
   io::TensorMap select(const io::TensorMap& whole) override;
 
  private:

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <set>
 #include <string>
 #include <vector>
 
@@ -9,25 +10,38 @@
 
 namespace fivefold {
 
-io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator& comm) {
+io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator& comm, int root) {
+  FIVEFOLD_CHECK(root >= -1 && root < comm.size(), "gather_named_tensors: root ", root, " of ",
+                 comm.size(), " ranks");
   // 1. What each rank holds: names, shapes, dtypes, as JSON bytes, all-gathered.
   nlohmann::json listing = nlohmann::json::array();
   for (const auto& [name, t] : mine)
     listing.push_back({name, t.sizes().vec(), static_cast<int>(t.scalar_type())});
   const auto listings = all_gather_json(listing, comm);
-  // 2. Each name from the lowest rank that holds it, broadcast in rank order, then name order:
-  //    the same sequence of broadcasts on every rank.
+  // 2. Each name from the lowest rank that holds it, broadcast (or sent to root) in rank order,
+  //    then name order: the same sequence of operations on every rank.
   io::TensorMap whole;
+  std::set<std::string> given;
+  const int me = comm.rank();
   for (int r = 0; r < comm.size(); ++r) {
     for (const auto& entry : listings[static_cast<size_t>(r)]) {
       const std::string name = entry[0];
-      if (whole.count(name) > 0) continue;  // a lower rank gave it already
+      if (!given.insert(name).second) continue;  // a lower rank gave it already
       auto shape = entry[1].get<std::vector<int64_t>>();
       const auto dtype = static_cast<torch::ScalarType>(entry[2].get<int>());
-      torch::Tensor t = r == comm.rank() ? mine.at(name).detach().contiguous().clone()
-                                         : torch::empty(shape, torch::TensorOptions(dtype));
-      comm.broadcast(t, r);
-      whole[name] = t;
+      if (root < 0) {
+        torch::Tensor t = r == me ? mine.at(name).detach().contiguous().clone()
+                                  : torch::empty(shape, torch::TensorOptions(dtype));
+        comm.broadcast(t, r);
+        whole[name] = t;
+      } else if (me == root) {
+        torch::Tensor t =
+            r == me ? mine.at(name).detach() : torch::empty(shape, torch::TensorOptions(dtype));
+        if (r != me) comm.recv(t, r);
+        whole[name] = t;
+      } else if (me == r) {
+        comm.send(mine.at(name).detach().contiguous(), root);
+      }
     }
   }
   return whole;

@@ -116,18 +116,22 @@ void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int 
                  " GB available (activations not counted); use a smaller model, more ranks or a "
                  "higher --zero stage");
   // Under ZeRO-3 a rank holds 1/N of everything while it trains, but the last step's evaluation
-  // gathers the whole model on every rank (full_model: 4 bytes a parameter) and a checkpoint the
-  // AdamW moments too (optimizer_state: 8 more). Measured, 27.5M parameters at ZeRO-3 over 4
-  // ranks: 500 MB a rank at its peak without a checkpoint, 800 with one.
+  // gathers the whole model on every rank (full_model: 4 bytes a parameter), and a checkpoint
+  // AdamW's moments too: whole on the writer (8 more), one at a time on the others, which take
+  // part in the gathers and keep nothing (4 more; optimizer_state_for_writer). Measured, 26M
+  // parameters at ZeRO-3 over 4 ranks, one step, its evaluation and checkpoint: each rank's peak
+  // 629-695 MB (smallest-mean), the writer's 888; 733-772 when every rank kept the moments.
   if (layout.zero == 3) {
-    const double gathered = static_cast<double>(psi) * (run.out_dir.empty() ? 4 : 12);
-    const double at_save = need + gathered * local_ranks;
+    const double whole = 4.0 * static_cast<double>(psi);
+    const double gathered =
+        run.out_dir.empty() ? whole * local_ranks : 2 * whole * local_ranks + whole;  // + writer's
+    const double at_save = need + gathered;
     FIVEFOLD_CHECK(at_save <= free, "ZeRO-3 holds ", per_rank / gb, " GB of state a rank, but ",
-                   run.out_dir.empty() ? "the evaluation gathers the whole model"
-                                       : "each checkpoint gathers the whole model and AdamW's "
-                                         "moments",
-                   " on every rank, ", gathered / gb, " GB more a rank: ", at_save / gb,
-                   " GB for the ", local_ranks, " ranks on this machine, more than the ", free / gb,
+                   run.out_dir.empty() ? "the evaluation gathers the whole model on every rank"
+                                       : "each checkpoint gathers the whole model on every rank "
+                                         "and AdamW's moments on the writer",
+                   ", ", gathered / gb, " GB more on this machine: ", at_save / gb, " GB for its ",
+                   local_ranks, " ranks, more than the ", free / gb,
                    " GB available; use fewer ranks a machine (more machines) or a "
                    "smaller model");
   }

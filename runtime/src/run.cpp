@@ -86,7 +86,7 @@ std::string latest_checkpoint(const std::string& out_dir) {
 // step may gather what it holds in shards); the writer writes.
 std::string save_checkpoint(const RunConfig& c, TrainingStep& trainer, int64_t next_step) {
   Transformer& model = trainer.full_model();
-  const io::TensorMap optimizer = trainer.optimizer_state();
+  const io::TensorMap optimizer = trainer.optimizer_state_for_writer();  // the writer's alone
   char name[32];
   std::snprintf(name, sizeof(name), "step-%08lld", static_cast<long long>(next_step));
   const fs::path out(c.out_dir), final_dir = out / name, temp = out / (std::string(".") + name);

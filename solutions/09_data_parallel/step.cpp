@@ -118,6 +118,13 @@ io::TensorMap DataParallelStep::optimizer_state() {
   return adamw::state_by_name(ch03::stepped_parameters(model_, masters_.get()), *adam_);
 }
 
+io::TensorMap DataParallelStep::optimizer_state_for_writer() {
+  const bool keep = comm_->rank() == 0;
+  if (zero_) return zero_->optimizer_state(keep);
+  if (fsdp_) return fsdp_->optimizer_state(keep);
+  return keep ? optimizer_state() : io::TensorMap{};  // DDP: every rank holds all of it
+}
+
 void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const std::string& source) {
   if (zero_) return zero_->load_optimizer_state(state, source);
   if (fsdp_) return fsdp_->load_optimizer_state(state, source);

@@ -179,7 +179,12 @@ io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
 }
 
 io::TensorMap ShardedAdamW::state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                                  dist::Communicator& comm) const {
+                                  dist::Communicator& comm, bool keep) const {
+  if (!keep) {  // the same two collectives, each result dropped before the next
+    unshard(layout_, exp_avg_, params, comm);
+    unshard(layout_, exp_avg_sq_, params, comm);
+    return {};
+  }
   const auto m = unshard(layout_, exp_avg_, params, comm);
   const auto v = unshard(layout_, exp_avg_sq_, params, comm);
   io::TensorMap tensors;

@@ -30,12 +30,13 @@ const ch03::TensorShard* shard_of(const std::string& key,
 
 io::TensorMap gather_shards(const io::TensorMap& local,
                             const std::map<std::string, ch03::TensorShard>& shards,
-                            dist::Communicator& tp) {
+                            dist::Communicator& tp, bool to_rank0) {
   io::TensorMap whole;
+  const bool keep = !to_rank0 || tp.rank() == 0;
   for (const auto& [name, t] : local) {  // a std::map: the same order on every rank
     const ch03::TensorShard* s = shard_of(name, shards);
     if (s == nullptr) {
-      whole[name] = t;
+      if (keep) whole[name] = t;
       continue;
     }
     // count parts over tp.size() ranks: rank r holds part r / sharing (sharing = 1 but for a
@@ -48,6 +49,7 @@ io::TensorMap gather_shards(const io::TensorMap& local,
     for (int r = 0; r < tp.size(); ++r)
       sizes.push_back(split_sizes(s->full_size, s->count)[static_cast<size_t>(r / sharing)]);
     auto gathered = dist::all_gather_along(tp, t, s->dim, sizes).split_with_sizes(sizes, s->dim);
+    if (!keep) continue;
     std::vector<torch::Tensor> parts;  // one copy of each part: the first sharing rank's
     for (int r = 0; r < tp.size(); r += sharing) parts.push_back(gathered[static_cast<size_t>(r)]);
     whole[name] = torch::cat(parts, s->dim).contiguous();
@@ -110,7 +112,7 @@ ch09::ModelParallelGroups tensor_parallel_groups(ch03::Transformer& model,
 }
 
 ch03::Transformer& ModelPartStep::full_model() {
-  const auto whole = gather(named_weights(inner_->full_model()));  // ZeRO-3 gathers over dp first
+  const auto whole = gather(named_weights(inner_->full_model()), false);  // ZeRO-3: over dp first
   if (!full_) full_ = whole_(inner_->model()->config(), ch03::ModelPart{});
   load_slices(full_, whole);
   return full_;
@@ -127,8 +129,8 @@ TensorParallelStep::TensorParallelStep(ch03::Transformer model, TensorParallelPt
                                                     std::move(groups));
 }
 
-io::TensorMap TensorParallelStep::gather(const io::TensorMap& mine) {
-  return gather_shards(mine, shards_, *tp_->comm);
+io::TensorMap TensorParallelStep::gather(const io::TensorMap& mine, bool to_rank0) {
+  return gather_shards(mine, shards_, *tp_->comm, to_rank0);
 }
 
 io::TensorMap TensorParallelStep::select(const io::TensorMap& whole) {

@@ -66,9 +66,10 @@ PipelineParallelStep::PipelineParallelStep(ch03::Transformer model, PipelineLayo
       });
 }
 
-io::TensorMap PipelineParallelStep::gather(const io::TensorMap& mine) {
-  const auto sliced = layout_.tp ? ch10::gather_shards(mine, shards_, *layout_.tp->comm) : mine;
-  return gather_named_tensors(sliced, *layout_.links->pp);
+io::TensorMap PipelineParallelStep::gather(const io::TensorMap& mine, bool to_rank0) {
+  const auto sliced =
+      layout_.tp ? ch10::gather_shards(mine, shards_, *layout_.tp->comm, to_rank0) : mine;
+  return gather_named_tensors(sliced, *layout_.links->pp, to_rank0 ? 0 : -1);
 }
 
 io::TensorMap PipelineParallelStep::select(const io::TensorMap& whole) {

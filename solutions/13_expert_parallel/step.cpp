@@ -35,10 +35,10 @@ ch03::StepResult ExpertParallelStep::step(const std::vector<ch03::Batch>& micro_
   return result;
 }
 
-io::TensorMap ExpertParallelStep::gather(const io::TensorMap& mine) {
+io::TensorMap ExpertParallelStep::gather(const io::TensorMap& mine, bool to_rank0) {
   // The inner step's whole part over tp and pp holds this rank's experts: gathered over ep by
   // name, every expert of every layer.
-  return gather_named_tensors(mine, *group_.ep);
+  return gather_named_tensors(mine, *group_.ep, to_rank0 ? 0 : -1);
 }
 
 io::TensorMap ExpertParallelStep::select(const io::TensorMap& whole) {

@@ -21,6 +21,7 @@
 #include "15_trainer_5d/trainer_5d.h"
 #include "fivefold/comm_stats.h"
 #include "fixtures.h"
+#include "fivefold/memory.h"
 #include "fivefold/mesh.h"
 #include "parity.h"
 #include "testing.h"
@@ -195,6 +196,20 @@ TEST(Trainer5D, FollowsTheSingleProcessCurve) {
       }
       const auto want_state = single.optimizer_state();
       fivefold::testing::expect_same_optimizer_state(built.step->optimizer_state(), want_state);
+      // What a checkpoint saves: the same state on world rank 0, nothing on the other ranks,
+      // which never hold the whole of it meanwhile (the gather above costs each all of it).
+      {
+        int64_t whole_bytes = 0;
+        for (const auto& [name, t] : want_state) whole_bytes += t.numel() * t.element_size();
+        MemoryTracker memory;
+        const auto for_writer = built.step->optimizer_state_for_writer();
+        if (world()->rank() == 0) {
+          fivefold::testing::expect_same_optimizer_state(for_writer, want_state, "the writer's: ");
+        } else {
+          EXPECT_TRUE(for_writer.empty()) << for_writer.size() << " tensors off the writer";
+          EXPECT_LT(memory.peak_bytes(), whole_bytes) << "the whole state held off the writer";
+        }
+      }
 
       // Resume: a copy of the single process's model and its AdamW state into a fresh layout,
       // two steps on (the first step's loss and norm depend on the weights alone; the second

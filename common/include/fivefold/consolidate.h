@@ -18,8 +18,10 @@ namespace fivefold {
 /// names; a name held by several ranks (a tied embedding on the first and the last stage) is
 /// taken from the lowest rank that holds it. Two all-gathers exchange the names, shapes and dtypes
 /// (as JSON), then each tensor is broadcast from its rank. Costs the whole map's memory on every
-/// rank: meant for checkpoints of the models this course trains.
-io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator& comm);
+/// rank: meant for the models this course trains. With `root` (a rank of `comm`), the map is
+/// `root`'s alone: each tensor is sent there instead, and the other ranks get an empty map.
+io::TensorMap gather_named_tensors(const io::TensorMap& mine, dist::Communicator& comm,
+                                   int root = -1);
 
 /// Every rank's `mine`, in rank order, on every rank of `comm` (collective: two all-gathers, the
 /// lengths then the bytes).
