@@ -36,11 +36,13 @@ struct sigaction g_previous[2];
 constexpr int kStopSignals[2] = {SIGINT, SIGTERM};
 
 extern "C" void on_stop_signal(int signal) {
+  // The lock first: mpirun sends SIGKILL a second after SIGTERM, and the line goes through a
+  // pipe that may be slow to take it while the job is torn down.
+  io::release_held_locks_now();
+  dist::detail::forget_rendezvous();  // unlink(2) on fixed storage: safe here too
   const int i = signal == SIGINT ? 0 : 1;
   const ssize_t ignored = ::write(STDERR_FILENO, g_stop_line[i], std::strlen(g_stop_line[i]));
   (void)ignored;
-  io::release_held_locks_now();
-  dist::detail::forget_rendezvous();  // unlink(2) on fixed storage: safe here too
   ::_exit(128 + signal);
 }
 
