@@ -29,7 +29,9 @@ struct SavedRegion : torch::CustomClassHolder {
 /// The CPU random generator set to `state` while alive, then back to where it was.
 class GeneratorState {
  public:
+  /// Sets the CPU generator to `state`, keeping where it was.
   explicit GeneratorState(const at::Generator& state);
+  /// Puts the CPU generator back where it was.
   ~GeneratorState();
   GeneratorState(const GeneratorState&) = delete;
   GeneratorState& operator=(const GeneratorState&) = delete;
