@@ -196,8 +196,17 @@ int train(int argc, char** argv) {
   RunConfig c = run_from_flags(args);
   c.settings_toml = args.settings_toml();  // written as the run starts: --config reads it back
   c.model.validate();
-  if (args.on("resume"))
-    c = resume_from_flags(args, c, load_run_state(resolve_checkpoint(c.out_dir)).run);
+  // A resume trains on with the checkpoint's own settings. A process that cannot read it (on a
+  // machine that does not see --out) says so after the inputs' agreement below, which names it.
+  std::string unread_checkpoint;
+  if (args.on("resume")) {
+    try {
+      c = resume_from_flags(args, c, load_run_state(resolve_checkpoint(c.out_dir)).run);
+    } catch (const Error& e) {
+      if (plan_world > 0) throw;
+      unread_checkpoint = e.what();
+    }
+  }
   std::optional<Runtime> runtime;
   if (plan_world == 0) runtime.emplace();
   const dist::CommunicatorPtr world = runtime ? runtime->world() : nullptr;
@@ -205,6 +214,10 @@ int train(int argc, char** argv) {
   layout = ch15::resolve_layout(layout, world_size, workload_of(c));
   if (plan_world > 0)
     return print_plan(layout, workload_of(c), ch14::parse_precision(c.precision), world_size);
+  // On several machines each process reads its own files: refused together unless all read
+  // the same settings, data and checkpoint (one all-gather, before the layout's collectives).
+  agree_on_inputs(run_inputs(c, layout, args.on("resume")), *world);
+  FIVEFOLD_CHECK(unread_checkpoint.empty(), unread_checkpoint);  // then no process could read it
   check_fits_in_memory(c, layout, runtime->launch().local_size, world_size);
   log0() << "layout: " << layout.describe() << " on " << world->size() << " processes";
   use_layout(layout, world, c);

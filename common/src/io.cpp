@@ -11,6 +11,7 @@
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <vector>
 
 #include "fivefold/error.h"
 #include "fivefold/log.h"
@@ -84,13 +85,31 @@ void replace_directory(const std::string& from, const std::string& to) {
   std::filesystem::remove_all(from);  // the old contents
 }
 
-namespace {
+std::string file_fingerprint(const std::string& path) {
+  FIVEFOLD_CHECK(!std::filesystem::is_directory(path), "'", path, "' is a folder, not a file");
+  std::ifstream in(path, std::ios::binary);
+  FIVEFOLD_CHECK(in.good(), "cannot open '", path, "': ", std::strerror(errno));
+  uint64_t hash = 14695981039346656037ull;  // FNV-1a's offset basis
+  int64_t bytes = 0;
+  std::vector<char> piece(1 << 20);
+  while (in.read(piece.data(), static_cast<std::streamsize>(piece.size())) || in.gcount() > 0) {
+    for (std::streamsize i = 0; i < in.gcount(); ++i) {
+      hash ^= static_cast<unsigned char>(piece[static_cast<size_t>(i)]);
+      hash *= 1099511628211ull;
+    }
+    bytes += in.gcount();
+  }
+  FIVEFOLD_CHECK(in.eof(), "cannot read '", path, "': ", std::strerror(errno));
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(hash));
+  return std::to_string(bytes) + " bytes, fnv1a " + hex;
+}
+
 std::string host_name() {
   char name[256] = {};
   ::gethostname(name, sizeof(name) - 1);
   return name;
 }
-}  // namespace
 
 namespace {
 // The lock files this process holds: fixed storage, so that a signal handler can read the paths

@@ -69,11 +69,9 @@ LaunchInfo launch_environment_or_single();
 // input refused while the flags are read) the rank is the launcher's.
 std::string rank_prefix(bool several) {
   if (!several) return "";
-  char host[256] = "?";
-  ::gethostname(host, sizeof(host) - 1);
   int rank = dist::detail::global_rank();
   if (rank == 0) rank = launch_environment_or_single().rank;
-  return "[rank " + std::to_string(rank) + " on " + host + "] ";
+  return "[rank " + std::to_string(rank) + " on " + io::host_name() + "] ";
 }
 
 // An error that only says a peer's connection closed is the echo of that peer's own end.

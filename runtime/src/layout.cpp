@@ -2,13 +2,17 @@
 
 #include "runtime/layout.h"
 
+#include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
+#include <vector>
 
 #include "07_moe/moe.h"
 #include "09_data_parallel/zero.h"
 #include "12_context_parallel/context_parallel.h"
 #include "15_trainer_5d/predict.h"
+#include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
@@ -158,6 +162,73 @@ void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int 
                  ", ", run.precision, "): ", with_kept / gb, " GB, more than the ", free / gb,
                  " GB available; use --recompute full, more --accum (smaller micro-batches), a "
                  "shorter --seq or more ranks");
+}
+
+nlohmann::json run_inputs(const RunConfig& run, const ch15::Layout& layout, bool resume) {
+  auto fingerprint = [](const std::string& path) -> nlohmann::json {
+    try {
+      return io::file_fingerprint(path);
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+  };
+  nlohmann::json inputs = {{"settings", run_to_json(run)},
+                           {"layout", layout.describe()},
+                           {"kernels", run.fast ? "the fast paths" : "the lesson's"}};
+  if (!run.data.path.empty()) inputs["data '" + run.data.path + "'"] = fingerprint(run.data.path);
+  if (resume) {
+    try {
+      const std::string checkpoint = resolve_checkpoint(run.out_dir);
+      inputs["checkpoint"] = {
+          {"folder", std::filesystem::path(checkpoint).filename().string()},
+          {"trainer_state.json", fingerprint(checkpoint + "/trainer_state.json")}};
+    } catch (const std::exception& e) {
+      inputs["checkpoint"] = std::string(e.what());
+    }
+  }
+  return inputs;
+}
+
+namespace {
+
+// Where `a` (rank 0's) and `b` (rank `r`'s) differ, objects compared key by key: "key: rank 0
+// A, rank r B".
+void differences(const nlohmann::json& a, const nlohmann::json& b, const std::string& at,
+                 const std::string& r, std::vector<std::string>& out) {
+  if (a.is_object() && b.is_object()) {
+    std::set<std::string> keys;
+    for (const auto& item : a.items()) keys.insert(item.key());
+    for (const auto& item : b.items()) keys.insert(item.key());
+    for (const auto& key : keys)
+      differences(a.contains(key) ? a[key] : nlohmann::json(),
+                  b.contains(key) ? b[key] : nlohmann::json(), at.empty() ? key : at + "." + key, r,
+                  out);
+  } else if (a != b) {
+    auto shown = [](const nlohmann::json& v) {
+      return v.is_null() ? std::string("(none)") : v.is_string() ? v.get<std::string>() : v.dump();
+    };
+    out.push_back(at + ": rank 0 " + shown(a) + ", rank " + r + " " + shown(b));
+  }
+}
+
+}  // namespace
+
+void agree_on_inputs(const nlohmann::json& mine, dist::Communicator& world) {
+  const std::vector<nlohmann::json> all =
+      all_gather_json({{"inputs", mine}, {"host", io::host_name()}}, world);
+  for (size_t r = 1; r < all.size(); ++r) {
+    std::vector<std::string> said;
+    differences(all[0]["inputs"], all[r]["inputs"], "", std::to_string(r), said);
+    if (said.empty()) continue;
+    std::string list;
+    for (const auto& line : said) list += (list.empty() ? "" : "; ") + line;
+    throw Error("rank " + std::to_string(r) + " (on " + all[r]["host"].get<std::string>() +
+                ") reads other inputs than rank 0 (on " + all[0]["host"].get<std::string>() +
+                "): " + list +
+                ". Every process must read the same files: put --data, --config, "
+                "--model-config and --out where every machine sees the same ones (one file "
+                "system they share), or copy them alike");
+  }
 }
 
 void use_layout(const ch15::Layout& layout, const dist::CommunicatorPtr& world, RunConfig& run) {

@@ -245,3 +245,55 @@ refused_on_every_rank(8 ${WORK}/bad "must split into 1 data-parallel ranks x 3 m
 refused_on_every_rank(2 ${WORK}/bad "not readable" --config ${WORK}/missing.toml)
 file(WRITE ${WORK}/typo.toml "stpes = 4\n")
 refused_on_every_rank(2 ${WORK}/bad "unknown setting 'stpes'" --config ${WORK}/typo.toml)
+
+# Machines that do not share their files: rank 0 runs in machine-1, rank 1 in machine-2 (an
+# MPMD launch, one --wdir each), each with its own data.txt and run folder at the same relative
+# paths. Every process reads its own: the run is refused on both ranks, before anything is
+# written, when what they read differs (the data, the checkpoint a resume starts from) and
+# trains when it is the same. Shown to fail: without agree_on_inputs the first refusal trained
+# (each rank on its own data, no error) and the stale checkpoint hung (rank 0 resumed from step
+# 2, rank 1 from step 1 with one step more to train, waiting for rank 0 in it; killed at 60 s).
+function(on_two_machines expect)
+  execute_process(COMMAND ${mpirun} -np 1 --wdir ${WORK}/machine-1 ${FIVEFOLD} train ${ARGN}
+                          : -np 1 --wdir ${WORK}/machine-2 ${FIVEFOLD} train ${ARGN}
+                  RESULT_VARIABLE status OUTPUT_VARIABLE text ERROR_VARIABLE text TIMEOUT 120)
+  list(JOIN ARGN " " flags)
+  message("$ [rank 0 in machine-1, rank 1 in machine-2] fivefold train ${flags} (exit ${status})\n${text}")
+  if(expect STREQUAL "")
+    if(NOT status EQUAL 0)
+      message(FATAL_ERROR "expected the two machines to train")
+    endif()
+    return()
+  endif()
+  string(REGEX MATCHALL "${expect}" said "${text}")
+  list(LENGTH said times)
+  if(status EQUAL 0 OR times LESS 2)
+    message(FATAL_ERROR "expected both ranks to refuse, saying: ${expect}")
+  endif()
+endfunction()
+set(tiny --data data.txt --out run --steps 2 --batch 4 --seq 16 --d-model 32 --n-layers 1
+    --n-heads 2 --eval-every 0 --save-every 1 --no-progress)
+file(READ ${ROOT}/README.md readme)
+string(SUBSTRING "${readme}" 0 4000 text)
+file(WRITE ${WORK}/machine-1/data.txt "${text}")
+file(WRITE ${WORK}/machine-2/data.txt "${text}.")
+on_two_machines("rank 1 \\(on [^)]+\\) reads other inputs than rank 0 \\(on [^)]+\\): data 'data.txt': rank 0 4000 bytes, fnv1a [0-9a-f]+, rank 1 4001 bytes" ${tiny})
+foreach(machine 1 2)
+  if(EXISTS ${WORK}/machine-${machine}/run)
+    message(FATAL_ERROR "the refused run wrote machine-${machine}/run")
+  endif()
+endforeach()
+file(WRITE ${WORK}/machine-2/data.txt "${text}")
+on_two_machines("" ${tiny})  # rank 0 writes machine-1/run
+file(COPY ${WORK}/machine-1/run DESTINATION ${WORK}/machine-2)
+file(WRITE ${WORK}/machine-2/run/latest "step-00000001\n")  # a copy a step behind
+file(READ ${WORK}/machine-1/run/metrics.jsonl metrics_before)
+on_two_machines("checkpoint.folder: rank 0 step-00000002, rank 1 step-00000001" ${tiny}
+                --resume --steps 3)
+file(REMOVE_RECURSE ${WORK}/machine-2/run)
+on_two_machines("checkpoint: rank 0 [{][^}]*[}], rank 1 'run' is neither a checkpoint folder"
+                ${tiny} --resume --steps 3)
+file(READ ${WORK}/machine-1/run/metrics.jsonl metrics_after)
+if(NOT metrics_after STREQUAL metrics_before)
+  message(FATAL_ERROR "a refused resume changed machine-1/run/metrics.jsonl")
+endif()

@@ -180,3 +180,24 @@ TEST_F(IoTest, JsonRoundTripAndErrors) {
   EXPECT_TRUE(
       fivefold::testing::throws_error_containing([&] { read_json(path("bad.json")); }, "bad.json"));
 }
+
+// FNV-1a's published 64-bit values (the reference test suite of Fowler, Noll and Vo): "" ->
+// cbf29ce484222325, "a" -> af63dc4c8601ec8c, "foobar" -> 85944171f73967e8; and a file longer than
+// the 1 MiB piece it is read in hashes as one stream (a byte changed past the first piece shows).
+TEST_F(IoTest, FileFingerprintIsTheSizeAndFnv1aOfTheBytes) {
+  for (const auto& [text, hash] : std::vector<std::pair<std::string, std::string>>{
+           {"", "cbf29ce484222325"}, {"a", "af63dc4c8601ec8c"}, {"foobar", "85944171f73967e8"}}) {
+    std::ofstream(path("f.txt"), std::ios::binary) << text;
+    EXPECT_EQ(file_fingerprint(path("f.txt")),
+              std::to_string(text.size()) + " bytes, fnv1a " + hash);
+  }
+  std::string big((1 << 20) + 100, 'x');
+  std::ofstream(path("big.txt"), std::ios::binary) << big;
+  const std::string before = file_fingerprint(path("big.txt"));
+  EXPECT_EQ(before.substr(0, before.find(',')), "1048676 bytes");
+  big[(1 << 20) + 50] = 'y';
+  std::ofstream(path("big.txt"), std::ios::binary) << big;
+  EXPECT_NE(file_fingerprint(path("big.txt")), before);
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] { file_fingerprint(path("absent.txt")); }, "absent.txt"));
+}

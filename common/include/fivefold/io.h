@@ -48,6 +48,14 @@ void write_file_atomic(const std::string& path, const std::string& contents);
 /// Reads a whole file. Throws fivefold::Error if it cannot be opened.
 std::string read_file(const std::string& path);
 
+/// A file's size and a 64-bit FNV-1a hash of its bytes, as "N bytes, fnv1a 0123456789abcdef":
+/// whether two machines hold the same file, without sending it. Read in pieces of 1 MiB. Throws
+/// fivefold::Error if it cannot be opened.
+std::string file_fingerprint(const std::string& path);
+
+/// This machine's host name (gethostname).
+std::string host_name();
+
 /// Puts the complete folder `from` at `to` in one atomic step: when `to` exists the two are
 /// exchanged (Linux renameat2 RENAME_EXCHANGE) and the old contents, now at `from`, are deleted;
 /// at every instant `to` is either the old folder or the new one, never missing or half written.

@@ -12,7 +12,8 @@
 
 namespace fivefold {
 
-/// A 64-bit seed derived from the global seed and a parameter name (FNV-1a, then SplitMix64).
+/// A 64-bit seed derived from the global seed and a parameter name (FNV-1a from its own offset
+/// basis, then SplitMix64).
 uint64_t seed_for(uint64_t global_seed, const std::string& name);
 
 /// A CPU generator seeded with seed_for(global_seed, name).

@@ -5,6 +5,7 @@
 /// starts, and the report after it of what each rank measured beside the chapters' formulas.
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
 
 #include "15_trainer_5d/trainer_5d.h"
 #include "fivefold/cli.h"
@@ -44,6 +45,20 @@ int64_t available_memory();
 /// not sufficient.
 void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int local_ranks,
                           int64_t world_size);
+
+/// What this process reads as the run's inputs, for agree_on_inputs: its settings (a resumed
+/// run's own: run_to_json), `layout` (resolved), the kernels, the data file (file_fingerprint;
+/// the synthetic corpus is its settings) and, with `resume`, the checkpoint resumed from (its
+/// folder and trainer_state.json's fingerprint). A file that cannot be read is said in its place.
+nlohmann::json run_inputs(const RunConfig& run, const ch15::Layout& layout, bool resume);
+
+/// Refuses, on every rank alike, a run whose processes read different inputs (`mine`, from
+/// run_inputs): on several machines each process reads its own machine's files, and a data file
+/// changed on one machine, a preset of another version or a stale `latest` on a network file
+/// system would otherwise train something else on some ranks, without an error. Names the first
+/// rank whose inputs differ from rank 0's, both hosts, and each difference. Before the first
+/// collective of the run (use_layout's); itself one all-gather over `world`.
+void agree_on_inputs(const nlohmann::json& mine, dist::Communicator& world);
 
 /// Makes `run` train this rank's part of `layout` (from ch15::resolve_layout) on `world`:
 /// ch15::apply_layout's model builder, step, balancing update and placement. Collective over
