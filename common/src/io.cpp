@@ -3,14 +3,18 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 #include "fivefold/error.h"
@@ -126,9 +130,33 @@ HeldLock* find_held(const std::string& path) {
     if (h.held && path == h.path) return &h;
   return nullptr;
 }
+
+// Seconds since `path` was last modified, by the clock of the file system that holds it (the
+// modification time of a file made now in `dir`); 0 when either cannot be read.
+double seconds_since_modified(const std::string& path, const std::string& dir) {
+  struct stat lock_stat {};
+  if (::stat(path.c_str(), &lock_stat) != 0) return 0;
+  const std::string probe = dir + "/.lock.probe." + std::to_string(::getpid());
+  struct stat now_stat {};
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const bool made = fd >= 0 && ::fstat(fd, &now_stat) == 0;
+  if (fd >= 0) ::close(fd);
+  ::unlink(probe.c_str());
+  if (!made) return 0;
+  return static_cast<double>(now_stat.st_mtim.tv_sec - lock_stat.st_mtim.tv_sec) +
+         1e-9 * static_cast<double>(now_stat.st_mtim.tv_nsec - lock_stat.st_mtim.tv_nsec);
+}
 }  // namespace
 
-DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
+struct DirectoryLock::Heartbeat {
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stop = false;
+  std::thread thread;
+};
+
+DirectoryLock::DirectoryLock(const std::string& dir, double refresh_seconds, double stale_seconds)
+    : path_(dir + "/.lock") {
   std::lock_guard<std::mutex> held(g_held_mutex);
   HeldLock* slot = nullptr;
   for (auto& h : g_held)
@@ -144,6 +172,13 @@ DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
       FIVEFOLD_CHECK(written, "cannot write '", path_, "'");
       std::memcpy(slot->path, path_.c_str(), path_.size() + 1);
       slot->held = true;
+      heartbeat_ = std::make_unique<Heartbeat>();
+      const auto period = std::chrono::duration<double>(refresh_seconds);
+      heartbeat_->thread = std::thread([beat = heartbeat_.get(), path = path_, period] {
+        std::unique_lock<std::mutex> lock(beat->mutex);
+        while (!beat->wake.wait_for(lock, period, [beat] { return beat->stop; }))
+          ::utimensat(AT_FDCWD, path.c_str(), nullptr, 0);  // now, by the file system's clock
+      });
       return;
     }
     FIVEFOLD_CHECK(errno == EEXIST, "cannot create '", path_, "': ", std::strerror(errno));
@@ -151,19 +186,38 @@ DirectoryLock::DirectoryLock(const std::string& dir) : path_(dir + "/.lock") {
     long pid = 0;
     std::string host;
     owner >> pid >> host;
-    const bool dead =
-        pid > 0 && host == host_name() && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
-    FIVEFOLD_CHECK(dead, "'", dir, "' is in use by process ", pid, " on ", host,
-                   " (its lock file '", path_, "'); choose another folder, or delete the lock ",
-                   "file if that run is gone");
-    log(LogLevel::Warn) << "'" << dir << "': taking over the lock of process " << pid
-                        << ", which no longer exists";
+    std::string why;  // why the owner's run is gone
+    if (host == host_name()) {
+      FIVEFOLD_CHECK(pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH, "'", dir,
+                     "' is in use by process ", pid, " on ", host, " (its lock file '", path_,
+                     "'); choose another folder, or delete the lock file if that run is "
+                     "gone");
+      why = "which no longer exists";
+    } else {
+      const double age = seconds_since_modified(path_, dir);
+      FIVEFOLD_CHECK(age > stale_seconds, "'", dir, "' is in use by process ", pid, " on ", host,
+                     " (its lock file '", path_, "', refreshed ", static_cast<int64_t>(age),
+                     " s ago); choose another folder. A run refreshes its lock every ",
+                     refresh_seconds, " s: one another machine has not refreshed for ",
+                     stale_seconds, " s is taken over (that run is gone), or delete it now");
+      why = "not refreshed for " + std::to_string(static_cast<int64_t>(age)) + " s";
+    }
+    log(LogLevel::Warn) << "'" << dir << "': taking over the lock of process " << pid << " on "
+                        << host << ", " << why;
     ::unlink(path_.c_str());
   }
   throw Error("cannot lock '" + dir + "': another process took it over at the same time");
 }
 
 DirectoryLock::~DirectoryLock() {
+  if (heartbeat_) {
+    {
+      std::lock_guard<std::mutex> lock(heartbeat_->mutex);
+      heartbeat_->stop = true;
+    }
+    heartbeat_->wake.notify_all();
+    heartbeat_->thread.join();
+  }
   std::lock_guard<std::mutex> held(g_held_mutex);
   HeldLock* mine = find_held(path_);
   if (mine == nullptr) return;

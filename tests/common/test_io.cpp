@@ -1,9 +1,15 @@
 // safetensors and JSON files: round trips, a file written by "another implementation" (bytes
 // built here from the format's specification), rejection of malformed files, atomic writes.
 
+#include <fcntl.h>
+#include <sys/stat.h>
+
+#include <chrono>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "fivefold/error.h"
 #include "fivefold/io.h"
@@ -200,4 +206,48 @@ TEST_F(IoTest, FileFingerprintIsTheSizeAndFnv1aOfTheBytes) {
   EXPECT_NE(file_fingerprint(path("big.txt")), before);
   EXPECT_TRUE(fivefold::testing::throws_error_containing(
       [&] { file_fingerprint(path("absent.txt")); }, "absent.txt"));
+}
+
+// The lock's heartbeat: the owner refreshes the file's time; another host's lock is taken over
+// once it has gone unrefreshed for the stale time (measured against a file made beside it, so no
+// clocks are compared), and refused while it is fresh. Shown to fail: without the heartbeat
+// thread the held lock's time stayed an hour old; with the age check off, the fresh lock of
+// another host was taken over.
+TEST_F(IoTest, ALockHasAHeartbeatAndAnotherHostsStaleLockIsTakenOver) {
+  const std::string dir = path("run");
+  fs::create_directories(dir);
+  auto age_of = [&](const std::string& file) {
+    struct stat s {};
+    EXPECT_EQ(::stat(file.c_str(), &s), 0);
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+               .count() -
+           (static_cast<double>(s.st_mtim.tv_sec) + 1e-9 * static_cast<double>(s.st_mtim.tv_nsec));
+  };
+  auto set_age = [&](const std::string& file, int64_t seconds) {
+    struct timespec times[2];
+    times[0].tv_sec = times[1].tv_sec = ::time(nullptr) - seconds;
+    times[0].tv_nsec = times[1].tv_nsec = 0;
+    ASSERT_EQ(::utimensat(AT_FDCWD, file.c_str(), times, 0), 0);
+  };
+  {
+    DirectoryLock lock(dir, /*refresh_seconds=*/0.05);
+    set_age(dir + "/.lock", 3600);
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    EXPECT_LT(age_of(dir + "/.lock"), 5.0);  // refreshed since
+  }
+  EXPECT_FALSE(fs::exists(dir + "/.lock"));
+  // Another host's lock, refreshed 30 s ago: in use.
+  std::ofstream(dir + "/.lock") << "4242 some-other-host\n";
+  set_age(dir + "/.lock", 30);
+  EXPECT_TRUE(fivefold::testing::throws_error_containing(
+      [&] { DirectoryLock lock(dir); }, "in use by process 4242 on some-other-host"));
+  EXPECT_TRUE(fs::exists(dir + "/.lock"));
+  // Not refreshed for 10 minutes: its run is gone, and the lock is ours.
+  set_age(dir + "/.lock", 600);
+  {
+    DirectoryLock lock(dir);
+    EXPECT_EQ(read_file(dir + "/.lock"), std::to_string(::getpid()) + " " + host_name() + "\n");
+  }
+  EXPECT_FALSE(fs::exists(dir + "/.lock"));
+  for (const auto& entry : fs::directory_iterator(dir)) ADD_FAILURE() << "left " << entry.path();
 }

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -62,20 +63,31 @@ std::string host_name();
 void replace_directory(const std::string& from, const std::string& to);
 
 /// A folder owned by one process while the object lives: `dir`/.lock holds the owner's pid and
-/// host, created exclusively (O_EXCL), so of two processes only one can own the folder. A lock
-/// left by a dead process on this host (its pid no longer exists) is taken over with a warning;
-/// a live owner, or one on another host (whose liveness cannot be checked), is a fivefold::Error
-/// naming it. The lock file is removed when the object goes away, or by release_held_locks_now.
+/// host, created exclusively (O_EXCL), so of two processes only one can own the folder. The
+/// owner's thread refreshes the file's modification time every `refresh_seconds`: its heartbeat.
+/// A lock left by a dead process is taken over with a warning: on this host, one whose pid no
+/// longer exists; on another (whose processes cannot be seen from here), one not refreshed for
+/// `stale_seconds`, measured by the clock of the file system that holds it (a file made beside
+/// it), so that the machines' clocks need not agree. A live owner, or another host's lock
+/// refreshed more recently, is a fivefold::Error naming it. The lock file is removed when the
+/// object goes away, or by release_held_locks_now.
 class DirectoryLock {
  public:
+  /// The heartbeat's period: how often the owner refreshes its lock file's time.
+  static constexpr double kRefreshSeconds = 10;
+  /// How long another host's lock may go without a refresh before its run counts as gone.
+  static constexpr double kStaleSeconds = 120;
   /// Takes the lock of `dir` (which must exist).
-  explicit DirectoryLock(const std::string& dir);
+  explicit DirectoryLock(const std::string& dir, double refresh_seconds = kRefreshSeconds,
+                         double stale_seconds = kStaleSeconds);
   ~DirectoryLock();
   DirectoryLock(const DirectoryLock&) = delete;
   DirectoryLock& operator=(const DirectoryLock&) = delete;
 
  private:
+  struct Heartbeat;  // the refreshing thread
   std::string path_;
+  std::unique_ptr<Heartbeat> heartbeat_;
 };
 
 /// Removes the lock files this process holds, using only async-signal-safe calls: what a signal
