@@ -185,6 +185,11 @@ Runtime::Runtime(RuntimeOptions options) : uncaught_(std::uncaught_exceptions())
                    "the MPI backend needs mpirun or srun as launcher; under torchrun use "
                    "FIVEFOLD_BACKEND=gloo");
 
+    // A rank started by a launcher ends when the launcher is gone (e.g. mpirun killed by
+    // SIGKILL, which cannot tell its ranks), instead of running on as an orphan: from before the
+    // ranks meet, where an orphan waited out the rendezvous's timeout (600 s) otherwise.
+    dist::detail::set_global_rank(launch_.rank);
+    dist::detail::start_watchdog(launch_.launcher == "single" ? 0 : static_cast<long>(::getppid()));
     world_ = backend == "mpi" ? dist::detail::start_mpi_world()
                               : dist::detail::start_gloo_world(launch_);
     FIVEFOLD_CHECK(world_->size() == launch_.size || launch_.launcher == "single", "backend sees ",
@@ -212,14 +217,12 @@ Runtime::Runtime(RuntimeOptions options) : uncaught_(std::uncaught_exceptions())
                            << "up to 7x). Launch with OMP_WAIT_POLICY=passive (mpirun -x ...).";
     }
 
-    // A rank started by a launcher ends when the launcher is gone (e.g. mpirun killed by
-    // SIGKILL, which cannot tell its ranks), instead of running on as an orphan.
-    dist::detail::start_watchdog(launch_.launcher == "single" ? 0 : static_cast<long>(::getppid()));
     install_stop_handlers(world_->rank());
     std::set_terminate(on_terminate);
     if (options.check_blas) warn_if_reference_blas();
   } catch (...) {
     restore_stop_handlers();
+    dist::detail::stop_watchdog();
     world_.reset();
     g_runtime_alive = false;
     throw;

@@ -7,6 +7,35 @@ program=$1
 backend=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# Gloo: mpirun killed while rank 0 waits in the rendezvous for rank 1, a `sleep` that never
+# arrives: rank 0 must end too, not wait out the rendezvous's timeout (600 s). Shown to fail with
+# the launcher's watch started after the ranks have met (rank 0 still waiting after 5 s).
+if [ "$backend" = gloo ]; then
+  FIVEFOLD_BACKEND=gloo mpirun --oversubscribe -np 1 "$program" train --out '' --steps 1 \
+    --no-progress : -np 1 sleep 120 >"$work/meet.log" 2>&1 &
+  launcher=$!
+  for _ in $(seq 1 300); do  # up to 30 s: until rank 0 has made the rendezvous file
+    compgen -G "/tmp/fivefold-rendezvous-*-$launcher-*" >/dev/null && break
+    sleep 0.1
+  done
+  rank0=$(pgrep -P "$launcher" -x fivefold)
+  sleeper=$(pgrep -P "$launcher" -x sleep)
+  kill -9 "$launcher"
+  ended=""
+  for _ in $(seq 1 50); do
+    kill -0 "$rank0" 2>/dev/null || { ended=1; break; }
+    sleep 0.1
+  done
+  kill -9 $sleeper 2>/dev/null
+  if [ -z "$ended" ]; then
+    cat "$work/meet.log"
+    echo "FAIL: rank 0 (pid $rank0) still waiting in the rendezvous 5 s after mpirun was killed"
+    kill -9 "$rank0" 2>/dev/null
+    exit 1
+  fi
+  echo "rank 0 ended in the rendezvous after its launcher was killed (gloo)"
+fi
+
 # Starts the job in the background (launcher: its mpirun) and waits until training has started
 # (rank 0 writes a metrics line). Returns 1 if it did not start.
 start_job() {
