@@ -47,10 +47,18 @@ constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // the reference implementatio
 
 }  // namespace
 
-std::string read_file(const std::string& path) {
+namespace {
+// `path` opened to read its bytes; a folder or a file that cannot be opened is an error.
+std::ifstream open_to_read(const std::string& path) {
   FIVEFOLD_CHECK(!std::filesystem::is_directory(path), "'", path, "' is a folder, not a file");
   std::ifstream in(path, std::ios::binary);
   FIVEFOLD_CHECK(in.good(), "cannot open '", path, "': ", std::strerror(errno));
+  return in;
+}
+}  // namespace
+
+std::string read_file(const std::string& path) {
+  std::ifstream in = open_to_read(path);
   std::ostringstream contents;
   contents << in.rdbuf();
   return contents.str();
@@ -90,9 +98,7 @@ void replace_directory(const std::string& from, const std::string& to) {
 }
 
 std::string file_fingerprint(const std::string& path) {
-  FIVEFOLD_CHECK(!std::filesystem::is_directory(path), "'", path, "' is a folder, not a file");
-  std::ifstream in(path, std::ios::binary);
-  FIVEFOLD_CHECK(in.good(), "cannot open '", path, "': ", std::strerror(errno));
+  std::ifstream in = open_to_read(path);
   uint64_t hash = 14695981039346656037ull;  // FNV-1a's offset basis
   int64_t bytes = 0;
   std::vector<char> piece(1 << 20);

@@ -90,9 +90,10 @@ for fault in "${faults[@]}"; do
   grep -B1 -A3 -m1 "$name-2" "$run.log"
   # The last checkpoint resumes, here on this machine alone and in another layout. The ended
   # job's rank 0 released the folder's lock on SIGTERM, unless mpirun's SIGKILL a second later
-  # came first (seen once under load): then the lock names a process on host 1, which this
-  # machine cannot check, and the resume would refuse and say to delete it; as a user would,
-  # the test deletes it, every process of both hosts being gone.
+  # came first (seen once under load): then the lock names a process on host 1, whose pid this
+  # machine cannot check, and the resume would refuse it until it has gone 120 s without its
+  # owner's refresh (io::DirectoryLock's heartbeat), saying it may be deleted; rather than wait,
+  # the test deletes it, as a user would, every process of both hosts being gone.
   if [ -e "$run/.lock" ]; then
     echo "the ended job's lock stayed ($(tr '\n' ' ' <"$run/.lock")); deleted, as the refusal asks"
     rm -f "$run/.lock"
