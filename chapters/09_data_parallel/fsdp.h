@@ -92,9 +92,9 @@ class FullyShardedDataParallel {
   ch03::Transformer& model() { return model_; }
 
   /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state),
-  /// or, with `keep` false, on the others only.
-  io::TensorMap optimizer_state(bool keep = true) const {
-    return adam_->state(named_, *comm_, keep);
+  /// or, with `to_rank0`, on rank 0 alone.
+  io::TensorMap optimizer_state(bool to_rank0 = false) const {
+    return adam_->state(named_, *comm_, to_rank0);
   }
   /// Keeps this rank's part of a state in that layout. A parameter with moments there had a
   /// gradient before it was saved: it is stepped from now on, as in the run never interrupted.

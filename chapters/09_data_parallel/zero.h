@@ -66,13 +66,15 @@ ShardLayout shard_layout(const std::vector<std::pair<std::string, torch::Tensor>
 torch::Tensor pack_padded_gradients(const std::vector<torch::Tensor>& params, int64_t padded_numel,
                                     int ranks, torch::Tensor& has_gradient, int64_t first_index);
 
-/// The whole tensors of `params` ((name, parameter), index order; only shapes are read) from
-/// every rank's `shard` laid out as `layout` (this rank's): each rank writes its pieces into zeroed
-/// full-size tensors and one all-reduce sums them, every element living on exactly one rank.
-/// Collective. Used to consolidate sharded optimizer state and gradients by parameter name.
+/// The whole tensors of `params` ((name, parameter), index order; only shapes are read), in fp32,
+/// from every rank's `shard` laid out as `layout` (this rank's): every other rank sends rank 0 of
+/// `comm` its pieces (where each lies, then the shard), and rank 0 writes them into zeroed
+/// full-size tensors; then rank 0 broadcasts them, or, with `to_rank0`, keeps them alone (an empty
+/// map elsewhere: the others hold nothing more than their shard). Collective. Used to consolidate
+/// sharded optimizer state (a checkpoint's writer: `to_rank0`) and gradients by parameter name.
 io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
                       const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                      dist::Communicator& comm);
+                      dist::Communicator& comm, bool to_rank0 = false);
 
 /// What a data-parallel step must know of the ranks that hold other pieces of the model (chapter
 /// 10 onwards): for each parameter, the groups beyond data parallelism that reduce or count its
@@ -144,10 +146,10 @@ class ShardedAdamW {
 
   /// The whole state under parameter names, in adamw::state_by_name's layout, on every rank of
   /// `comm` (collective, unshard). `params`: (name, parameter) in index order (the parameters'
-  /// shapes are read; their storage may be freed). `keep` false: this rank takes part and keeps
-  /// nothing (an empty map), holding one moment at a time while it does.
+  /// shapes are read; their storage may be freed). `to_rank0`: on rank 0 of `comm` alone (an
+  /// empty map elsewhere), the others sending their shards and holding nothing more.
   io::TensorMap state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                      dist::Communicator& comm, bool keep = true) const;
+                      dist::Communicator& comm, bool to_rank0 = false) const;
   /// Keeps this rank's pieces of `state` (that layout, read from `source`, named in errors).
   void load_state(const io::TensorMap& state,
                   const std::vector<std::pair<std::string, torch::Tensor>>& params,
@@ -205,9 +207,9 @@ class ZeroOptimizer {
   int64_t shard_numel() const { return layout_.shard; }
 
   /// AdamW's state by parameter name, complete on every rank (collective; ShardedAdamW::state),
-  /// or, with `keep` false, on the others only.
-  io::TensorMap optimizer_state(bool keep = true) const {
-    return adam_->state(named_, *comm_, keep);
+  /// or, with `to_rank0`, on rank 0 alone.
+  io::TensorMap optimizer_state(bool to_rank0 = false) const {
+    return adam_->state(named_, *comm_, to_rank0);
   }
   /// Keeps this rank's part of a state in that layout. A parameter with moments there had a
   /// gradient before it was saved: it is stepped from now on, as in the run never interrupted.

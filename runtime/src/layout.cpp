@@ -121,14 +121,11 @@ void check_fits_in_memory(const RunConfig& run, const ch15::Layout& layout, int 
                  "higher --zero stage");
   // Under ZeRO-3 a rank holds 1/N of everything while it trains, but the last step's evaluation
   // gathers the whole model on every rank (full_model: 4 bytes a parameter), and a checkpoint
-  // AdamW's moments too: whole on the writer (8 more), one at a time on the others, which take
-  // part in the gathers and keep nothing (4 more; optimizer_state_for_writer). Measured, 26M
-  // parameters at ZeRO-3 over 4 ranks, one step, its evaluation and checkpoint: each rank's peak
-  // 629-695 MB (smallest-mean), the writer's 888; 733-772 when every rank kept the moments.
+  // AdamW's moments too, on the writer alone (8 more: the others send it their shards and hold
+  // nothing more, optimizer_state_for_writer; counted on every machine, the writer's or not).
   if (layout.zero == 3) {
     const double whole = 4.0 * static_cast<double>(psi);
-    const double gathered =
-        run.out_dir.empty() ? whole * local_ranks : 2 * whole * local_ranks + whole;  // + writer's
+    const double gathered = whole * local_ranks + (run.out_dir.empty() ? 0.0 : 2 * whole);
     const double at_save = need + gathered;
     FIVEFOLD_CHECK(at_save <= free, "ZeRO-3 holds ", per_rank / gb, " GB of state a rank, but ",
                    run.out_dir.empty() ? "the evaluation gathers the whole model on every rank"

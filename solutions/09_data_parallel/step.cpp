@@ -119,10 +119,9 @@ io::TensorMap DataParallelStep::optimizer_state() {
 }
 
 io::TensorMap DataParallelStep::optimizer_state_for_writer() {
-  const bool keep = comm_->rank() == 0;
-  if (zero_) return zero_->optimizer_state(keep);
-  if (fsdp_) return fsdp_->optimizer_state(keep);
-  return keep ? optimizer_state() : io::TensorMap{};  // DDP: every rank holds all of it
+  if (zero_) return zero_->optimizer_state(/*to_rank0=*/true);
+  if (fsdp_) return fsdp_->optimizer_state(/*to_rank0=*/true);
+  return comm_->rank() == 0 ? optimizer_state() : io::TensorMap{};  // DDP: every rank holds it
 }
 
 void DataParallelStep::load_optimizer_state(const io::TensorMap& state, const std::string& source) {

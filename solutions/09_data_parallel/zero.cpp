@@ -161,15 +161,45 @@ void ShardedAdamW::step(torch::Tensor& shard, const torch::Tensor& grad,
 
 io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
                       const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                      dist::Communicator& comm) {
+                      dist::Communicator& comm, bool to_rank0) {
   std::vector<int64_t> start(params.size() + 1, 0);  // where parameter k starts in [Ψ]
   for (size_t k = 0; k < params.size(); ++k) start[k + 1] = start[k] + params[k].second.numel();
-  auto full = torch::zeros({start.back()});
-  for (const auto& s : layout.segments) {
-    full.narrow(0, start[static_cast<size_t>(s.param)] + s.first, s.length)
-        .copy_(shard.narrow(0, s.begin, s.length));
+  // A rank's pieces as rows of (parameter, its first element, place in the shard, length).
+  std::vector<int64_t> rows;
+  for (const auto& s : layout.segments)
+    rows.insert(rows.end(), {s.param, s.first, s.begin, s.length});
+  const auto pieces =
+      torch::tensor(rows, torch::kLong).view({static_cast<int64_t>(rows.size() / 4), 4});
+  torch::Tensor full;
+  if (comm.rank() != 0) {
+    comm.send(torch::tensor({pieces.size(0), shard.size(0)}), 0);
+    if (pieces.size(0) > 0) comm.send(pieces, 0);
+    if (shard.size(0) > 0) comm.send(shard.contiguous(), 0);
+  } else {
+    full = torch::zeros({start.back()});
+    auto place = [&](const torch::Tensor& where, const torch::Tensor& from) {
+      const auto r = where.accessor<int64_t, 2>();
+      for (int64_t i = 0; i < where.size(0); ++i)
+        full.narrow(0, start[static_cast<size_t>(r[i][0])] + r[i][1], r[i][3])
+            .copy_(from.narrow(0, r[i][2], r[i][3]));
+    };
+    place(pieces, shard);
+    auto theirs = torch::empty_like(shard);  // one buffer for every rank's (shards are equal)
+    for (int rank = 1; rank < comm.size(); ++rank) {
+      auto sizes = torch::empty({2}, torch::kLong);
+      comm.recv(sizes, rank);
+      auto where = torch::empty({sizes[0].item<int64_t>(), 4}, torch::kLong);
+      if (sizes[1].item<int64_t>() != theirs.size(0)) theirs.resize_({sizes[1].item<int64_t>()});
+      if (where.size(0) > 0) comm.recv(where, rank);
+      if (theirs.size(0) > 0) comm.recv(theirs, rank);
+      place(where, theirs);
+    }
   }
-  comm.all_reduce(full);
+  if (!to_rank0) {
+    if (!full.defined()) full = torch::empty({start.back()});
+    comm.broadcast(full, 0);
+  }
+  if (!full.defined()) return {};
   io::TensorMap tensors;
   for (size_t k = 0; k < params.size(); ++k) {
     const auto& [name, p] = params[k];
@@ -179,14 +209,10 @@ io::TensorMap unshard(const ShardLayout& layout, const torch::Tensor& shard,
 }
 
 io::TensorMap ShardedAdamW::state(const std::vector<std::pair<std::string, torch::Tensor>>& params,
-                                  dist::Communicator& comm, bool keep) const {
-  if (!keep) {  // the same two collectives, each result dropped before the next
-    unshard(layout_, exp_avg_, params, comm);
-    unshard(layout_, exp_avg_sq_, params, comm);
-    return {};
-  }
-  const auto m = unshard(layout_, exp_avg_, params, comm);
-  const auto v = unshard(layout_, exp_avg_sq_, params, comm);
+                                  dist::Communicator& comm, bool to_rank0) const {
+  const auto m = unshard(layout_, exp_avg_, params, comm, to_rank0);
+  const auto v = unshard(layout_, exp_avg_sq_, params, comm, to_rank0);
+  if (to_rank0 && comm.rank() != 0) return {};  // it sent its shards
   io::TensorMap tensors;
   for (size_t k = 0; k < params.size(); ++k) {
     if (steps_[k] == 0) continue;  // no step taken: AdamW has no state for it yet

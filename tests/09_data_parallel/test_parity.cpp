@@ -23,7 +23,9 @@
 #include "09_data_parallel/ddp.h"
 #include "09_data_parallel/step.h"
 #include "fivefold/comm_stats.h"
+#include "fivefold/memory.h"
 #include "fixtures.h"
+#include "parity.h"
 #include "testing.h"
 
 using namespace fivefold::ch03;
@@ -203,6 +205,43 @@ TEST(DataParallelParity, ShardedOptimizerStateConsolidatesAndResumesInAnotherSta
       SCOPED_TRACE(item.key());
       EXPECT_TENSOR_CLOSE(item.value(), expected[item.key()], 1e-5, 1e-5);
     }
+  }
+}
+
+// What a checkpoint's writer saves (optimizer_state_for_writer): the whole state on rank 0, the
+// single process's; nothing on the others, which send rank 0 their shards and hold nothing more
+// (measured: no collective, at most their moments and where each piece lies sent, and less
+// allocated than one shard of one moment). Shown to fail with the state summed by all-reduce on
+// every rank, as it was (each rank held one moment whole, 4 bytes a parameter, and sent twice).
+TEST(DataParallelParity, TheWritersStateGoesToRankZeroAlone) {
+  SingleProcessStep single(Transformer(small_config(true)), train_config());
+  for (int64_t s = 0; s < 2; ++s) single.step({global_batches().batch(s)}, s);
+  const io::TensorMap want_state = single.optimizer_state();
+  const int n = world()->size();
+  for (int stage : {0, 1, 2, 3}) {
+    SCOPED_TRACE("stage " + std::to_string(stage));
+    DataParallelStep step(Transformer(small_config(true)), world(), stage, train_config());
+    for (int64_t s = 0; s < 2; ++s) step.step(local_micro_batches(s, 1), s);
+    const int64_t moments = step.state_bytes().optimizer;
+    const auto params = static_cast<int64_t>(single.model()->parameters().size());
+    int64_t psi = 0;
+    for (const auto& p : single.model()->parameters()) psi += p.numel();
+    dist::reset_comm_stats();
+    fivefold::MemoryTracker memory;
+    const io::TensorMap got = step.optimizer_state_for_writer();
+    const auto counts = [&](dist::Op op) { return dist::comm_counts(world()->name(), op); };
+    if (world()->rank() == 0) {
+      fivefold::testing::expect_same_optimizer_state(got, want_state, "the writer's: ");
+      continue;
+    }
+    EXPECT_TRUE(got.empty()) << got.size() << " tensors off the writer";
+    if (stage == 0) continue;  // DDP: every rank holds the state anyway, and sends nothing
+    EXPECT_EQ(counts(dist::Op::AllReduce).calls, 0);
+    EXPECT_EQ(counts(dist::Op::AllGather).calls, 0);
+    const int64_t sent = counts(dist::Op::Send).payload_bytes;
+    EXPECT_GE(sent, moments);                           // both moments' shards
+    EXPECT_LE(sent, moments + 2 * (16 + 32 * params));  // and where their pieces lie
+    EXPECT_LT(memory.peak_bytes(), 4 * psi / n) << "more than a shard held off the writer";
   }
 }
 
