@@ -32,9 +32,12 @@ struct ExactMatchReport {
   double accuracy(const std::string& task) const;
 };
 
-/// For synthetic examples 0..count-1 of `split`: feeds "\n" + prompt (lines follow a newline in
-/// the corpus), generates greedily up to 8 tokens or a newline, and counts the example correct
-/// when the output is exactly the answer followed by a newline.
+/// Whether `model` answers `example` exactly: fed "\n" + prompt (lines follow a newline in the
+/// corpus), it generates greedily up to 8 tokens or a newline, and the output is the answer
+/// followed by a newline.
+bool answers_exactly(Transformer& model, const SyntheticExample& example);
+
+/// answers_exactly over synthetic examples 0..count-1 of `split`, counted by task.
 ExactMatchReport exact_match(Transformer& model, uint64_t data_seed, Split split, int64_t count);
 
 }  // namespace fivefold::ch03

@@ -199,6 +199,50 @@ std::string changed(bool resume, const std::string& now, const std::string& befo
 
 namespace {
 
+// The evaluation with its work shared out over the job's processes, every one holding the same
+// whole model (TrainingStep::full_model): process p of P takes the batches (examples) p, p + P,
+// ...; one all-reduce hands every process what each found, and the batches' sums are added in
+// batch order, so every process reports the one process's figures (ch03::evaluate_loss,
+// ch03::exact_match) bit for bit, in 1/P of the time.
+LossReport shared_loss(Transformer& model, const BatchSampler& sampler, int64_t batches,
+                       const dist::CommunicatorPtr& world) {
+  if (!world || world->size() == 1) return evaluate_loss(model, sampler, batches);
+  torch::NoGradGuard no_grad;
+  auto found = torch::zeros({batches, 2}, torch::kDouble);  // each batch's loss sum and tokens
+  for (int64_t i = world->rank(); i < batches; i += world->size()) {
+    const Batch batch = sampler.batch(i);
+    const auto tokens = static_cast<double>(batch.targets.numel());
+    found[i][0] = loss_of(model, batch).item<double>() * tokens;
+    found[i][1] = tokens;
+  }
+  world->all_reduce(found);  // each entry is one process's number plus zeros: exact
+  LossReport report;
+  double total = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    total += found[i][0].item<double>();
+    report.tokens += static_cast<int64_t>(found[i][1].item<double>());
+  }
+  report.loss = report.tokens > 0 ? total / static_cast<double>(report.tokens) : 0.0;
+  report.perplexity = std::exp(report.loss);
+  return report;
+}
+
+ExactMatchReport shared_exact_match(Transformer& model, uint64_t data_seed, int64_t count,
+                                    const dist::CommunicatorPtr& world) {
+  if (!world || world->size() == 1) return exact_match(model, data_seed, Split::HeldOut, count);
+  auto right = torch::zeros({count}, torch::kLong);
+  for (int64_t i = world->rank(); i < count; i += world->size())
+    right[i] = answers_exactly(model, synthetic_example(data_seed, Split::HeldOut, i)) ? 1 : 0;
+  world->all_reduce(right);
+  ExactMatchReport report;
+  for (int64_t i = 0; i < count; ++i) {
+    const std::string task = synthetic_example(data_seed, Split::HeldOut, i).task;
+    report.total[task] += 1;
+    report.correct[task] += right[i].item<int64_t>();
+  }
+  return report;
+}
+
 // Puts a process-wide matmul kernel back when it goes out of scope.
 struct RestoreMatmulKernel {
   std::shared_ptr<const MatmulKernel> previous;
@@ -407,7 +451,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     // apart from the one trained: it evaluates on the same kernels, not the lesson's s² softmax
     // (seen: pp 2 at 16,384 tokens killed by the OOM killer in its first evaluation).
     if (c.fast) install_fast_paths(model);
-    result.eval = evaluate_loss(model, eval_batches, c.eval_batches);
+    result.eval = shared_loss(model, eval_batches, c.eval_batches, place.world);
     nlohmann::json record = {{"kind", "eval"},
                              {"step", done},
                              {"eval_loss", result.eval.loss},
@@ -416,7 +460,7 @@ RunResult run_training(const RunConfig& requested, bool resume) {
     line << "step " << done << ": held-out loss " << result.eval.loss << ", perplexity "
          << result.eval.perplexity;
     if (c.exact_match_examples > 0) {
-      result.exact = exact_match(model, c.data.seed, Split::HeldOut, c.exact_match_examples);
+      result.exact = shared_exact_match(model, c.data.seed, c.exact_match_examples, place.world);
       record["exact_match"] = result.exact.accuracy();
       line << ", exact match " << result.exact.accuracy();
       for (const auto& [task, n] : result.exact.total) {

@@ -39,18 +39,20 @@ double ExactMatchReport::accuracy(const std::string& task) const {
   return static_cast<double>(correct.at(task)) / static_cast<double>(found->second);
 }
 
-ExactMatchReport exact_match(Transformer& model, uint64_t data_seed, Split split, int64_t count) {
-  const int64_t newline = '\n';
+bool answers_exactly(Transformer& model, const SyntheticExample& example) {
   SamplingOptions greedy;
-  greedy.stop_tokens = {newline};
+  greedy.stop_tokens = {'\n'};
+  const auto output =
+      generate(model, ByteTokenizer::encode("\n" + example.prompt), /*max_new_tokens=*/8, greedy);
+  return output == ByteTokenizer::encode(example.answer + "\n");
+}
+
+ExactMatchReport exact_match(Transformer& model, uint64_t data_seed, Split split, int64_t count) {
   ExactMatchReport report;
   for (int64_t i = 0; i < count; ++i) {
     const SyntheticExample example = synthetic_example(data_seed, split, i);
-    const auto output =
-        generate(model, ByteTokenizer::encode("\n" + example.prompt), /*max_new_tokens=*/8, greedy);
-    const bool right = output == ByteTokenizer::encode(example.answer + "\n");
     report.total[example.task] += 1;
-    report.correct[example.task] += right ? 1 : 0;
+    report.correct[example.task] += answers_exactly(model, example) ? 1 : 0;
   }
   return report;
 }

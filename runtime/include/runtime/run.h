@@ -31,6 +31,7 @@
 #include "03_transformer/model.h"
 #include "03_transformer/train.h"
 #include "14_memory/recompute.h"
+#include "fivefold/dist.h"
 
 namespace fivefold::runtime {
 
@@ -47,6 +48,9 @@ struct Placement {
   /// process, so that all refuse together before the first step (a collective). Unset on one
   /// process.
   std::function<std::string(const std::string&)> agree;
+  /// The job's processes, each holding the same whole model at an evaluation (null: one
+  /// process). The evaluation shares its batches and examples out over them (run_training).
+  dist::CommunicatorPtr world;
 };
 
 /// Watches a run from outside the loop: what a report measures (communication, state, FLOPs)
