@@ -135,9 +135,6 @@ struct RankSetup {
   int64_t data_ranks = 1;  ///< the slices: dp
   int64_t processes = 1;   ///< the world's size
   bool writer = true;      ///< world rank 0 writes metrics, checkpoints and logs
-  /// Takes each rank's verdict on the run's folder ("" when all is well) and returns the first
-  /// error on every rank, so that all refuse together (one all-gather over the world).
-  std::function<std::string(const std::string&)> agree;
 };
 
 /// This rank's part in training in `layout` on `world`: the mesh and its groups, the model

@@ -238,7 +238,7 @@ void use_layout(const ch15::Layout& layout, const dist::CommunicatorPtr& world, 
   run.make_step = setup.make_step;
   run.after_step = setup.after_step;
   run.placement = {setup.data_rank, setup.data_ranks, setup.processes, setup.writer,
-                   layout.place(world->rank()).pp, setup.agree, world};
+                   layout.place(world->rank()).pp, world};
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include "03_transformer/checkpoint.h"
 #include "14_memory/precision.h"
 #include "14_memory/recompute.h"
+#include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 #include "fivefold/io.h"
 #include "fivefold/log.h"
@@ -315,7 +316,7 @@ void open_run_folder(const RunConfig& c, bool resume, int64_t first_step, std::o
       refused = e.what();
     }
   }
-  if (place.agree) refused = place.agree(refused);
+  if (place.world) refused = first_said(refused, *place.world);  // the writer's, on every rank
   FIVEFOLD_CHECK(refused.empty(), refused);
 }
 

@@ -3,7 +3,6 @@
 
 #include "07_moe/moe.h"
 #include "15_trainer_5d/trainer_5d.h"
-#include "fivefold/consolidate.h"
 #include "fivefold/error.h"
 
 namespace fivefold::ch15 {
@@ -99,8 +98,6 @@ RankSetup apply_layout(const Layout& layout, const dist::CommunicatorPtr& world)
   setup.data_ranks = layout.dp;
   setup.processes = world->size();
   setup.writer = world->rank() == 0;
-  // The writer's verdict on the run's folder, agreed before the first step (one all-gather).
-  setup.agree = [world](const std::string& mine) { return first_said(mine, *world); };
   return setup;
 }
 

@@ -94,7 +94,7 @@ TEST(SharedEvaluation, EachProcessEvaluatesItsShareAndAllReportTheOneProcesssFig
   c.fast = false;              // chapter 03's kernel, counted
   c.peak_gflops = 100;
   c.progress = false;
-  c.placement = {comm->rank(), comm->size(), comm->size(), comm->rank() == 0, 0, {}, comm};
+  c.placement = {comm->rank(), comm->size(), comm->size(), comm->rank() == 0, 0, comm};
   auto calls = std::make_shared<Calls>();
   c.make_step = [&](Transformer model, const TrainConfig& train) {
     model->set_attention_kernel(std::make_shared<CountingKernel>(calls, c.batch));

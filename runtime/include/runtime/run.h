@@ -43,13 +43,9 @@ struct Placement {
   int64_t processes = 1;   ///< processes doing the work (MFU divides by their peak)
   bool writer = true;      ///< writes metrics, checkpoints, logs and the progress bar
   int64_t pipeline_stage = 0;  ///< this process's pipeline stage (chapter 11), 0 without one
-  /// In a job of several processes: takes each process's verdict on the run's folder (the
-  /// writer's: "" when all is well, else what is wrong) and returns the first error, on every
-  /// process, so that all refuse together before the first step (a collective). Unset on one
-  /// process.
-  std::function<std::string(const std::string&)> agree;
-  /// The job's processes, each holding the same whole model at an evaluation (null: one
-  /// process). The evaluation shares its batches and examples out over them (run_training).
+  /// The job's processes (null: one process). Over them the writer's verdict on the run's
+  /// folder becomes every process's before the first step, so that all refuse together, and an
+  /// evaluation, where each holds the same whole model, shares its batches and examples out.
   dist::CommunicatorPtr world;
 };
 
