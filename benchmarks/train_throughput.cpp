@@ -54,10 +54,16 @@ struct Bench {
   std::unique_ptr<torch::optim::AdamW> optimizer;
   fivefold::ch03::Batch batch;
 
-  // The update after backward, as train_step does it: clipping, then AdamW (on the masters).
+  // The update after backward, as train_step does it: clipping, then AdamW; in bf16 both on the
+  // masters, their gradients widened first.
   void update() {
-    fivefold::ch03::clip_gradients(model, train.grad_clip);
-    if (masters) masters->load_gradients();
+    std::vector<torch::Tensor> stepped = model->parameters();
+    if (masters) {
+      masters->load_gradients();
+      stepped.clear();
+      for (const auto& [name, master] : masters->masters()) stepped.push_back(master);
+    }
+    fivefold::ch03::clip_gradients(stepped, train.grad_clip);
     optimizer->step();
     if (masters) masters->store();
   }

@@ -70,7 +70,8 @@ class MasterWeights {
   MasterWeights(Transformer& model, torch::Dtype dtype);
   /// The masters under the parameters' names: what the optimizer steps.
   const std::vector<std::pair<std::string, torch::Tensor>>& masters() const { return masters_; }
-  /// Before the update: each parameter's gradient, widened to fp32, becomes its master's. A
+  /// Before the clip and the update: each parameter's gradient, widened to fp32, becomes its
+  /// master's (the clip then scales it in fp32, not in the parameter's type). A
   /// master with a gradient already (a resumed state, adamw::load_state) and a parameter
   /// without one gets zeros, as AdamW steps a zeroed gradient.
   void load_gradients();
@@ -142,8 +143,9 @@ struct StepResult {
 
 /// One optimizer step at `step`: zero the gradients, accumulate over `micro_batches`, clip, set
 /// the learning rate of every group, step; no step when the norm is not finite (StepResult).
-/// With `masters` (chapter 14), `optimizer` steps them: the clipped gradients are loaded into
-/// them before the update and the parameters stored from them after.
+/// With `masters` (chapter 14), `optimizer` steps them: the gradients are loaded into them
+/// (widened to fp32) before the clip, which then reads and scales the masters' gradients, and the
+/// parameters are stored from them after the update.
 StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const TrainConfig& config,
                       const std::vector<Batch>& micro_batches, int64_t step,
                       MasterWeights* masters = nullptr);

@@ -175,13 +175,17 @@ StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const 
   }
   StepResult result;
   result.loss = accumulate_gradients(model, micro_batches);
-  result.grad_norm = clip_gradients(model, c.grad_clip);
+  std::vector<torch::Tensor> stepped;  // with masters, the clip reads and scales theirs, in fp32
+  if (masters != nullptr) {
+    masters->load_gradients();
+    for (const auto& [name, master] : masters->masters()) stepped.push_back(master);
+  }
+  result.grad_norm = clip_gradients(masters != nullptr ? stepped : model->parameters(), c.grad_clip);
   result.lr = learning_rate(c, step);
   if (!std::isfinite(result.grad_norm)) return result;  // no update from a NaN or inf
   for (auto& group : optimizer.param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
   }
-  if (masters != nullptr) masters->load_gradients();
   optimizer.step();
   if (masters != nullptr) masters->store();
   return result;

@@ -85,11 +85,12 @@ ch03::StepResult DataParallelStep::step(const std::vector<ch03::Batch>& micro_ba
     ddp_->finish_gradient_sync();  // every gradient is now the mean over the ranks
     const auto named = adamw::parameters_by_name(*model_);
     reduce_partial_gradients(named, groups_);  // partial sums over tp (chapter 10)
-    result.grad_norm = clip_gradients(named, config_.grad_clip, groups_);
+    if (masters_) masters_->load_gradients();  // the clip and AdamW read the masters' (fp32)
+    result.grad_norm =
+        clip_gradients(masters_ ? masters_->masters() : named, config_.grad_clip, groups_);
     for (auto& group : adam_->param_groups())
       static_cast<torch::optim::AdamWOptions&>(group.options()).lr(result.lr);
     if (std::isfinite(result.grad_norm)) {  // the norm is global: all ranks agree
-      if (masters_) masters_->load_gradients();
       adam_->step();
       if (masters_) masters_->store();
     }

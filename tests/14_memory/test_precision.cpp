@@ -224,3 +224,44 @@ TEST(Precision, MasterWeightsKeepTheMixedPrecisionSplitAndResumeExactly) {
   for (int64_t i = 0; i < 3; ++i)
     EXPECT_NEAR(fp32.step({batches.batch(i, 0, 1)}, i).loss, losses[i], 1e-2 * losses[i]) << i;
 }
+
+// With master weights the clip reads and scales the masters' fp32 gradients: the norm is that of
+// the bf16 gradients widened, and AdamW's first moment after one step is (1 - β1) times each
+// widened gradient scaled in fp32, exactly; scaled in bf16 (then widened), as the clip did before
+// 2026-12-07, it is rounded once more and differs.
+TEST(Precision, TheClipScalesTheMastersFp32Gradients) {
+  ch14::testing::Fp32Afterwards restore;
+  use_precision(Precision::Bf16, nullptr);
+  const auto config = ch10::testing::tp_config(false);
+  ch03::TrainConfig train;
+  train.param_dtype = torch::kBFloat16;
+  train.grad_clip = 0.05;
+  const auto batch = ch10::testing::tp_batches().batch(0, 0, 1);
+
+  // The bf16 gradients the step will compute: the same model, rounded as the masters round it.
+  ch03::Transformer probe = ch07::make_model(config);
+  ch03::MasterWeights rounding(probe, torch::kBFloat16);
+  ch03::loss_of(probe, batch).backward();
+  double squares = 0;
+  for (const auto& p : probe->parameters())
+    if (p.grad().defined()) squares += p.grad().to(torch::kFloat).pow(2).sum().item<double>();
+  const double norm = std::sqrt(squares);
+  ASSERT_GT(norm, 2 * train.grad_clip) << "the test needs a step that clips";
+
+  ch03::Transformer model = ch07::make_model(config);
+  ch03::SingleProcessStep step(model, train);
+  EXPECT_EQ(step.step({batch}, 0).grad_norm, norm);
+  const auto state = step.optimizer_state();
+  int64_t rounded_apart = 0;  // elements where scaling in bf16 would have given another moment
+  for (const auto& item : probe->named_parameters()) {
+    const auto& grad = item.value().grad();
+    if (!grad.defined()) continue;
+    const auto widened = grad.to(torch::kFloat) * (train.grad_clip / norm);
+    const auto want = widened * (1 - train.beta1);
+    const auto& got = state.at(item.key() + ".exp_avg");
+    EXPECT_TRUE(got.equal(want)) << item.key() << ": not the fp32 gradient's clip";
+    const auto in_bf16 = (grad * (train.grad_clip / norm)).to(torch::kFloat) * (1 - train.beta1);
+    rounded_apart += in_bf16.ne(want).sum().item<int64_t>();
+  }
+  EXPECT_GT(rounded_apart, 0) << "the test cannot tell a clip in bf16 from one in fp32";
+}
