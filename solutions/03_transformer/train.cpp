@@ -180,7 +180,8 @@ StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const 
     masters->load_gradients();
     for (const auto& [name, master] : masters->masters()) stepped.push_back(master);
   }
-  result.grad_norm = clip_gradients(masters != nullptr ? stepped : model->parameters(), c.grad_clip);
+  result.grad_norm =
+      clip_gradients(masters != nullptr ? stepped : model->parameters(), c.grad_clip);
   result.lr = learning_rate(c, step);
   if (!std::isfinite(result.grad_norm)) return result;  // no update from a NaN or inf
   for (auto& group : optimizer.param_groups()) {
