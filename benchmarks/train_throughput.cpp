@@ -622,5 +622,6 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  fivefold::restart_with_huge_pages(argv);  // as `fivefold train` runs (FIVEFOLD_HUGE_PAGES=0: not)
   return fivefold::run_guarded("bench_train_throughput", [&] { return run(argc, argv); });
 }

@@ -45,7 +45,11 @@ int info(int argc, char** argv) {
                   << backend_name(world->backend()) << ", rank " << world->rank() << "/"
                   << world->size() << ", local rank " << launch.local_rank << "/"
                   << launch.local_size << ", torch threads " << torch::get_num_threads()
-                  << ", BLAS " << blas.library << (blas.reference ? " (REFERENCE: slow)" : "");
+                  << ", BLAS " << blas.library << (blas.reference ? " (REFERENCE: slow)" : "")
+                  << ", train's malloc on huge pages "
+                  << (fivefold::huge_pages_wanted() ? "on"
+                                                    : "off (FIVEFOLD_HUGE_PAGES=0, or "
+                                                      "glibc before 2.35)");
   auto check = torch::ones({1});
   world->all_reduce(check);
   fivefold::log0() << "all-reduce over " << world->size() << " ranks: " << check.item<float>()
@@ -75,6 +79,9 @@ void usage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Training on malloc's 2 MB pages: worth a second start (fivefold/runtime.h) for long runs only.
+  if (argc >= 2 && (std::strcmp(argv[1], "train") == 0 || std::strcmp(argv[1], "calibrate") == 0))
+    fivefold::restart_with_huge_pages(argv);
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     usage();
     return argc < 2 ? 2 : 0;

@@ -1,5 +1,6 @@
 #include "fivefold/runtime.h"
 
+#include <gnu/libc-version.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <string>
 #include <thread>
 #include <tuple>
 
@@ -279,6 +281,39 @@ int exit_on_error(const std::string& program, const std::string& what) {
     std::_Exit(1);  // Gloo: the peers see the connection close
   }
   return 1;
+}
+
+namespace {
+constexpr const char* kHugePages = "glibc.malloc.hugetlb";
+}  // namespace
+
+bool malloc_on_huge_pages() {
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  return tunables != nullptr &&
+         std::string(tunables).find(std::string(kHugePages) + "=1") != std::string::npos;
+}
+
+bool huge_pages_wanted() {
+  const char* off = std::getenv("FIVEFOLD_HUGE_PAGES");
+  if (off != nullptr && std::string(off) == "0") return false;
+  int major = 0, minor = 0;
+  return std::sscanf(gnu_get_libc_version(), "%d.%d", &major, &minor) == 2 &&
+         major * 1000 + minor >= 2035;
+}
+
+void restart_with_huge_pages(char** argv) {
+  if (!huge_pages_wanted()) return;
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  const std::string before = tunables != nullptr ? tunables : "";
+  if (before.find(kHugePages) != std::string::npos) return;  // restarted, or the user's choice
+  const std::string wanted = (before.empty() ? "" : before + ":") + kHugePages + "=1";
+  if (::setenv("GLIBC_TUNABLES", wanted.c_str(), 1) != 0) return;
+  ::execv("/proc/self/exe", argv);  // returns only when it failed: go on as started
+  if (tunables != nullptr) {
+    ::setenv("GLIBC_TUNABLES", before.c_str(), 1);
+  } else {
+    ::unsetenv("GLIBC_TUNABLES");
+  }
 }
 
 }  // namespace fivefold

@@ -25,6 +25,7 @@
 #include "fivefold/log.h"
 #include "fivefold/memory.h"
 #include "fivefold/progress.h"
+#include "fivefold/runtime.h"
 #include "fivefold/timer.h"
 #include "fivefold/trace.h"
 #include "runtime/fast.h"
@@ -399,7 +400,8 @@ RunResult run_training(const RunConfig& requested, bool resume) {
   log0() << "training " << c.steps - result.first_step << " steps from step " << result.first_step
          << ": " << parameters << " parameters, " << tokens_per_step << " tokens a step, "
          << flops_per_token / 1e6 << " MFLOP a token, matmul peak " << peak / 1e9 << " GFLOP/s"
-         << (place.processes > 1 ? " (all processes)" : "");
+         << (place.processes > 1 ? " (all processes)" : "")
+         << (malloc_on_huge_pages() ? "; malloc on huge pages" : "");
 
   ProgressBar bar(c.steps - result.first_step, "train", c.progress && place.writer);
   nlohmann::json latest_extra;  // what after_step reported last (its numbers join the eval lines)

@@ -10,6 +10,43 @@ set(model --d-model 32 --n-layers 2 --n-heads 4 --n-kv-heads 2 --d-ff 64 --seq 1
 
 include(${CMAKE_CURRENT_LIST_DIR}/../support/cli.cmake)
 
+# `fivefold train` restarts itself with malloc on transparent huge pages where glibc has the
+# tunable (2.35 and later), and not with FIVEFOLD_HUGE_PAGES=0; `fivefold info` says which, and
+# the training run says so when it starts (the first run below).
+execute_process(COMMAND getconf GNU_LIBC_VERSION OUTPUT_VARIABLE glibc)
+string(REGEX MATCH "[0-9]+\\.[0-9]+" glibc "${glibc}")
+foreach(setting 1 0)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env FIVEFOLD_HUGE_PAGES=${setting} ${FIVEFOLD} info
+                  OUTPUT_VARIABLE said ERROR_VARIABLE said)
+  set(want "on")
+  if(setting EQUAL 0 OR glibc VERSION_LESS 2.35)
+    set(want "off")
+  endif()
+  if(NOT said MATCHES "train's malloc on huge pages ${want}")
+    message(FATAL_ERROR "FIVEFOLD_HUGE_PAGES=${setting}, glibc ${glibc}: expected 'train's malloc "
+                        "on huge pages ${want}', got:\n${said}")
+  endif()
+endforeach()
+foreach(setting 1 0)
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env FIVEFOLD_HUGE_PAGES=${setting} ${FIVEFOLD} train
+                          --out ${WORK}/huge-pages-${setting} --steps 1 --eval-batches 1
+                          --exact-match 0 --peak-gflops 100 --no-progress ${model}
+                  RESULT_VARIABLE status OUTPUT_VARIABLE said ERROR_VARIABLE said)
+  string(FIND "${said}" "; malloc on huge pages" at)
+  set(found TRUE)
+  if(at EQUAL -1)
+    set(found FALSE)
+  endif()
+  set(expected FALSE)
+  if(setting EQUAL 1 AND glibc VERSION_GREATER_EQUAL 2.35)
+    set(expected TRUE)
+  endif()
+  if(NOT status EQUAL 0 OR NOT found STREQUAL expected)
+    message(FATAL_ERROR "FIVEFOLD_HUGE_PAGES=${setting}, glibc ${glibc}: the training line says "
+                        "huge pages where it should not, or not where it should:\n${said}")
+  endif()
+endforeach()
+
 set(out ${WORK}/run)
 run("" train --out ${out} --steps 4 --save-every 2 --eval-every 2 --exact-match 4
     --synthetic-examples 300 --peak-gflops 100 --no-progress ${model})

@@ -81,4 +81,25 @@ class Runtime {
 /// connection, which ends them the same way. Never waits on another rank.
 int exit_on_error(const std::string& program, const std::string& what);
 
+/// Starts this program again, once, with glibc's malloc on transparent huge pages
+/// (GLIBC_TUNABLES=glibc.malloc.hugetlb=1; glibc reads a tunable only when a process starts, and
+/// 2.35 is the first to have this one): a training step's large activations then come from 2 MB
+/// pages, kept in malloc's heap for reuse (chapter 14's notes, §6: the fp32 step at d256 about 15%
+/// faster in `fivefold train`). Restarting loads the program's libraries twice (about 0.5 s here),
+/// so only long-running programs call it (`fivefold train` and `calibrate`, the training
+/// benchmark). Call it first thing in `main`, with main's argv: when it restarts,
+/// the new program replaces the process (the same pid, before any launcher or MPI state is
+/// touched) and the call does not return. It returns, changing nothing, when the tunable is set
+/// already (the restarted process, or the user's own choice), with FIVEFOLD_HUGE_PAGES=0 in the
+/// environment, on an older glibc, or when the restart fails.
+void restart_with_huge_pages(char** argv);
+
+/// Whether restart_with_huge_pages would restart: glibc 2.35 or later, and FIVEFOLD_HUGE_PAGES is
+/// not 0. What `fivefold info` reports for `fivefold train`.
+bool huge_pages_wanted();
+
+/// Whether this process's malloc was started on transparent huge pages (restart_with_huge_pages,
+/// or the tunable set by the user): what `fivefold train` says when it starts training.
+bool malloc_on_huge_pages();
+
 }  // namespace fivefold
