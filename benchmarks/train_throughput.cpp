@@ -57,12 +57,10 @@ struct Bench {
   // The update after backward, as train_step does it: clipping, then AdamW; in bf16 both on the
   // masters, their gradients widened first.
   void update() {
-    std::vector<torch::Tensor> stepped = model->parameters();
-    if (masters) {
-      masters->load_gradients();
-      stepped.clear();
-      for (const auto& [name, master] : masters->masters()) stepped.push_back(master);
-    }
+    if (masters) masters->load_gradients();
+    std::vector<torch::Tensor> stepped;
+    for (const auto& [name, p] : fivefold::ch03::stepped_parameters(model, masters.get()))
+      stepped.push_back(p);
     fivefold::ch03::clip_gradients(stepped, train.grad_clip);
     optimizer->step();
     if (masters) masters->store();

@@ -175,13 +175,10 @@ StepResult train_step(Transformer& model, torch::optim::AdamW& optimizer, const 
   }
   StepResult result;
   result.loss = accumulate_gradients(model, micro_batches);
-  std::vector<torch::Tensor> stepped;  // with masters, the clip reads and scales theirs, in fp32
-  if (masters != nullptr) {
-    masters->load_gradients();
-    for (const auto& [name, master] : masters->masters()) stepped.push_back(master);
-  }
-  result.grad_norm =
-      clip_gradients(masters != nullptr ? stepped : model->parameters(), c.grad_clip);
+  if (masters != nullptr) masters->load_gradients();  // the clip and AdamW read them (fp32)
+  std::vector<torch::Tensor> stepped;  // what AdamW steps: the masters where there are some
+  for (const auto& [name, p] : stepped_parameters(model, masters)) stepped.push_back(p);
+  result.grad_norm = clip_gradients(stepped, c.grad_clip);
   result.lr = learning_rate(c, step);
   if (!std::isfinite(result.grad_norm)) return result;  // no update from a NaN or inf
   for (auto& group : optimizer.param_groups()) {
